@@ -1,0 +1,89 @@
+//! Frontends: read a checkpoint (a Hugging Face directory of config.json + safetensors, or a
+//! GGUF file), check everything the model needs before any work, and lower it to the tensor IR.
+//!
+//! Both formats meet in [`Checkpoint`]: a [`ModelConfig`] and the tensors under their Hugging
+//! Face names. [`lower`] turns a checkpoint into an `ir::Module`, whatever file it came from.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use waferc_ir::{Rope, TensorType, WeightBytes};
+
+/// The architectures the frontend lowers (Hugging Face `model_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+    Mixtral,
+    Qwen3Moe,
+}
+
+impl Architecture {
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+            Architecture::Mixtral => "mixtral",
+            Architecture::Qwen3Moe => "qwen3_moe",
+        }
+    }
+}
+
+/// Mixture-of-experts parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: u32,
+    pub top_k: u32,
+    /// Hidden width of one expert's FFN.
+    pub expert_intermediate_size: u32,
+    /// Divide the chosen experts' weights by their sum (always on for Mixtral).
+    pub normalize_top_k: bool,
+    /// Layers that keep a dense FFN of `ModelConfig::intermediate_size` (Qwen3-MoE's
+    /// `mlp_only_layers` and `decoder_sparse_step`).
+    pub dense_layers: Vec<u32>,
+}
+
+/// Everything lowering needs to know about a model, whatever format it came from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: u32,
+    pub hidden_size: u32,
+    pub intermediate_size: u32,
+    pub num_layers: u32,
+    pub num_heads: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    pub rms_norm_eps: f32,
+    pub rope: Rope,
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry biases (Qwen2).
+    pub attention_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    pub moe: Option<MoeConfig>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// One tensor of a checkpoint, under its Hugging Face name.
+#[derive(Clone, Debug)]
+pub struct TensorEntry {
+    pub ty: TensorType,
+    pub data: WeightBytes,
+    /// The file it was read from, for error messages.
+    pub file: PathBuf,
+}
+
+/// A checkpoint as read from disk: what lowering consumes.
+#[derive(Debug)]
+pub struct Checkpoint {
+    pub config: ModelConfig,
+    pub tensors: BTreeMap<String, TensorEntry>,
+    /// The path the user named (directory or GGUF file).
+    pub path: PathBuf,
+}

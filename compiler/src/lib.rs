@@ -1,0 +1,3 @@
+//! The waferc driver: checkpoint frontends and the command-line tool's commands.
+
+pub mod frontend;

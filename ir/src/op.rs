@@ -1,0 +1,101 @@
+//! The closed set of operations a transformer or MoE decoder step needs.
+//!
+//! The IR describes one decode step for one sequence: the step's token id and position are
+//! implicit inputs (read by `Embed` and `Rope`/`Attention`), each layer's KV cache is state
+//! that `Attention` appends to, and the module's `output` is the logits row.
+
+use crate::arena::Handle;
+use crate::module::{KvCache, Weight};
+
+/// An SSA value: the result of the instruction with this handle.
+pub type Value = Handle<crate::module::Instr>;
+
+/// How rotary position frequencies are scaled (Hugging Face `rope_scaling` / `rope_parameters`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear { factor: f32 },
+    /// Llama 3.1's frequency-dependent scaling.
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position: u32 },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rope {
+    pub theta: f32,
+    pub scaling: RopeScaling,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// The row of `table` for the step's token.
+    Embed { table: Handle<Weight> },
+    /// RMSNorm of `x` in groups the length of `weight` (one group: the whole vector; several:
+    /// per-head norms such as Qwen3's q/k norms), then scaled by `weight`.
+    RmsNorm { x: Value, weight: Handle<Weight>, eps: f32 },
+    /// `y[n] = sum_k weight[n, k] * x[k] (+ bias[n])`: a weight `[out, in]` as Hugging Face stores it.
+    MatVec { x: Value, weight: Handle<Weight>, bias: Option<Handle<Weight>> },
+    /// Rotary embedding at the step's position, applied to each `head_dim` slice of `x`,
+    /// rotating element `i` with `i + head_dim / 2` (Hugging Face's `rotate_half` layout).
+    Rope { x: Value, head_dim: u32, rope: Rope },
+    /// Appends `k` and `v` to `cache` at the step's position, then attends `q` over positions
+    /// `0..=position`; query head `h` reads KV head `h / (heads / kv_heads)`.
+    Attention { q: Value, k: Value, v: Value, cache: Handle<KvCache>, heads: u32, scale: f32 },
+    Silu { x: Value },
+    Mul { a: Value, b: Value },
+    Add { a: Value, b: Value },
+    /// Softmax over the router logits, the `top_k` largest (ties to the lower expert index), and
+    /// if `normalize`, their weights divided by their sum.
+    RouterTopK { logits: Value, top_k: u32, normalize: bool },
+    /// `x` if the routing chose `expert`, otherwise absent: every value computed from an absent
+    /// value is absent, so an unchosen expert's FFN does no work.
+    ExpertDispatch { x: Value, routing: Value, expert: u32 },
+    /// `sum` over chosen experts, in increasing expert index, of `weight_e * experts[e]`.
+    ExpertCombine { routing: Value, experts: Vec<Value> },
+}
+
+impl Op {
+    /// The op's name in the text form and in diagnostics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Embed { .. } => "embed",
+            Op::RmsNorm { .. } => "rms_norm",
+            Op::MatVec { .. } => "matvec",
+            Op::Rope { .. } => "rope",
+            Op::Attention { .. } => "attention",
+            Op::Silu { .. } => "silu",
+            Op::Mul { .. } => "mul",
+            Op::Add { .. } => "add",
+            Op::RouterTopK { .. } => "router_topk",
+            Op::ExpertDispatch { .. } => "expert_dispatch",
+            Op::ExpertCombine { .. } => "expert_combine",
+        }
+    }
+
+    /// Value operands, in the order the text form prints them.
+    pub fn operands(&self) -> Vec<Value> {
+        match self {
+            Op::Embed { .. } => vec![],
+            Op::RmsNorm { x, .. } | Op::MatVec { x, .. } | Op::Rope { x, .. } | Op::Silu { x } => vec![*x],
+            Op::Attention { q, k, v, .. } => vec![*q, *k, *v],
+            Op::Mul { a, b } | Op::Add { a, b } => vec![*a, *b],
+            Op::RouterTopK { logits, .. } => vec![*logits],
+            Op::ExpertDispatch { x, routing, .. } => vec![*x, *routing],
+            Op::ExpertCombine { routing, experts } => {
+                let mut v = vec![*routing];
+                v.extend(experts.iter().copied());
+                v
+            }
+        }
+    }
+
+    /// Weights the op reads, in the order the text form prints them.
+    pub fn weights(&self) -> Vec<Handle<Weight>> {
+        match self {
+            Op::Embed { table } => vec![*table],
+            Op::RmsNorm { weight, .. } => vec![*weight],
+            Op::MatVec { weight, bias, .. } => std::iter::once(*weight).chain(*bias).collect(),
+            _ => vec![],
+        }
+    }
+}
