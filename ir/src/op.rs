@@ -15,9 +15,16 @@ pub type Value = Handle<crate::module::Instr>;
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// Llama 3.1's frequency-dependent scaling.
-    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position: u32 },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position: u32,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -29,29 +36,69 @@ pub struct Rope {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
     /// The row of `table` for the step's token.
-    Embed { table: Handle<Weight> },
+    Embed {
+        table: Handle<Weight>,
+    },
     /// RMSNorm of `x` in groups the length of `weight` (one group: the whole vector; several:
     /// per-head norms such as Qwen3's q/k norms), then scaled by `weight`.
-    RmsNorm { x: Value, weight: Handle<Weight>, eps: f32 },
+    RmsNorm {
+        x: Value,
+        weight: Handle<Weight>,
+        eps: f32,
+    },
     /// `y[n] = sum_k weight[n, k] * x[k] (+ bias[n])`: a weight `[out, in]` as Hugging Face stores it.
-    MatVec { x: Value, weight: Handle<Weight>, bias: Option<Handle<Weight>> },
+    MatVec {
+        x: Value,
+        weight: Handle<Weight>,
+        bias: Option<Handle<Weight>>,
+    },
     /// Rotary embedding at the step's position, applied to each `head_dim` slice of `x`,
     /// rotating element `i` with `i + head_dim / 2` (Hugging Face's `rotate_half` layout).
-    Rope { x: Value, head_dim: u32, rope: Rope },
+    Rope {
+        x: Value,
+        head_dim: u32,
+        rope: Rope,
+    },
     /// Appends `k` and `v` to `cache` at the step's position, then attends `q` over positions
     /// `0..=position`; query head `h` reads KV head `h / (heads / kv_heads)`.
-    Attention { q: Value, k: Value, v: Value, cache: Handle<KvCache>, heads: u32, scale: f32 },
-    Silu { x: Value },
-    Mul { a: Value, b: Value },
-    Add { a: Value, b: Value },
+    Attention {
+        q: Value,
+        k: Value,
+        v: Value,
+        cache: Handle<KvCache>,
+        heads: u32,
+        scale: f32,
+    },
+    Silu {
+        x: Value,
+    },
+    Mul {
+        a: Value,
+        b: Value,
+    },
+    Add {
+        a: Value,
+        b: Value,
+    },
     /// Softmax over the router logits, the `top_k` largest (ties to the lower expert index), and
     /// if `normalize`, their weights divided by their sum.
-    RouterTopK { logits: Value, top_k: u32, normalize: bool },
+    RouterTopK {
+        logits: Value,
+        top_k: u32,
+        normalize: bool,
+    },
     /// `x` if the routing chose `expert`, otherwise absent: every value computed from an absent
     /// value is absent, so an unchosen expert's FFN does no work.
-    ExpertDispatch { x: Value, routing: Value, expert: u32 },
+    ExpertDispatch {
+        x: Value,
+        routing: Value,
+        expert: u32,
+    },
     /// `sum` over chosen experts, in increasing expert index, of `weight_e * experts[e]`.
-    ExpertCombine { routing: Value, experts: Vec<Value> },
+    ExpertCombine {
+        routing: Value,
+        experts: Vec<Value>,
+    },
 }
 
 impl Op {

@@ -25,7 +25,9 @@ pub fn verify(module: &Module) -> Result<(), IrError> {
             op: module.body[output].op.name(),
             message: format!("output must be f32[{vocab}] (the vocabulary), found {ty}"),
         }),
-        None => Err(IrError::Verify { value: output.index(), op: "output", message: "output names no instruction".into() }),
+        None => {
+            Err(IrError::Verify { value: output.index(), op: "output", message: "output names no instruction".into() })
+        }
     }
 }
 
@@ -93,7 +95,12 @@ pub fn infer_type(module: &Module, at: Handle<Instr>, op: &Op) -> Result<ValueTy
             if let Some(b) = bias {
                 let bt = &weight(*b).ty;
                 if bt.shape != [wt.shape[0]] {
-                    return Err(fail(format!("bias {} is {} but the weight has {} rows", weight(*b).name, bt, wt.shape[0])));
+                    return Err(fail(format!(
+                        "bias {} is {} but the weight has {} rows",
+                        weight(*b).name,
+                        bt,
+                        wt.shape[0]
+                    )));
                 }
             }
             vec_ty(wt.shape[0])
@@ -106,7 +113,8 @@ pub fn infer_type(module: &Module, at: Handle<Instr>, op: &Op) -> Result<ValueTy
             vec_ty(n)
         }
         Op::Attention { q, k, v, cache, heads, scale } => {
-            let c = module.caches.get(*cache).ok_or_else(|| fail(format!("cache #{} does not exist", cache.index())))?;
+            let c =
+                module.caches.get(*cache).ok_or_else(|| fail(format!("cache #{} does not exist", cache.index())))?;
             let (nq, nk, nv) = (vector(*q)?, vector(*k)?, vector(*v)?);
             let kv_len = c.kv_heads as u64 * c.head_dim as u64;
             if *heads == 0 || c.kv_heads == 0 || heads % c.kv_heads != 0 {

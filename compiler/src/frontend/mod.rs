@@ -4,6 +4,10 @@
 //! Both formats meet in [`Checkpoint`]: a [`ModelConfig`] and the tensors under their Hugging
 //! Face names. [`lower`] turns a checkpoint into an `ir::Module`, whatever file it came from.
 
+pub mod error;
+
+pub use error::FrontendError;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
