@@ -1,3 +1,4 @@
 //! The waferc driver: checkpoint frontends and the command-line tool's commands.
 
 pub mod frontend;
+pub mod synth;
