@@ -1,4 +1,5 @@
 //! The waferc driver: checkpoint frontends and the command-line tool's commands.
 
+pub mod commands;
 pub mod frontend;
 pub mod synth;

@@ -1,0 +1,28 @@
+//! The subcommands of `waferc`, one module each. Every command reports failures as errors that
+//! name the file, tensor or field involved; `main` prints them and exits non-zero.
+
+mod output;
+mod synth;
+
+use clap::{Parser, Subcommand};
+
+pub use output::write_atomically;
+
+#[derive(Parser, Debug)]
+#[command(name = "waferc", version, about = "A dataflow compiler for wafer-scale LLM inference")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Write a checkpoint directory of a known shape in the Hugging Face layout.
+    Synth(synth::SynthArgs),
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Synth(args) => synth::run(args),
+    }
+}
