@@ -11,6 +11,7 @@ pub mod module;
 pub mod op;
 pub mod types;
 pub mod verify;
+pub mod wafer;
 pub mod weights;
 
 pub use arena::{Arena, Handle};

@@ -1,0 +1,559 @@
+//! The placed program: one IR module laid out on a wafer (or a pipeline of wafers).
+//!
+//! `passes::wafer::compile` produces a [`WaferProgram`]; the executor (`runtime::executor`) runs
+//! it PE by PE; [`artifact`] stores it with the packed weight tiles and the IR for validation.
+//!
+//! # Model
+//!
+//! * A PE is named by its coordinates, [`Pe`] `{ wafer, x, y }`; `x` is the column, `y` the row.
+//! * Every value lives in pieces: a vector value is a [`VectorLayout`], a list of [`Segment`]s
+//!   (element ranges, each on one PE, in element order, covering the vector exactly once). A
+//!   routing value lives on one PE.
+//! * Every IR instruction has an [`InstrPlacement`] (indexed by the instruction's value index):
+//!   where its weights are, which PEs compute it, where its result lives, and the routes its
+//!   operands and collectives use.
+//! * Every PE that holds anything has a [`PeImage`]: its SRAM regions (code reserve, weight tiles,
+//!   KV cache, activation buffers). Weight regions name the IR weight elements they hold and where
+//!   their bytes are in the tile blob, so a PE's initial SRAM is its image plus those bytes.
+//! * Data moves only along [`Route`]s. A route has one colour, its sources, its destinations and
+//!   its path (straight [`Run`]s of neighbour hops, plus inter-wafer hops). **Each route carries at
+//!   most one message per decode step** (a reduction carries one per tree edge, see
+//!   [`RouteKind::Reduce`]), so an executor can key its message buffers by route id.
+//! * The [`Step`]s of `schedule` are the order of one decode step. Each names its instruction, a
+//!   [`Phase`] and the routes that phase uses; placements name their routes the same way, so an
+//!   artifact with a route deleted fails in the checker and in the executor, naming the route.
+//!
+//! # Numerics
+//!
+//! Tiling never changes a bit (NUMERICS.md): every reduction axis is cut into *aligned
+//! power-of-two runs of 32-element chunks*, each PE computes the chunk tree of its run, and a
+//! [`RouteKind::Reduce`] route combines the runs' results with the same binary tree
+//! ([`reduce_tree`]). Rows of a matvec, heads of attention and elements of elementwise ops are
+//! independent outputs and are cut anywhere.
+
+use std::fmt;
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+/// Index of an IR instruction (`Handle<Instr>::index()`), which is also its value.
+pub type InstrIndex = u32;
+/// Index of a route in [`WaferProgram::routes`]; a route's `id` equals its index.
+pub type RouteId = u32;
+
+/// The target parameters a program was compiled for: everything the checker and the timing
+/// model need, copied so an artifact is self-contained. `waferc_targets::Target::params` builds it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TargetParams {
+    /// The target's name (`wse3`, `grid:8x8`, a file's `name`).
+    pub name: String,
+    /// Usable PE columns per wafer (`x` ranges over `0..grid_cols`).
+    pub grid_cols: u16,
+    /// Usable PE rows per wafer (`y` ranges over `0..grid_rows`).
+    pub grid_rows: u16,
+    /// Wafers in the pipeline; wafer `w` sends to wafer `w + 1`.
+    pub wafers: u16,
+    pub sram_bytes_per_pe: u32,
+    /// SRAM per PE kept for code and runtime state; placement never uses it.
+    pub code_reserve_bytes: u32,
+    pub clock_hz: f64,
+    /// Bytes a link between neighbour PEs moves per cycle, per direction.
+    pub link_bytes_per_cycle: u32,
+    pub hop_latency_cycles: u32,
+    /// Routable colours (virtual channels) per PE router.
+    pub colours_per_pe: u8,
+    /// f32 fused-or-not multiply-adds a PE retires per cycle.
+    pub f32_fma_per_cycle: f64,
+    /// Cycles (of this target's clock) for one hop between wafers.
+    pub inter_wafer_latency_cycles: u64,
+    /// Bytes per cycle (of this target's clock) one inter-wafer link moves.
+    pub inter_wafer_bytes_per_cycle: f64,
+}
+
+impl TargetParams {
+    /// SRAM a placement may use on one PE.
+    pub fn usable_bytes_per_pe(&self) -> u32 {
+        self.sram_bytes_per_pe.saturating_sub(self.code_reserve_bytes)
+    }
+
+    /// Whether `pe` exists on this target.
+    pub fn contains(&self, pe: Pe) -> bool {
+        pe.wafer < self.wafers && pe.x < self.grid_cols && pe.y < self.grid_rows
+    }
+}
+
+/// A processing element: wafer index, column `x`, row `y`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Pe {
+    pub wafer: u16,
+    pub x: u16,
+    pub y: u16,
+}
+
+impl Pe {
+    pub fn new(wafer: u16, x: u16, y: u16) -> Self {
+        Pe { wafer, x, y }
+    }
+
+    /// Manhattan distance on the same wafer; `None` across wafers.
+    pub fn distance(self, other: Pe) -> Option<u32> {
+        (self.wafer == other.wafer)
+            .then(|| (self.x as i32 - other.x as i32).unsigned_abs() + (self.y as i32 - other.y as i32).unsigned_abs())
+    }
+}
+
+impl fmt::Display for Pe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PE(w{}, x{}, y{})", self.wafer, self.x, self.y)
+    }
+}
+
+/// How a program was planned (`passes::wafer::CompileOptions::plan`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Plan {
+    /// Each matvec gets its own tile grid sized to SRAM; partial sums reduce along tile rows by
+    /// the chunk tree; results stay on the row roots.
+    Tiled,
+    /// WaferLLM-style: every matrix cut into `p x p` blocks on one `p x p` square of PEs, the
+    /// activation replicated along columns, partial sums all-reduced along rows by a two-level
+    /// tree (`group_num` groups), the result broadcast back along the row.
+    MeshGemv { p: u16, group_num: u16 },
+}
+
+/// The whole placed program. Serialised into an artifact with bincode; weight bytes are not
+/// part of it (they are the artifact's tile blob, addressed by [`RegionKind::Weight::blob`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WaferProgram {
+    pub target: TargetParams,
+    pub plan: Plan,
+    /// KV capacity in positions; the executor refuses a position `>= max_context`.
+    pub max_context: u32,
+    /// Every PE that holds anything, sorted by [`Pe`] (binary-search with [`WaferProgram::pe`]).
+    pub pes: Vec<PeImage>,
+    /// One per IR instruction, indexed by its value index.
+    pub instrs: Vec<InstrPlacement>,
+    /// Indexed by [`RouteId`].
+    pub routes: Vec<Route>,
+    /// One decode step, in execution order.
+    pub schedule: Vec<Step>,
+    /// Length of the tile blob: the weight regions' bytes, laid end to end in `pes` order.
+    pub tile_blob_len: u64,
+    /// Whether the tile blob holds bytes (false for a shape-only compile).
+    pub weights_present: bool,
+}
+
+impl WaferProgram {
+    /// The image of `pe`, if it holds anything.
+    pub fn pe(&self, pe: Pe) -> Option<&PeImage> {
+        self.pes.binary_search_by(|image| image.pe.cmp(&pe)).ok().map(|i| &self.pes[i])
+    }
+
+    pub fn route(&self, id: RouteId) -> Option<&Route> {
+        self.routes.get(id as usize)
+    }
+
+    /// Bytes each directed link carries per decode step, summed over all routes (inter-wafer
+    /// hops are keyed by their endpoints like any other link).
+    pub fn link_bytes(&self) -> std::collections::BTreeMap<(Pe, Pe), u64> {
+        let mut load = std::collections::BTreeMap::new();
+        for route in &self.routes {
+            for run in &route.path {
+                for (from, to) in run.hops() {
+                    *load.entry((from, to)).or_insert(0) += route.message_bytes as u64 * run.messages as u64;
+                }
+            }
+        }
+        load
+    }
+}
+
+/// One PE's SRAM: regions at byte offsets, non-overlapping, within `sram_bytes_per_pe`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PeImage {
+    pub pe: Pe,
+    /// In increasing `offset`; the first is always the code reserve at offset 0.
+    pub regions: Vec<Region>,
+}
+
+impl PeImage {
+    /// Bytes used, including the code reserve.
+    pub fn used_bytes(&self) -> u64 {
+        self.regions.iter().map(|r| r.bytes as u64).sum()
+    }
+
+    /// The regions instruction `instr` owns on this PE.
+    pub fn regions_of(&self, instr: InstrIndex) -> impl Iterator<Item = &Region> {
+        self.regions.iter().filter(move |r| r.instr == Some(instr))
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Region {
+    pub offset: u32,
+    pub bytes: u32,
+    /// The instruction the region serves; `None` for the code reserve.
+    pub instr: Option<InstrIndex>,
+    pub kind: RegionKind,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum RegionKind {
+    /// Program text and runtime state (the target's code reserve).
+    Code,
+    /// A block of IR weight `weight`: rows `rows` by elements `cols` of its last axis (a 1-D
+    /// weight has the single row `0..1`). The bytes are the weight's storage bytes of each row's
+    /// `cols` slice, rows in order; `cols` starts and ends on 32-element block boundaries for
+    /// block-quantised types (or at the row end). `blob` is where they are in the tile blob.
+    Weight { weight: u32, rows: Range<u64>, cols: Range<u64>, blob: Range<u64> },
+    /// KV cache of one KV head for positions `positions` (capacity; filled as decoding goes):
+    /// keys then values, each `positions.len() x head_dim` f32, position-major.
+    KvCache { kv_head: u32, positions: Range<u32> },
+    /// An operand's elements received from routes (or held locally), as f32.
+    Operand { value: InstrIndex, elements: Range<u64> },
+    /// Partial sums and received partials of a reduction (f32).
+    Partial { elements: u32 },
+    /// The instruction's result elements held on this PE (f32).
+    Output { elements: Range<u64> },
+    /// Scratch the op needs (attention scores, per-group statistics).
+    Scratch,
+}
+
+/// A piece of a vector value: elements `elements` held on `pe`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    pub pe: Pe,
+    pub elements: Range<u64>,
+}
+
+/// Where a vector value lives: segments in element order covering `0..len` exactly once.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VectorLayout {
+    pub segments: Vec<Segment>,
+}
+
+impl VectorLayout {
+    pub fn len(&self) -> u64 {
+        self.segments.last().map_or(0, |s| s.elements.end)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The segments overlapping `elements`, with the overlap.
+    pub fn overlapping(&self, elements: Range<u64>) -> impl Iterator<Item = (&Segment, Range<u64>)> {
+        self.segments.iter().filter_map(move |s| {
+            let start = s.elements.start.max(elements.start);
+            let end = s.elements.end.min(elements.end);
+            (start < end).then_some((s, start..end))
+        })
+    }
+}
+
+/// Where an instruction's result lives.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ResultLayout {
+    Vector(VectorLayout),
+    /// A routing decision, held on one PE.
+    Routing {
+        pe: Pe,
+    },
+}
+
+/// How one IR instruction is placed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InstrPlacement {
+    pub instr: InstrIndex,
+    /// The op's name (`Op::name`), for diagnostics.
+    pub op: String,
+    pub layer: Option<u32>,
+    /// The MoE expert whose FFN the instruction belongs to (from its `expert_dispatch` ancestry).
+    pub expert: Option<u32>,
+    pub result: ResultLayout,
+    /// Routes bringing operands to where the instruction computes, each carrying a slice of one
+    /// operand ([`RouteKind::Operand`]). For a matvec they end at the tiles; otherwise at the
+    /// result's segments (or the router/combine PEs).
+    pub operand_routes: Vec<RouteId>,
+    pub work: Work,
+}
+
+/// The op-specific part of a placement.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Work {
+    /// The table is cut into blocks (rows x element ranges of the result's segments); for each
+    /// result segment, one [`RouteKind::Gather`] route (in `gathers`, in segment order) from the
+    /// blocks covering its elements: the block holding the token's row sends its slice.
+    Embed {
+        blocks: Vec<EmbedBlock>,
+        gathers: Vec<RouteId>,
+    },
+    MatVec(MatVecPlacement),
+    /// `silu`, `mul`, `add`, `rope`, `expert_dispatch`: computed segment by segment on the
+    /// result's segments, from operand elements there. `expert_dispatch` forwards its `x` or marks
+    /// the result absent, after the routing arrives on `routing` (to every result segment).
+    Elementwise {
+        routing: Option<RouteId>,
+    },
+    RmsNorm(NormPlacement),
+    Attention(AttentionPlacement),
+    /// Router on one PE (the result's): logits arrive by operand routes.
+    Router,
+    /// `expert_combine` on the result's segments: each chosen expert's result arrives by operand
+    /// routes; the routing by `routing`.
+    Combine {
+        routing: RouteId,
+    },
+}
+
+/// One row block of the embedding table on one PE.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EmbedBlock {
+    pub pe: Pe,
+    pub rows: Range<u64>,
+    pub elements: Range<u64>,
+}
+
+/// A matvec `y[n] = sum_k w[n,k] x[k]` as a grid of tiles.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MatVecPlacement {
+    pub rows: u64,
+    pub cols: u64,
+    /// Tiles of row block `r` are `tiles[r * col_blocks .. (r + 1) * col_blocks]`, in chunk order.
+    pub row_blocks: u32,
+    pub col_blocks: u32,
+    pub tiles: Vec<Tile>,
+    /// Per row block: the [`RouteKind::Reduce`] route combining its tiles' partials (absent when
+    /// `col_blocks == 1`). Its destination holds the row block's result segment (and its bias).
+    pub reductions: Vec<Option<RouteId>>,
+    /// With [`Plan::MeshGemv`]: per row block, the broadcast of the reduced rows back along it.
+    pub broadcasts: Vec<RouteId>,
+}
+
+/// Tile `(r, c)` of a matvec: output rows `rows` x reduction chunks `chunks` (32 elements each,
+/// an aligned power-of-two run, the last possibly short), on `pe`, weight in region `region`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tile {
+    pub pe: Pe,
+    pub rows: Range<u64>,
+    pub chunks: Range<u64>,
+    /// Index into the PE's `regions` of the tile's weight.
+    pub region: u32,
+}
+
+/// RMSNorm over groups: each result segment computes its partial sum of squares; groups spanning
+/// several segments reduce them ([`RouteKind::Reduce`]) and broadcast `1/rms` back.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NormPlacement {
+    pub group_len: u64,
+    /// For each group that spans more than one segment: its reduce route and the broadcast of
+    /// the statistic back to its segments. Groups inside one segment need no route.
+    pub group_routes: Vec<GroupRoutes>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupRoutes {
+    pub group: u64,
+    pub reduce: RouteId,
+    pub broadcast: RouteId,
+}
+
+/// Attention: each KV head's cache is cut into position blocks (aligned power-of-two runs of
+/// 32-position chunks up to `max_context`), one per PE; each block attends for every query head
+/// sharing its KV head.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttentionPlacement {
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub kv_heads_placed: Vec<KvHeadPlacement>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvHeadPlacement {
+    pub kv_head: u32,
+    /// In position order; equal power-of-two chunk runs.
+    pub blocks: Vec<KvBlock>,
+    /// Operand routes bringing this head's query heads, key and value to all its blocks.
+    pub q_routes: Vec<RouteId>,
+    pub k_routes: Vec<RouteId>,
+    pub v_routes: Vec<RouteId>,
+    /// Reductions over the blocks, destination the root block (`blocks[0]`): the score maximum
+    /// per query head, then the exp sum, then the weighted values (`head_dim` per query head).
+    pub max_reduce: Option<RouteId>,
+    pub max_broadcast: Option<RouteId>,
+    pub sum_reduce: Option<RouteId>,
+    pub sum_broadcast: Option<RouteId>,
+    pub out_reduce: Option<RouteId>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvBlock {
+    pub pe: Pe,
+    pub positions: Range<u32>,
+    /// Index into the PE's `regions` of the block's KV cache.
+    pub region: u32,
+}
+
+/// A straight run of neighbour hops on one wafer (`from` and `to` share a row or a column), or
+/// one inter-wafer hop (`from` and `to` on different wafers). `messages` is how many messages
+/// of the route cross each of the run's links per decode step (a reduction crosses some links
+/// at several tree levels).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Run {
+    pub from: Pe,
+    pub to: Pe,
+    pub messages: u16,
+}
+
+impl Run {
+    pub fn is_inter_wafer(&self) -> bool {
+        self.from.wafer != self.to.wafer
+    }
+
+    /// The directed neighbour hops of the run (one hop for an inter-wafer run; none if `from`
+    /// and `to` are neither aligned nor on different wafers, which the checker rejects).
+    pub fn hops(&self) -> Vec<(Pe, Pe)> {
+        if self.is_inter_wafer() {
+            return vec![(self.from, self.to)];
+        }
+        let (a, b) = (self.from, self.to);
+        let step = |from: u16, to: u16| -> i32 { (to as i32 - from as i32).signum() };
+        if a.x != b.x && a.y != b.y {
+            return Vec::new();
+        }
+        let (dx, dy) = (step(a.x, b.x), step(a.y, b.y));
+        let n = a.distance(b).unwrap_or(0);
+        (0..n)
+            .map(|i| {
+                let i = i as i32;
+                let at = |d: i32, base: u16, k: i32| (base as i32 + d * k) as u16;
+                (
+                    Pe::new(a.wafer, at(dx, a.x, i), at(dy, a.y, i)),
+                    Pe::new(a.wafer, at(dx, a.x, i + 1), at(dy, a.y, i + 1)),
+                )
+            })
+            .collect()
+    }
+
+    /// The PEs the run visits, `from` and `to` included.
+    pub fn pes(&self) -> Vec<Pe> {
+        let mut pes = vec![self.from];
+        pes.extend(self.hops().into_iter().map(|(_, to)| to));
+        pes
+    }
+}
+
+/// What a route carries.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum RouteKind {
+    /// Elements `elements` of `value` from the one source to every destination (a multicast).
+    Operand { value: InstrIndex, elements: Range<u64> },
+    /// The embedding: of the sources (table blocks), the one holding the token's row sends its
+    /// slice `elements` to the one destination.
+    Gather { elements: Range<u64> },
+    /// A reduction: `sources` hold the leaves in chunk order (each an aligned power-of-two run of
+    /// equal length, the last possibly short), combined by the chunk tree as [`reduce_tree`]
+    /// lists its edges: the partial of `sources[sender]` (the subtree starting there) is sent to
+    /// `sources[receiver]`, which adds it to its own (left + right). Then, if the destination is
+    /// not `sources[0]`, `sources[0]` sends the total there. `op` says how partials combine.
+    Reduce { op: ReduceOp, elements: u32 },
+    /// A per-group statistic (norm `1/rms`, softmax max or sum) from the one source to every
+    /// destination: `elements` f32 values.
+    Statistic { elements: u32 },
+    /// The router's decision (for `expert_dispatch` and `expert_combine`) to every destination.
+    Routing,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReduceOp {
+    /// f32 sum by the chunk tree.
+    Sum,
+    /// f32 maximum (exact in any order, but it follows the same tree).
+    Max,
+}
+
+/// One route: a colour, sources, destinations and the path between them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Route {
+    pub id: RouteId,
+    /// The instruction the route serves (for an operand route, the consumer).
+    pub instr: InstrIndex,
+    pub kind: RouteKind,
+    /// The same colour on every PE the route touches.
+    pub colour: u8,
+    pub sources: Vec<Pe>,
+    pub destinations: Vec<Pe>,
+    /// Runs in order; each starts at a source or at a PE an earlier run visited, and every
+    /// destination is a source or is visited by some run. For a reduction, the runs of each tree
+    /// edge in [`reduce_tree`] order, then the final forward.
+    pub path: Vec<Run>,
+    /// Payload bytes of one message.
+    pub message_bytes: u32,
+}
+
+impl Route {
+    /// Every PE on the route (sources, destinations, and PEs its runs pass), sorted, deduplicated:
+    /// each needs the route's colour in its router.
+    pub fn pes(&self) -> Vec<Pe> {
+        let mut pes: Vec<Pe> = self.sources.iter().chain(&self.destinations).copied().collect();
+        for run in &self.path {
+            pes.extend(run.pes());
+        }
+        pes.sort_unstable();
+        pes.dedup();
+        pes
+    }
+}
+
+/// The combine order of a reduction over `leaves` leaves: `(receiver, sender)` pairs, executed in
+/// order. The chunk tree of NUMERICS.md over leaves of equal power-of-two chunk runs: for leaves
+/// `lo..hi` with `p` the smallest power of two `>= hi - lo`, the left subtree is `lo..lo + p/2`
+/// and the right `lo + p/2..hi`; each subtree's value accumulates on its first leaf.
+pub fn reduce_tree(leaves: usize) -> Vec<(usize, usize)> {
+    fn walk(lo: usize, hi: usize, edges: &mut Vec<(usize, usize)>) {
+        if hi - lo <= 1 {
+            return;
+        }
+        let mid = lo + (hi - lo).next_power_of_two() / 2;
+        walk(lo, mid, edges);
+        walk(mid, hi, edges);
+        edges.push((lo, mid));
+    }
+    let mut edges = Vec::with_capacity(leaves.saturating_sub(1));
+    walk(0, leaves, &mut edges);
+    edges
+}
+
+/// One step of a decode step's schedule.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    pub instr: InstrIndex,
+    pub phase: Phase,
+    /// The routes this step sends on (all of them carry their message within the step).
+    pub routes: Vec<RouteId>,
+}
+
+/// What a step does. Within one instruction the phases run in the order listed here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    /// Send operand slices along the instruction's operand routes (and the routing, for
+    /// dispatch/combine), from the PEs holding them.
+    Operands,
+    /// The embedding's gather routes.
+    Gather,
+    /// Local arithmetic on every PE of the instruction (tiles' partial products; elementwise
+    /// ops; a norm's partial sums of squares; attention's append and scores).
+    Compute,
+    /// Reductions (routes in order): matvec row blocks; norm groups.
+    Reduce,
+    /// Statistic or result broadcasts (norm `1/rms`; MeshGemv's row all-reduce broadcast).
+    Broadcast,
+    /// Local arithmetic after a reduction (bias; norm scaling).
+    Finish,
+    /// Attention: maximum reduce, then broadcast.
+    AttentionMax,
+    /// Attention: exponentials and their sum reduce, then broadcast.
+    AttentionSum,
+    /// Attention: weighted values reduce to each KV head's root block.
+    AttentionOut,
+}
