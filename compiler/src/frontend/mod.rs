@@ -4,12 +4,20 @@
 //! Both formats meet in [`Checkpoint`]: a [`ModelConfig`] and the tensors under their Hugging
 //! Face names. [`lower`] turns a checkpoint into an `ir::Module`, whatever file it came from.
 
+pub mod config;
 pub mod error;
+pub mod gguf;
+pub mod hf;
+pub mod lower;
+pub mod safetensors;
+pub mod tokenizer;
 
 pub use error::FrontendError;
+pub use lower::lower;
+pub use tokenizer::Tokenizer;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use waferc_ir::{Rope, TensorType, WeightBytes};
 
@@ -90,4 +98,33 @@ pub struct Checkpoint {
     pub tensors: BTreeMap<String, TensorEntry>,
     /// The path the user named (directory or GGUF file).
     pub path: PathBuf,
+}
+
+/// A checkpoint lowered to IR, with its tokenizer when the checkpoint carries one.
+#[derive(Debug)]
+pub struct LoadedModel {
+    pub module: waferc_ir::Module,
+    pub tokenizer: Option<Tokenizer>,
+    /// The path the user named.
+    pub checkpoint_path: PathBuf,
+}
+
+/// Loads a checkpoint and lowers it: a Hugging Face directory (config.json + safetensors,
+/// optionally tokenizer.json) or a `.gguf` file.
+pub fn load(path: &Path) -> Result<LoadedModel, FrontendError> {
+    if path.is_dir() {
+        return hf::load(path);
+    }
+    let is_gguf = path.extension().is_some_and(|ext| ext.eq_ignore_ascii_case("gguf"));
+    if is_gguf && path.is_file() {
+        let (checkpoint, tokenizer) = gguf::read(path)?;
+        let module = lower(&checkpoint)?;
+        return Ok(LoadedModel { module, tokenizer, checkpoint_path: path.to_path_buf() });
+    }
+    let problem = if !path.exists() {
+        "no such file or directory"
+    } else {
+        "not a checkpoint: expected a Hugging Face checkpoint directory (config.json + safetensors) or a .gguf file"
+    };
+    Err(FrontendError::Format { file: path.to_path_buf(), message: problem.to_string() })
 }

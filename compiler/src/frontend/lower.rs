@@ -1,0 +1,384 @@
+//! Checkpoint -> tensor IR.
+//!
+//! Lowering first derives from the config the full list of tensors the model needs (a
+//! [`ModelPlan`]: Hugging Face names and shapes), checks the checkpoint against it and reports
+//! every missing, unexpected, mis-shaped or unreadable tensor at once. Only then does it emit one
+//! decode step, following transformers' modeling code op by op:
+//!
+//! ```text
+//! x = embed
+//! per layer: h = rms_norm(x); q, k, v = matvec(h) (+bias, Qwen2); q, k = rms_norm per head (Qwen3)
+//!            q, k = rope; a = attention(q, k, v); x = x + matvec(a)
+//!            h = rms_norm(x); x = x + ffn(h)      ffn: down(silu(gate(h)) * up(h)), or a routed MoE of those
+//! logits = matvec(rms_norm(x), lm_head or the embedding table when tied)
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use waferc_ir::{Handle, KvCache, ModelMeta, Module, Op, Value, Weight};
+
+use super::{Architecture, Checkpoint, FrontendError, ModelConfig};
+
+/// Lowers a checkpoint to one decode step of IR, verified.
+pub fn lower(checkpoint: &Checkpoint) -> Result<Module, FrontendError> {
+    lower_with_unusable(checkpoint, &BTreeMap::new())
+}
+
+/// [`lower`], where `unusable` names tensors the reader found but could not represent (name ->
+/// why): they are reported with every other problem, rather than as missing.
+pub(crate) fn lower_with_unusable(
+    checkpoint: &Checkpoint,
+    unusable: &BTreeMap<String, String>,
+) -> Result<Module, FrontendError> {
+    let plan = ModelPlan::new(&checkpoint.config);
+    let problems = check(checkpoint, &plan, unusable);
+    if !problems.is_empty() {
+        return Err(FrontendError::Invalid { path: checkpoint.path.clone(), problems });
+    }
+    Builder::new(checkpoint).build(&plan)
+}
+
+/// A tensor the model needs: its Hugging Face name and shape.
+#[derive(Clone, Debug)]
+struct TensorSpec {
+    name: String,
+    shape: Vec<u64>,
+}
+
+/// A gated feed-forward network: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug)]
+struct GatedMlp {
+    gate: TensorSpec,
+    up: TensorSpec,
+    down: TensorSpec,
+}
+
+#[derive(Debug)]
+enum FeedForward {
+    Dense(GatedMlp),
+    Moe { router: TensorSpec, top_k: u32, normalize: bool, experts: Vec<GatedMlp> },
+}
+
+#[derive(Debug)]
+struct LayerPlan {
+    input_norm: TensorSpec,
+    q: TensorSpec,
+    k: TensorSpec,
+    v: TensorSpec,
+    /// q/k/v biases (Qwen2).
+    qkv_bias: Option<[TensorSpec; 3]>,
+    /// Per-head q/k RMSNorm weights (Qwen3).
+    qk_norm: Option<[TensorSpec; 2]>,
+    o: TensorSpec,
+    post_attention_norm: TensorSpec,
+    ffn: FeedForward,
+}
+
+/// Every tensor the config calls for, in model order.
+#[derive(Debug)]
+struct ModelPlan {
+    embed: TensorSpec,
+    layers: Vec<LayerPlan>,
+    final_norm: TensorSpec,
+    /// `None` when the head is the embedding table (tied).
+    lm_head: Option<TensorSpec>,
+}
+
+fn spec(name: impl Into<String>, shape: impl Into<Vec<u64>>) -> TensorSpec {
+    TensorSpec { name: name.into(), shape: shape.into() }
+}
+
+fn gated_mlp(prefix: &str, [gate, up, down]: [&str; 3], hidden: u64, width: u64) -> GatedMlp {
+    GatedMlp {
+        gate: spec(format!("{prefix}.{gate}.weight"), [width, hidden]),
+        up: spec(format!("{prefix}.{up}.weight"), [width, hidden]),
+        down: spec(format!("{prefix}.{down}.weight"), [hidden, width]),
+    }
+}
+
+impl ModelPlan {
+    fn new(c: &ModelConfig) -> ModelPlan {
+        let hidden = c.hidden_size as u64;
+        let head_dim = c.head_dim as u64;
+        let q_width = c.num_heads as u64 * head_dim;
+        let kv_width = c.num_kv_heads as u64 * head_dim;
+        let layers = (0..c.num_layers)
+            .map(|layer| {
+                let p = format!("model.layers.{layer}");
+                let attn = |proj: &str, what: &str| format!("{p}.self_attn.{proj}.{what}");
+                let dense_mlp = || {
+                    gated_mlp(
+                        &format!("{p}.mlp"),
+                        ["gate_proj", "up_proj", "down_proj"],
+                        hidden,
+                        c.intermediate_size as u64,
+                    )
+                };
+                let ffn = match &c.moe {
+                    Some(moe) if !moe.dense_layers.contains(&layer) => {
+                        let width = moe.expert_intermediate_size as u64;
+                        // Mixtral: block_sparse_moe.{gate, experts.E.w1 (gate) / w3 (up) / w2 (down)};
+                        // Qwen3-MoE: mlp.{gate, experts.E.gate_proj / up_proj / down_proj}.
+                        let (block, projections) = match c.architecture {
+                            Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+                            _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+                        };
+                        FeedForward::Moe {
+                            router: spec(format!("{p}.{block}.gate.weight"), [moe.num_experts as u64, hidden]),
+                            top_k: moe.top_k,
+                            normalize: moe.normalize_top_k,
+                            experts: (0..moe.num_experts)
+                                .map(|e| gated_mlp(&format!("{p}.{block}.experts.{e}"), projections, hidden, width))
+                                .collect(),
+                        }
+                    }
+                    _ => FeedForward::Dense(dense_mlp()),
+                };
+                LayerPlan {
+                    input_norm: spec(format!("{p}.input_layernorm.weight"), [hidden]),
+                    q: spec(attn("q_proj", "weight"), [q_width, hidden]),
+                    k: spec(attn("k_proj", "weight"), [kv_width, hidden]),
+                    v: spec(attn("v_proj", "weight"), [kv_width, hidden]),
+                    qkv_bias: c.attention_bias.then(|| {
+                        [
+                            spec(attn("q_proj", "bias"), [q_width]),
+                            spec(attn("k_proj", "bias"), [kv_width]),
+                            spec(attn("v_proj", "bias"), [kv_width]),
+                        ]
+                    }),
+                    qk_norm: c.qk_norm.then(|| {
+                        [spec(attn("q_norm", "weight"), [head_dim]), spec(attn("k_norm", "weight"), [head_dim])]
+                    }),
+                    o: spec(attn("o_proj", "weight"), [hidden, q_width]),
+                    post_attention_norm: spec(format!("{p}.post_attention_layernorm.weight"), [hidden]),
+                    ffn,
+                }
+            })
+            .collect();
+        ModelPlan {
+            embed: spec("model.embed_tokens.weight", [c.vocab_size as u64, hidden]),
+            layers,
+            final_norm: spec("model.norm.weight", [hidden]),
+            lm_head: (!c.tie_word_embeddings).then(|| spec("lm_head.weight", [c.vocab_size as u64, hidden])),
+        }
+    }
+
+    fn tensors(&self) -> Vec<&TensorSpec> {
+        let mut all = vec![&self.embed];
+        for l in &self.layers {
+            all.extend([&l.input_norm, &l.q, &l.k, &l.v]);
+            all.extend(l.qkv_bias.iter().flatten());
+            all.extend(l.qk_norm.iter().flatten());
+            all.extend([&l.o, &l.post_attention_norm]);
+            let mlps = match &l.ffn {
+                FeedForward::Dense(mlp) => std::slice::from_ref(mlp),
+                FeedForward::Moe { router, experts, .. } => {
+                    all.push(router);
+                    experts.as_slice()
+                }
+            };
+            for mlp in mlps {
+                all.extend([&mlp.gate, &mlp.up, &mlp.down]);
+            }
+        }
+        all.push(&self.final_norm);
+        all.extend(&self.lm_head);
+        all
+    }
+}
+
+/// Buffers some exporters save that no computation reads.
+fn is_ignorable(name: &str) -> bool {
+    name.ends_with(".rotary_emb.inv_freq")
+}
+
+/// Every way the checkpoint's tensors differ from the plan, in model order, then the unexpected
+/// tensors by name.
+fn check(checkpoint: &Checkpoint, plan: &ModelPlan, unusable: &BTreeMap<String, String>) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut expected = BTreeSet::new();
+    for want in plan.tensors() {
+        expected.insert(want.name.as_str());
+        let Some(entry) = checkpoint.tensors.get(&want.name) else {
+            problems.push(match unusable.get(&want.name) {
+                Some(why) => why.clone(),
+                None => format!("missing tensor {} (expected shape {:?})", want.name, want.shape),
+            });
+            continue;
+        };
+        let file = entry.file.display();
+        if entry.ty.shape != want.shape {
+            problems.push(format!(
+                "{file}: tensor {}: expected shape {:?}, found {} (shape {:?})",
+                want.name, want.shape, entry.ty, entry.ty.shape
+            ));
+            continue;
+        }
+        let needed = entry.ty.bytes();
+        match (entry.data.bytes().map(<[u8]>::len), needed) {
+            (_, None) => problems.push(format!(
+                "{file}: tensor {} is {}: a {} row must be a whole number of {}-element blocks",
+                want.name,
+                entry.ty,
+                entry.ty.dtype,
+                waferc_ir::BLOCK
+            )),
+            (Some(held), Some(needed)) if held as u64 != needed => problems
+                .push(format!("{file}: tensor {} holds {held} bytes, but {} needs {needed}", want.name, entry.ty)),
+            _ => {}
+        }
+    }
+    let config = &checkpoint.config;
+    let model = format!("{} with {} layers", config.architecture.model_type(), config.num_layers);
+    for (name, entry) in &checkpoint.tensors {
+        if expected.contains(name.as_str()) || is_ignorable(name) {
+            continue;
+        }
+        let hint = if name == "lm_head.weight" && config.tie_word_embeddings {
+            " (tie_word_embeddings is true: the head is the embedding table)".to_string()
+        } else if name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj") {
+            " (experts fused into one tensor: waferc reads the per-expert layout transformers saves, \
+             mlp.experts.E.gate_proj.weight and so on)"
+                .to_string()
+        } else {
+            String::new()
+        };
+        problems.push(format!(
+            "{}: unexpected tensor {name} {}: {model} does not use it{hint}",
+            entry.file.display(),
+            entry.ty
+        ));
+    }
+    for (name, why) in unusable {
+        if !expected.contains(name.as_str()) && !is_ignorable(name) {
+            problems.push(format!("{why} (and {model} does not use it)"));
+        }
+    }
+    problems
+}
+
+/// Emits the IR for a checked checkpoint.
+struct Builder<'a> {
+    checkpoint: &'a Checkpoint,
+    module: Module,
+    /// Weights already added, by name (a tied head reuses the embedding table).
+    weights: BTreeMap<String, Handle<Weight>>,
+}
+
+impl<'a> Builder<'a> {
+    fn new(checkpoint: &'a Checkpoint) -> Self {
+        let c = &checkpoint.config;
+        let meta = ModelMeta {
+            architecture: c.architecture.model_type().to_string(),
+            vocab_size: c.vocab_size,
+            num_layers: c.num_layers,
+            bos_token_id: c.bos_token_id,
+            eos_token_ids: c.eos_token_ids.clone(),
+        };
+        Builder { checkpoint, module: Module::new(meta), weights: BTreeMap::new() }
+    }
+
+    fn weight(&mut self, spec: &TensorSpec) -> Result<Handle<Weight>, FrontendError> {
+        if let Some(&handle) = self.weights.get(&spec.name) {
+            return Ok(handle);
+        }
+        // `check` has established that every planned tensor is present.
+        let entry = self.checkpoint.tensors.get(&spec.name).ok_or_else(|| FrontendError::Invalid {
+            path: self.checkpoint.path.clone(),
+            problems: vec![format!("missing tensor {}", spec.name)],
+        })?;
+        let handle = self.module.add_weight(spec.name.clone(), entry.ty.clone(), entry.data.clone());
+        self.weights.insert(spec.name.clone(), handle);
+        Ok(handle)
+    }
+
+    fn push(&mut self, op: Op, layer: Option<u32>) -> Result<Value, FrontendError> {
+        self.module
+            .push(op, layer)
+            .map_err(|source| FrontendError::Lower { path: self.checkpoint.path.clone(), source })
+    }
+
+    fn matvec(
+        &mut self,
+        x: Value,
+        weight: &TensorSpec,
+        bias: Option<&TensorSpec>,
+        layer: Option<u32>,
+    ) -> Result<Value, FrontendError> {
+        let weight = self.weight(weight)?;
+        let bias = bias.map(|b| self.weight(b)).transpose()?;
+        self.push(Op::MatVec { x, weight, bias }, layer)
+    }
+
+    fn rms_norm(&mut self, x: Value, weight: &TensorSpec, layer: Option<u32>) -> Result<Value, FrontendError> {
+        let weight = self.weight(weight)?;
+        let eps = self.checkpoint.config.rms_norm_eps;
+        self.push(Op::RmsNorm { x, weight, eps }, layer)
+    }
+
+    fn build(mut self, plan: &ModelPlan) -> Result<Module, FrontendError> {
+        let table = self.weight(&plan.embed)?;
+        let mut x = self.push(Op::Embed { table }, None)?;
+        for (index, layer) in plan.layers.iter().enumerate() {
+            x = self.layer(x, index as u32, layer)?;
+        }
+        let normed = self.rms_norm(x, &plan.final_norm, None)?;
+        let logits = self.matvec(normed, plan.lm_head.as_ref().unwrap_or(&plan.embed), None, None)?;
+        self.module.output = Some(logits);
+        waferc_ir::verify(&self.module)
+            .map_err(|source| FrontendError::Lower { path: self.checkpoint.path.clone(), source })?;
+        Ok(self.module)
+    }
+
+    fn layer(&mut self, x: Value, index: u32, plan: &LayerPlan) -> Result<Value, FrontendError> {
+        let c = &self.checkpoint.config;
+        let (heads, kv_heads, head_dim, rope) = (c.num_heads, c.num_kv_heads, c.head_dim, c.rope.clone());
+        let at = Some(index);
+
+        let h = self.rms_norm(x, &plan.input_norm, at)?;
+        let [q_bias, k_bias, v_bias] = match &plan.qkv_bias {
+            Some([q, k, v]) => [Some(q), Some(k), Some(v)],
+            None => [None; 3],
+        };
+        let mut q = self.matvec(h, &plan.q, q_bias, at)?;
+        let mut k = self.matvec(h, &plan.k, k_bias, at)?;
+        let v = self.matvec(h, &plan.v, v_bias, at)?;
+        if let Some([q_norm, k_norm]) = &plan.qk_norm {
+            // A [head_dim] weight: the IR's RmsNorm normalises each head separately.
+            q = self.rms_norm(q, q_norm, at)?;
+            k = self.rms_norm(k, k_norm, at)?;
+        }
+        let q = self.push(Op::Rope { x: q, head_dim, rope: rope.clone() }, at)?;
+        let k = self.push(Op::Rope { x: k, head_dim, rope }, at)?;
+        let cache = self.module.add_cache(KvCache { layer: index, kv_heads, head_dim });
+        // transformers' scaling is head_dim ** -0.5 in f64, applied as an f32 scalar.
+        let scale = (1.0 / f64::from(head_dim).sqrt()) as f32;
+        let attended = self.push(Op::Attention { q, k, v, cache, heads, scale }, at)?;
+        let projected = self.matvec(attended, &plan.o, None, at)?;
+        let x = self.push(Op::Add { a: x, b: projected }, at)?;
+
+        let h = self.rms_norm(x, &plan.post_attention_norm, at)?;
+        let ffn = match &plan.ffn {
+            FeedForward::Dense(mlp) => self.gated_mlp(h, mlp, at)?,
+            FeedForward::Moe { router, top_k, normalize, experts } => {
+                let logits = self.matvec(h, router, None, at)?;
+                let routing = self.push(Op::RouterTopK { logits, top_k: *top_k, normalize: *normalize }, at)?;
+                let mut outputs = Vec::with_capacity(experts.len());
+                for (expert, mlp) in experts.iter().enumerate() {
+                    let routed = self.push(Op::ExpertDispatch { x: h, routing, expert: expert as u32 }, at)?;
+                    outputs.push(self.gated_mlp(routed, mlp, at)?);
+                }
+                self.push(Op::ExpertCombine { routing, experts: outputs }, at)?
+            }
+        };
+        self.push(Op::Add { a: x, b: ffn }, at)
+    }
+
+    fn gated_mlp(&mut self, x: Value, mlp: &GatedMlp, layer: Option<u32>) -> Result<Value, FrontendError> {
+        let gate = self.matvec(x, &mlp.gate, None, layer)?;
+        let activated = self.push(Op::Silu { x: gate }, layer)?;
+        let up = self.matvec(x, &mlp.up, None, layer)?;
+        let product = self.push(Op::Mul { a: activated, b: up }, layer)?;
+        self.matvec(product, &mlp.down, None, layer)
+    }
+}
