@@ -9,6 +9,7 @@ pub mod arena;
 pub mod error;
 pub mod module;
 pub mod op;
+pub mod text;
 pub mod types;
 pub mod verify;
 pub mod wafer;
