@@ -1,0 +1,17 @@
+//! Every numerical kernel of waferc, in one place, implementing NUMERICS.md. The reference
+//! decoder and the wafer executor both call these, the executor at tile granularity
+//! ([`dot_run`], [`tree_combine`], [`matvec_rows`], [`attention_head`]), which is what makes
+//! their logits bit-identical.
+
+mod ops;
+mod tree;
+mod weights;
+
+pub use ops::{
+    add, attention, attention_head, expert_combine, matvec, matvec_rows, mul, rms_norm, rope, rope_frequencies,
+    router_topk, silu, softmax, AttentionShape, RopeAngles, Routing,
+};
+pub use tree::{
+    chunk_sum, combine_lanes, dot, dot_f32, dot_run, sum_squares, tree_combine, tree_sum, TreeSum, VectorTreeSum, LANES,
+};
+pub use weights::{widen_q4_0, widen_q4_1, widen_q8_0, RowView, WeightView};
