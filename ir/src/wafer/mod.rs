@@ -16,9 +16,15 @@
 //!   KV cache, activation buffers). Weight regions name the IR weight elements they hold and where
 //!   their bytes are in the tile blob, so a PE's initial SRAM is its image plus those bytes.
 //! * Data moves only along [`Route`]s. A route has one colour, its sources, its destinations and
-//!   its path (straight [`Run`]s of neighbour hops, plus inter-wafer hops). **Each route carries at
-//!   most one message per decode step** (a reduction carries one per tree edge, see
-//!   [`RouteKind::Reduce`]), so an executor can key its message buffers by route id.
+//!   its path (straight [`Run`]s of neighbour hops, plus inter-wafer hops). **Each source of a route
+//!   sends at most one message on it per decode step**, so an executor can key its message buffers
+//!   by `(route id, sending PE)`.
+//! * A value's result segments are sent once, by the producer's [`Phase::Deliver`] step, along one
+//!   [`RouteKind::Operand`] multicast per segment to every PE of every consumer that needs it (so a
+//!   vector read by q, k and v projections, or by all experts of a layer, costs one colour per
+//!   segment, not one per consumer). `expert_dispatch` aliases its `x`: its result layout is `x`'s,
+//!   and `x`'s operand routes reach the expert's PEs, which learn whether their expert was chosen
+//!   from the router's [`RouteKind::Routing`] route.
 //! * The [`Step`]s of `schedule` are the order of one decode step. Each names its instruction, a
 //!   [`Phase`] and the routes that phase uses; placements name their routes the same way, so an
 //!   artifact with a route deleted fails in the checker and in the executor, naming the route.
@@ -270,38 +276,48 @@ pub struct InstrPlacement {
     /// The MoE expert whose FFN the instruction belongs to (from its `expert_dispatch` ancestry).
     pub expert: Option<u32>,
     pub result: ResultLayout,
-    /// Routes bringing operands to where the instruction computes, each carrying a slice of one
-    /// operand ([`RouteKind::Operand`]). For a matvec they end at the tiles; otherwise at the
-    /// result's segments (or the router/combine PEs).
+    /// The [`RouteKind::Operand`] routes on which this instruction's PEs receive their operands
+    /// (other instructions' deliveries; for an operand produced by `expert_dispatch`, the
+    /// deliveries of the dispatched `x`). For a matvec they end at the tiles, for attention at the
+    /// KV blocks, otherwise at the result's segments or the router PE.
     pub operand_routes: Vec<RouteId>,
+    /// The [`RouteKind::Operand`] routes carrying this instruction's result to its consumers, one
+    /// per result segment (empty when nothing reads the result, e.g. the logits).
+    pub deliveries: Vec<RouteId>,
     pub work: Work,
 }
 
 /// The op-specific part of a placement.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Work {
-    /// The table is cut into blocks (rows x element ranges of the result's segments); for each
-    /// result segment, one [`RouteKind::Gather`] route (in `gathers`, in segment order) from the
-    /// blocks covering its elements: the block holding the token's row sends its slice.
+    /// The table is cut into blocks (row ranges x the element ranges of the result's segments);
+    /// for each result segment, one [`RouteKind::Collect`] route (in `collects`, in segment order)
+    /// from the blocks covering its elements: the block holding the token's row sends its slice.
     Embed {
         blocks: Vec<EmbedBlock>,
-        gathers: Vec<RouteId>,
+        collects: Vec<RouteId>,
     },
     MatVec(MatVecPlacement),
-    /// `silu`, `mul`, `add`, `rope`, `expert_dispatch`: computed segment by segment on the
-    /// result's segments, from operand elements there. `expert_dispatch` forwards its `x` or marks
-    /// the result absent, after the routing arrives on `routing` (to every result segment).
-    Elementwise {
-        routing: Option<RouteId>,
+    /// `silu`, `mul`, `add`, `rope`: computed segment by segment on the result's segments, from
+    /// operand elements delivered there.
+    Elementwise,
+    /// `expert_dispatch`: no data moves; the result aliases `x`'s layout. `routing` is the router's
+    /// [`RouteKind::Routing`] route, which reaches this expert's PEs.
+    Dispatch {
+        routing: RouteId,
     },
     RmsNorm(NormPlacement),
     Attention(AttentionPlacement),
-    /// Router on one PE (the result's): logits arrive by operand routes.
-    Router,
-    /// `expert_combine` on the result's segments: each chosen expert's result arrives by operand
-    /// routes; the routing by `routing`.
+    /// `router_topk` on the result's PE; it sends the decision on `routing` to every PE of the
+    /// layer's experts and to the combine's segments.
+    Router {
+        routing: RouteId,
+    },
+    /// `expert_combine` on the result's segments: per segment, a [`RouteKind::Collect`] route from
+    /// every expert's result segment (only chosen experts send); the routing arrives on `routing`.
     Combine {
         routing: RouteId,
+        collects: Vec<RouteId>,
     },
 }
 
@@ -322,11 +338,19 @@ pub struct MatVecPlacement {
     pub row_blocks: u32,
     pub col_blocks: u32,
     pub tiles: Vec<Tile>,
-    /// Per row block: the [`RouteKind::Reduce`] route combining its tiles' partials (absent when
-    /// `col_blocks == 1`). Its destination holds the row block's result segment (and its bias).
-    pub reductions: Vec<Option<RouteId>>,
-    /// With [`Plan::MeshGemv`]: per row block, the broadcast of the reduced rows back along it.
+    /// [`RouteKind::Reduce`] routes in execution order. [`Plan::Tiled`]: one per row block (none
+    /// when `col_blocks == 1`), from its tiles to its root tile `(r, 0)`. [`Plan::MeshGemv`]: first
+    /// one per group of tiles in each row (to the group's first tile), then one per row across the
+    /// groups' first tiles (to the root).
+    pub reductions: Vec<RouteId>,
+    /// [`Plan::MeshGemv`] only: per row block, the reduced rows from the root back to the row's
+    /// tiles ([`RouteKind::Statistic`]), which makes the all-reduce.
     pub broadcasts: Vec<RouteId>,
+    /// The bias (IR weight index), held on each row block's root in a weight region.
+    pub bias: Option<u32>,
+    /// Per result segment, a [`RouteKind::Collect`] route from the roots of the row blocks it
+    /// covers (each adds its bias slice, then sends its rows).
+    pub collects: Vec<RouteId>,
 }
 
 /// Tile `(r, c)` of a matvec: output rows `rows` x reduction chunks `chunks` (32 elements each,
@@ -366,6 +390,9 @@ pub struct AttentionPlacement {
     pub kv_heads: u32,
     pub head_dim: u32,
     pub kv_heads_placed: Vec<KvHeadPlacement>,
+    /// Per result segment, a [`RouteKind::Collect`] route from the root blocks of the KV heads
+    /// whose query heads it covers.
+    pub collects: Vec<RouteId>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -378,7 +405,8 @@ pub struct KvHeadPlacement {
     pub k_routes: Vec<RouteId>,
     pub v_routes: Vec<RouteId>,
     /// Reductions over the blocks, destination the root block (`blocks[0]`): the score maximum
-    /// per query head, then the exp sum, then the weighted values (`head_dim` per query head).
+    /// per query head, then the exp sum, then the weighted values (`head_dim` per query head);
+    /// the maximum and the sum go back to every block. All absent with a single block.
     pub max_reduce: Option<RouteId>,
     pub max_broadcast: Option<RouteId>,
     pub sum_reduce: Option<RouteId>,
@@ -446,11 +474,15 @@ impl Run {
 /// What a route carries.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum RouteKind {
-    /// Elements `elements` of `value` from the one source to every destination (a multicast).
+    /// The segment `elements` of `value` from the one source (the segment's PE) to every
+    /// destination (a multicast); each destination uses the part it needs.
     Operand { value: InstrIndex, elements: Range<u64> },
-    /// The embedding: of the sources (table blocks), the one holding the token's row sends its
-    /// slice `elements` to the one destination.
-    Gather { elements: Range<u64> },
+    /// Elements `elements` of the route's instruction's result, from several sources to the one
+    /// destination (the result segment's PE); each source sends the part it holds: a matvec's
+    /// row-block roots their reduced rows (bias added), attention's root blocks their heads'
+    /// outputs, the embedding block holding the token's row its slice, each chosen expert its
+    /// result (unchosen experts send nothing).
+    Collect { elements: Range<u64> },
     /// A reduction: `sources` hold the leaves in chunk order (each an aligned power-of-two run of
     /// equal length, the last possibly short), combined by the chunk tree as [`reduce_tree`]
     /// lists its edges: the partial of `sources[sender]` (the subtree starting there) is sent to
@@ -476,7 +508,7 @@ pub enum ReduceOp {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Route {
     pub id: RouteId,
-    /// The instruction the route serves (for an operand route, the consumer).
+    /// The instruction whose result the route carries or computes (an operand route's producer).
     pub instr: InstrIndex,
     pub kind: RouteKind,
     /// The same colour on every PE the route touches.
@@ -533,27 +565,30 @@ pub struct Step {
     pub routes: Vec<RouteId>,
 }
 
-/// What a step does. Within one instruction the phases run in the order listed here.
+/// What a step does. An instruction's steps are consecutive, in the order listed here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Phase {
-    /// Send operand slices along the instruction's operand routes (and the routing, for
-    /// dispatch/combine), from the PEs holding them.
-    Operands,
-    /// The embedding's gather routes.
+    /// `expert_combine` and the embedding: gather inputs along the `Collect` routes.
     Gather,
-    /// Local arithmetic on every PE of the instruction (tiles' partial products; elementwise
-    /// ops; a norm's partial sums of squares; attention's append and scores).
+    /// Local arithmetic on every PE of the instruction: tiles' partial products; elementwise ops
+    /// and rope; a norm's partial sums of squares; attention's append, scores and local maximum;
+    /// the router's top-k; the combine's weighted sum.
     Compute,
     /// Reductions (routes in order): matvec row blocks; norm groups.
     Reduce,
-    /// Statistic or result broadcasts (norm `1/rms`; MeshGemv's row all-reduce broadcast).
+    /// Broadcasts: a norm's `1/rms`; MeshGemv's reduced rows back along each row.
     Broadcast,
-    /// Local arithmetic after a reduction (bias; norm scaling).
+    /// Local arithmetic after the reduction: the norm's scaling.
     Finish,
-    /// Attention: maximum reduce, then broadcast.
+    /// Attention: maximum reduce, then its broadcast.
     AttentionMax,
-    /// Attention: exponentials and their sum reduce, then broadcast.
+    /// Attention: exponentials, their sum reduce, then its broadcast.
     AttentionSum,
-    /// Attention: weighted values reduce to each KV head's root block.
+    /// Attention: weighted values, their reduce to each KV head's root block.
     AttentionOut,
+    /// Matvec and attention: the roots send their rows/heads along the `Collect` routes into the
+    /// result's segments (a matvec's roots add the bias first).
+    Collect,
+    /// Send the result along its deliveries (the router: the routing along its route).
+    Deliver,
 }
