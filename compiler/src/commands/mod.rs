@@ -2,6 +2,8 @@
 //! name the file, tensor or field involved; `main` prints them and exits non-zero.
 
 mod output;
+mod reference;
+mod session;
 mod synth;
 
 use clap::{Parser, Subcommand};
@@ -17,12 +19,15 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Greedy decoding on the reference CPU decoder (the oracle the executor is checked against).
+    Reference(reference::ReferenceArgs),
     /// Write a checkpoint directory of a known shape in the Hugging Face layout.
     Synth(synth::SynthArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Reference(args) => reference::run(args),
         Command::Synth(args) => synth::run(args),
     }
 }
