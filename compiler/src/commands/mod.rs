@@ -5,6 +5,7 @@ mod output;
 mod reference;
 mod session;
 mod synth;
+mod targets;
 
 use clap::{Parser, Subcommand};
 
@@ -23,11 +24,14 @@ pub enum Command {
     Reference(reference::ReferenceArgs),
     /// Write a checkpoint directory of a known shape in the Hugging Face layout.
     Synth(synth::SynthArgs),
+    /// List the built-in wafer targets, or describe one, with every parameter's source.
+    Targets(targets::TargetsArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Reference(args) => reference::run(args),
         Command::Synth(args) => synth::run(args),
+        Command::Targets(args) => targets::run(args),
     }
 }
