@@ -126,7 +126,14 @@ fn parse_fields(arch: Architecture, f: &Fields, problems: &mut Vec<String>) -> O
         p.push("mlp_bias true (biases on the MLP projections) is not supported".to_string());
     }
 
-    let max_position = f.optional(p, "max_position_embeddings", "a positive integer", positive_u32).or_default(None);
+    let default_max_position = match arch {
+        Llama => 2048,
+        Mistral | Mixtral => 131_072,
+        Qwen2 | Qwen3 | Qwen3Moe => 32_768,
+    };
+    let max_position = f
+        .optional(p, "max_position_embeddings", "a positive integer", positive_u32)
+        .or_default(Some(default_max_position));
     check_sliding_window(arch, f, num_layers, max_position, p);
     let rope = parse_rope(f, max_position, p);
 
@@ -184,6 +191,8 @@ fn check_sliding_window(
     p: &mut Vec<String>,
 ) {
     use Architecture::*;
+    // An unusable max_position_embeddings is already reported.
+    let Some(max_position) = max_position else { return };
     let default_window = match arch {
         Llama => return,
         Mistral | Qwen2 | Qwen3 | Qwen3Moe => Some(4096),
@@ -239,13 +248,12 @@ fn check_sliding_window(
     }
     let (Some(window), true) = (window, enabled) else { return };
     // A window at least as long as the longest context never drops a position.
-    if max_position.is_some_and(|max| window >= max) || sliding_layers.is_empty() {
+    if window >= max_position || sliding_layers.is_empty() {
         return;
     }
     p.push(format!(
-        "sliding_window {window} is in force on layers {sliding_layers:?} (max_position_embeddings {}); \
-         only full attention is supported",
-        max_position.map_or("absent".to_string(), |m| m.to_string())
+        "sliding_window {window} is in force on layers {sliding_layers:?} (max_position_embeddings {max_position}); \
+         only full attention is supported"
     ));
 }
 
@@ -300,15 +308,9 @@ fn parse_rope(f: &Fields, max_position: Option<u32>, p: &mut Vec<String>) -> Opt
             let low = r.required(p, "low_freq_factor", "a positive number", positive_f32);
             let high = r.required(p, "high_freq_factor", "a positive number", positive_f32);
             // transformers falls back to max_position_embeddings.
-            let original = match r.optional(p, "original_max_position_embeddings", "a positive integer", positive_u32) {
-                Got::Absent => max_position.or_else(|| {
-                    p.push(format!(
-                        "{params_key}.original_max_position_embeddings and max_position_embeddings are both absent"
-                    ));
-                    None
-                }),
-                got => got.or_default(None),
-            };
+            let original = r
+                .optional(p, "original_max_position_embeddings", "a positive integer", positive_u32)
+                .or_default(max_position);
             if let (Some(low), Some(high)) = (low, high) {
                 if high <= low {
                     p.push(format!(
@@ -518,5 +520,224 @@ fn describe(v: &Value) -> String {
         text
     } else {
         kind(v).to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: Value) -> Result<ModelConfig, FrontendError> {
+        parse_config(&json.to_string(), Path::new("config.json"))
+    }
+
+    fn problems(json: Value) -> Vec<String> {
+        match parse(json) {
+            Err(FrontendError::Invalid { problems, .. }) => problems,
+            other => panic!("expected Invalid, found {other:?}"),
+        }
+    }
+
+    /// A small model of `model_type`, plus `extra` fields (overriding).
+    fn config(model_type: &str, extra: Value) -> Value {
+        let mut c = serde_json::json!({
+            "model_type": model_type, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        });
+        c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        c
+    }
+
+    #[test]
+    fn llama_defaults() {
+        let c = parse(config("llama", serde_json::json!({"num_key_value_heads": null}))).unwrap();
+        assert_eq!(c.architecture, Architecture::Llama);
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (4, 4, 16));
+        assert_eq!(c.rms_norm_eps, 1e-6);
+        assert_eq!(c.rope, Rope { theta: 10_000.0, scaling: RopeScaling::None });
+        assert_eq!((c.tie_word_embeddings, c.attention_bias, c.qk_norm), (false, false, false));
+        assert_eq!((c.bos_token_id, c.eos_token_ids.as_slice()), (Some(1), &[2][..]));
+        assert_eq!(c.moe, None);
+    }
+
+    #[test]
+    fn rope_in_both_layouts() {
+        let llama3 = serde_json::json!({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_type": "llama3"});
+        let expected = Rope {
+            theta: 500_000.0,
+            scaling: RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 8192,
+            },
+        };
+        let classic = parse(config("llama", serde_json::json!({"rope_theta": 500000.0, "rope_scaling": llama3})));
+        assert_eq!(classic.unwrap().rope, expected);
+        let mut params = llama3.clone();
+        params["rope_theta"] = 500000.0.into();
+        let modern = parse(config("llama", serde_json::json!({"rope_parameters": params})));
+        assert_eq!(modern.unwrap().rope, expected);
+
+        // The older `type` key; original_max_position_embeddings falling back to max_position_embeddings.
+        let linear = serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}, "sliding_window": null});
+        assert_eq!(parse(config("mistral", linear)).unwrap().rope.scaling, RopeScaling::Linear { factor: 2.0 });
+        let fallback = serde_json::json!({"max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}});
+        match parse(config("llama", fallback)).unwrap().rope.scaling {
+            RopeScaling::Llama3 { original_max_position, .. } => assert_eq!(original_max_position, 4096),
+            other => panic!("{other:?}"),
+        }
+        let default = serde_json::json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}});
+        assert_eq!(parse(config("qwen2", default)).unwrap().rope, Rope { theta: 1e6, scaling: RopeScaling::None });
+    }
+
+    #[test]
+    fn unsupported_rope() {
+        let p = problems(config(
+            "llama",
+            serde_json::json!({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}, "partial_rotary_factor": 0.5}),
+        ));
+        assert_eq!(
+            p,
+            [
+                "partial_rotary_factor 0.5 is not supported (only 1.0)",
+                "missing field `rope_parameters.low_freq_factor` (a positive number)",
+                "missing field `rope_parameters.high_freq_factor` (a positive number)",
+            ]
+        );
+    }
+
+    #[test]
+    fn qwen_variants() {
+        let qwen2 = parse(config("qwen2", serde_json::json!({"eos_token_id": [5, 7], "bos_token_id": null}))).unwrap();
+        assert!(qwen2.attention_bias && !qwen2.qk_norm);
+        assert_eq!((qwen2.bos_token_id, qwen2.eos_token_ids), (None, vec![5, 7]));
+        // Qwen3's head_dim is its own (transformers' default is 128, not hidden / heads).
+        let qwen3 = parse(config("qwen3", serde_json::json!({"eos_token_id": 9}))).unwrap();
+        assert!(qwen3.qk_norm && !qwen3.attention_bias);
+        assert_eq!((qwen3.head_dim, qwen3.eos_token_ids), (128, vec![9]));
+        let p = problems(config("qwen3", serde_json::json!({"attention_bias": true})));
+        assert_eq!(p, ["attention_bias true (biases on q/k/v/o projections) is not supported"]);
+    }
+
+    #[test]
+    fn mixtral_moe() {
+        let c =
+            parse(config("mixtral", serde_json::json!({"num_local_experts": 8, "num_experts_per_tok": 2}))).unwrap();
+        assert_eq!(
+            c.moe,
+            Some(MoeConfig {
+                num_experts: 8,
+                top_k: 2,
+                expert_intermediate_size: 128,
+                normalize_top_k: true,
+                dense_layers: vec![]
+            })
+        );
+        assert_eq!(c.rms_norm_eps, 1e-5);
+        let alias = parse(config("mixtral", serde_json::json!({"num_experts": 4, "num_experts_per_tok": 1})));
+        assert_eq!(alias.unwrap().moe.unwrap().num_experts, 4);
+        let p = problems(config(
+            "mixtral",
+            serde_json::json!({"num_local_experts": 4, "num_experts": 8, "num_experts_per_tok": 2}),
+        ));
+        assert_eq!(p, ["num_local_experts 4 and num_experts 8 disagree"]);
+        let p = problems(config("mixtral", serde_json::json!({"num_local_experts": 2, "num_experts_per_tok": 3})));
+        assert_eq!(p, ["num_experts_per_tok 3 exceeds the 2 experts"]);
+    }
+
+    #[test]
+    fn qwen3_moe_dense_layers_and_normalisation() {
+        let moe = serde_json::json!({"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 48,
+            "mlp_only_layers": [0], "decoder_sparse_step": 2});
+        let c = parse(config("qwen3_moe", moe)).unwrap().moe.unwrap();
+        // Layer 0 is listed; layer 2 fails (2 + 1) % 2 == 0; 1 and 3 are sparse.
+        assert_eq!(c.dense_layers, [0, 2]);
+        assert!(!c.normalize_top_k, "norm_topk_prob defaults to false");
+        assert_eq!(c.expert_intermediate_size, 48);
+
+        let moe = serde_json::json!({"num_local_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 48,
+            "norm_topk_prob": true, "mlp_only_layers": null});
+        let c = parse(config("qwen3_moe", moe)).unwrap().moe.unwrap();
+        assert!(c.normalize_top_k);
+        assert!(c.dense_layers.is_empty());
+
+        let p = problems(config("qwen3_moe", serde_json::json!({"num_experts_per_tok": 4, "mlp_only_layers": [9]})));
+        assert_eq!(
+            p,
+            [
+                "missing field `num_experts`",
+                "missing field `moe_intermediate_size` (a positive integer)",
+                "mlp_only_layers names layer 9, but there are 4 layers"
+            ]
+        );
+    }
+
+    #[test]
+    fn sliding_windows_only_when_in_force() {
+        // Mistral's window applies to every layer, unless it covers the whole context.
+        // (transformers' defaults: a 4096 window, 131072 positions.)
+        let in_force = problems(config("mistral", serde_json::json!({})));
+        assert_eq!(
+            in_force,
+            ["sliding_window 4096 is in force on layers [0, 1, 2, 3] (max_position_embeddings 131072); \
+              only full attention is supported"]
+        );
+        let covering = serde_json::json!({"sliding_window": 32768, "max_position_embeddings": 32768});
+        assert!(parse(config("mistral", covering)).is_ok());
+        assert!(parse(config("mistral", serde_json::json!({"sliding_window": null}))).is_ok());
+        // Qwen: only with use_sliding_window, and only from max_window_layers on.
+        let off = serde_json::json!({"sliding_window": 128, "use_sliding_window": false});
+        assert!(parse(config("qwen2", off)).is_ok());
+        let late = serde_json::json!({"sliding_window": 128, "use_sliding_window": true, "max_window_layers": 4});
+        assert!(parse(config("qwen3", late)).is_ok());
+        let on = serde_json::json!({"sliding_window": 128, "use_sliding_window": true, "max_window_layers": 3});
+        assert_eq!(
+            problems(config("qwen3", on)),
+            ["sliding_window 128 is in force on layers [3] (max_position_embeddings 32768); only full attention is supported"]
+        );
+    }
+
+    #[test]
+    fn every_field_problem_is_collected() {
+        let bad = serde_json::json!({"model_type": "llama", "vocab_size": -3, "hidden_size": 60,
+            "num_attention_heads": 8, "num_key_value_heads": 3, "intermediate_size": "big", "tie_word_embeddings": "yes",
+            "eos_token_id": [1, "two"], "hidden_act": "gelu"});
+        assert_eq!(
+            problems(bad),
+            [
+                "field `vocab_size` must be a positive integer, found -3",
+                "field `intermediate_size` must be a positive integer, found \"big\"",
+                "missing field `num_hidden_layers` (a positive integer)",
+                "head_dim is absent and hidden_size 60 is not a multiple of num_attention_heads 8",
+                "num_attention_heads 8 is not a multiple of num_key_value_heads 3",
+                "hidden_act `gelu` is not supported (only silu)",
+                "field `tie_word_embeddings` must be a boolean, found \"yes\"",
+                "field `eos_token_id` must be a token id or a list of token ids, found [1,\"two\"]",
+            ]
+        );
+    }
+
+    #[test]
+    fn model_type_problems_stand_alone() {
+        assert_eq!(problems(serde_json::json!({"hidden_size": 8})), ["missing field `model_type` (a string)"]);
+        let p = problems(serde_json::json!({"model_type": "gemma2", "hidden_size": "x"}));
+        assert_eq!(
+            p,
+            ["model_type `gemma2` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe)"]
+        );
+    }
+
+    #[test]
+    fn malformed_json_is_a_format_error() {
+        match parse_config("{\"model_type\": ", Path::new("dir/config.json")) {
+            Err(FrontendError::Format { file, message }) => {
+                assert_eq!(file, Path::new("dir/config.json"));
+                assert!(message.starts_with("invalid JSON"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -382,3 +382,123 @@ impl<'a> Builder<'a> {
         self.matvec(product, &mlp.down, None, layer)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+
+    use waferc_ir::{DType, TensorType, WeightBytes};
+
+    use super::*;
+    use crate::frontend::config::parse_config;
+    use crate::frontend::TensorEntry;
+
+    /// A shape-only checkpoint holding exactly the tensors `config` calls for, in f32.
+    fn checkpoint(config: serde_json::Value) -> Checkpoint {
+        let config = parse_config(&config.to_string(), Path::new("config.json")).unwrap();
+        let tensors = ModelPlan::new(&config)
+            .tensors()
+            .into_iter()
+            .map(|t| (t.name.clone(), entry(DType::F32, &t.shape, WeightBytes::Absent)))
+            .collect();
+        Checkpoint { config, tensors, path: PathBuf::from("ckpt") }
+    }
+
+    fn entry(dtype: DType, shape: &[u64], data: WeightBytes) -> TensorEntry {
+        TensorEntry { ty: TensorType::new(dtype, shape), data, file: PathBuf::from("model.safetensors") }
+    }
+
+    fn qwen3_moe(extra: serde_json::Value) -> serde_json::Value {
+        let mut c = serde_json::json!({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 40, "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2});
+        c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        c
+    }
+
+    fn problems(checkpoint: &Checkpoint) -> Vec<String> {
+        match lower(checkpoint) {
+            Err(FrontendError::Invalid { problems, .. }) => problems,
+            other => panic!("expected Invalid, found {other:?}"),
+        }
+    }
+
+    #[test]
+    fn qwen3_moe_dense_layers_keep_a_dense_mlp() {
+        let ckpt = checkpoint(qwen3_moe(serde_json::json!({"mlp_only_layers": [1], "norm_topk_prob": false})));
+        let module = lower(&ckpt).unwrap();
+        let ops_in = |layer: u32, name: &str| {
+            module.body.iter().filter(|(_, i)| i.layer == Some(layer) && i.op.name() == name).count()
+        };
+        assert_eq!([0, 1, 2].map(|l| ops_in(l, "expert_dispatch")), [4, 0, 4]);
+        assert_eq!([0, 1, 2].map(|l| ops_in(l, "router_topk")), [1, 0, 1]);
+        assert!(module.weight_by_name("model.layers.1.mlp.gate_proj.weight").is_some());
+        let normalize: Vec<bool> = module
+            .body
+            .iter()
+            .filter_map(|(_, i)| match i.op {
+                Op::RouterTopK { normalize, .. } => Some(normalize),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(normalize, [false, false]);
+    }
+
+    #[test]
+    fn fused_experts_are_named_as_such() {
+        let mut ckpt = checkpoint(qwen3_moe(serde_json::json!({})));
+        ckpt.tensors.retain(|name, _| !name.starts_with("model.layers.2.mlp.experts."));
+        let fused = entry(DType::F32, &[4, 16, 32], WeightBytes::Absent);
+        ckpt.tensors.insert("model.layers.2.mlp.experts.gate_up_proj".into(), fused);
+        let p = problems(&ckpt);
+        assert_eq!(p.len(), 4 * 3 + 1, "{p:#?}");
+        assert_eq!(p[0], "missing tensor model.layers.2.mlp.experts.0.gate_proj.weight (expected shape [8, 32])");
+        assert!(p[12].starts_with(
+            "model.safetensors: unexpected tensor model.layers.2.mlp.experts.gate_up_proj f32[4, 16, 32]"
+        ));
+        assert!(p[12].contains("experts fused into one tensor"), "{}", p[12]);
+    }
+
+    #[test]
+    fn byte_counts_and_quantised_rows_are_checked() {
+        let llama = serde_json::json!({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2, "tie_word_embeddings": true});
+        let mut ckpt = checkpoint(llama);
+        // A GGUF-style quantised table is fine; a quantised down_proj with 48-wide rows is not.
+        ckpt.tensors.insert("model.embed_tokens.weight".into(), entry(DType::Q8_0, &[64, 32], WeightBytes::Absent));
+        let down = "model.layers.0.mlp.down_proj.weight";
+        ckpt.tensors.insert(down.into(), entry(DType::Q4_0, &[32, 48], WeightBytes::Absent));
+        let norm = "model.norm.weight";
+        ckpt.tensors.insert(norm.into(), entry(DType::F32, &[32], WeightBytes::owned(vec![0u8; 100])));
+        // Harmless buffers are not reported as unexpected.
+        let inv_freq = "model.layers.0.self_attn.rotary_emb.inv_freq";
+        ckpt.tensors.insert(inv_freq.into(), entry(DType::F32, &[8], WeightBytes::Absent));
+        assert_eq!(
+            problems(&ckpt),
+            [
+                format!("model.safetensors: tensor {down} is q4_0[32, 48]: a q4_0 row must be a whole number of 32-element blocks"),
+                format!("model.safetensors: tensor {norm} holds 100 bytes, but f32[32] needs 128"),
+            ]
+        );
+    }
+
+    #[test]
+    fn unusable_tensors_are_reported_in_place_of_missing_ones() {
+        let mut ckpt = checkpoint(qwen3_moe(serde_json::json!({})));
+        ckpt.tensors.remove("model.norm.weight");
+        let unusable = BTreeMap::from([
+            ("model.norm.weight".to_string(), "f: tensor model.norm.weight is F64[32]".to_string()),
+            ("extra".to_string(), "f: tensor extra is I64[1]".to_string()),
+        ]);
+        match lower_with_unusable(&ckpt, &unusable) {
+            Err(FrontendError::Invalid { problems, .. }) => assert_eq!(
+                problems,
+                [
+                    "f: tensor model.norm.weight is F64[32]",
+                    "f: tensor extra is I64[1] (and qwen3_moe with 3 layers does not use it)"
+                ]
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+}
