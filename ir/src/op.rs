@@ -136,6 +136,52 @@ impl Op {
         }
     }
 
+    /// The KV cache the op appends to and reads, if any.
+    pub fn cache(&self) -> Option<Handle<KvCache>> {
+        match self {
+            Op::Attention { cache, .. } => Some(*cache),
+            _ => None,
+        }
+    }
+
+    /// The same op with every value, weight and cache handle passed through the given maps:
+    /// what a pass that deletes or reorders entities uses to rebuild the module.
+    pub fn remap(
+        &self,
+        value: impl Fn(Value) -> Value,
+        weight: impl Fn(Handle<Weight>) -> Handle<Weight>,
+        cache: impl Fn(Handle<KvCache>) -> Handle<KvCache>,
+    ) -> Op {
+        match self {
+            Op::Embed { table } => Op::Embed { table: weight(*table) },
+            Op::RmsNorm { x, weight: w, eps } => Op::RmsNorm { x: value(*x), weight: weight(*w), eps: *eps },
+            Op::MatVec { x, weight: w, bias } => {
+                Op::MatVec { x: value(*x), weight: weight(*w), bias: bias.map(&weight) }
+            }
+            Op::Rope { x, head_dim, rope } => Op::Rope { x: value(*x), head_dim: *head_dim, rope: rope.clone() },
+            Op::Attention { q, k, v, cache: c, heads, scale } => Op::Attention {
+                q: value(*q),
+                k: value(*k),
+                v: value(*v),
+                cache: cache(*c),
+                heads: *heads,
+                scale: *scale,
+            },
+            Op::Silu { x } => Op::Silu { x: value(*x) },
+            Op::Mul { a, b } => Op::Mul { a: value(*a), b: value(*b) },
+            Op::Add { a, b } => Op::Add { a: value(*a), b: value(*b) },
+            Op::RouterTopK { logits, top_k, normalize } => {
+                Op::RouterTopK { logits: value(*logits), top_k: *top_k, normalize: *normalize }
+            }
+            Op::ExpertDispatch { x, routing, expert } => {
+                Op::ExpertDispatch { x: value(*x), routing: value(*routing), expert: *expert }
+            }
+            Op::ExpertCombine { routing, experts } => {
+                Op::ExpertCombine { routing: value(*routing), experts: experts.iter().map(|e| value(*e)).collect() }
+            }
+        }
+    }
+
     /// Weights the op reads, in the order the text form prints them.
     pub fn weights(&self) -> Vec<Handle<Weight>> {
         match self {

@@ -1,0 +1,145 @@
+//! Every pass by name: what `--passes`, the snapshot suite's `; run:` lines and the CLI build
+//! pipelines from. A new pass adds one [`PassInfo`] to [`PASSES`] and is then reachable from
+//! all of them.
+
+use waferc_ir::{verify, Module};
+
+use crate::dce::Dce;
+use crate::error::PassError;
+use crate::manager::Pass;
+use crate::quantize::{QuantFormat, Quantize};
+
+/// How to build one pass from its arguments.
+pub struct PassInfo {
+    pub name: &'static str,
+    /// The pass with its arguments, as a pipeline spells it.
+    pub usage: &'static str,
+    pub summary: &'static str,
+    pub build: fn(args: &[&str]) -> Result<Box<dyn Pass>, PassError>,
+}
+
+pub const PASSES: &[PassInfo] = &[
+    PassInfo {
+        name: "verify",
+        usage: "verify",
+        summary: "check the module (the pass manager also does after every pass)",
+        build: |args| no_arguments("verify", "verify", args).map(|()| Box::new(Verify) as Box<dyn Pass>),
+    },
+    PassInfo {
+        name: "dce",
+        usage: "dce",
+        summary: "remove instructions, weights and KV caches the output does not depend on",
+        build: |args| no_arguments("dce", "dce", args).map(|()| Box::new(Dce) as Box<dyn Pass>),
+    },
+    PassInfo {
+        name: "quantize",
+        usage: "quantize q8_0|q4_0 [embedding]",
+        summary: "quantise matvec weights (and with `embedding`, the embedding table) with ggml's reference rules",
+        build: build_quantize,
+    },
+];
+
+fn no_arguments(pass: &'static str, usage: &'static str, args: &[&str]) -> Result<(), PassError> {
+    match args {
+        [] => Ok(()),
+        _ => Err(PassError::BadArguments {
+            pass,
+            message: format!("takes no arguments, found `{}`", args.join(" ")),
+            usage,
+        }),
+    }
+}
+
+fn build_quantize(args: &[&str]) -> Result<Box<dyn Pass>, PassError> {
+    let bad = |message: String| PassError::BadArguments { pass: "quantize", message, usage: PASSES[2].usage };
+    let (format, rest) = args.split_first().ok_or_else(|| bad("needs a format".into()))?;
+    let format = QuantFormat::from_name(format).ok_or_else(|| bad(format!("unknown format `{format}`")))?;
+    let include_embedding = match rest {
+        [] => false,
+        ["embedding"] => true,
+        _ => return Err(bad(format!("unexpected `{}`", rest.join(" ")))),
+    };
+    Ok(Box::new(Quantize { format, include_embedding }))
+}
+
+/// The registered pass called `name`.
+pub fn lookup(name: &str) -> Option<&'static PassInfo> {
+    PASSES.iter().find(|p| p.name == name)
+}
+
+/// Builds the pass `name` with `args`.
+pub fn build(name: &str, args: &[&str]) -> Result<Box<dyn Pass>, PassError> {
+    let info = lookup(name).ok_or_else(|| PassError::UnknownPass {
+        name: name.to_string(),
+        known: PASSES.iter().map(|p| p.name).collect::<Vec<_>>().join(", "),
+    })?;
+    (info.build)(args)
+}
+
+/// Builds a pipeline from its spelling: passes separated by commas, each a name followed by
+/// its arguments separated by spaces, e.g. `quantize q4_0 embedding, dce`.
+pub fn parse_pipeline(spec: &str) -> Result<Vec<Box<dyn Pass>>, PassError> {
+    if spec.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    spec.split(',')
+        .map(|step| {
+            let words: Vec<&str> = step.split_whitespace().collect();
+            match words.split_first() {
+                Some((name, args)) => build(name, args),
+                None => Err(PassError::BadPipeline {
+                    spec: spec.to_string(),
+                    message: "an empty step between commas".into(),
+                }),
+            }
+        })
+        .collect()
+}
+
+/// Checks the module and changes nothing: a pipeline of just `verify` checks a file.
+struct Verify;
+
+impl Pass for Verify {
+    fn name(&self) -> &'static str {
+        "verify"
+    }
+
+    fn run(&self, module: &mut Module) -> Result<(), PassError> {
+        verify(module).map_err(|source| PassError::BrokeIr { pass: "verify".into(), source })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(spec: &str) -> Result<Vec<&'static str>, String> {
+        parse_pipeline(spec).map(|p| p.iter().map(|pass| pass.name()).collect()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn pipelines_parse_from_their_spelling() {
+        assert_eq!(names("quantize q8_0, dce"), Ok(vec!["quantize", "dce"]));
+        assert_eq!(names(" quantize   q4_0 embedding ,dce,verify "), Ok(vec!["quantize", "dce", "verify"]));
+        assert_eq!(names(""), Ok(vec![]));
+    }
+
+    #[test]
+    fn bad_pipelines_say_what_is_wrong() {
+        assert_eq!(names("dce, fold"), Err("unknown pass `fold` (known passes: verify, dce, quantize)".into()));
+        assert_eq!(names("dce,,dce"), Err("bad pass pipeline `dce,,dce`: an empty step between commas".into()));
+        assert_eq!(names("dce now"), Err("pass `dce`: takes no arguments, found `now` (usage: dce)".into()));
+        let usage = "(usage: quantize q8_0|q4_0 [embedding])";
+        assert_eq!(names("quantize"), Err(format!("pass `quantize`: needs a format {usage}")));
+        assert_eq!(names("quantize q2_k"), Err(format!("pass `quantize`: unknown format `q2_k` {usage}")));
+        assert_eq!(names("quantize q8_0 lm_head"), Err(format!("pass `quantize`: unexpected `lm_head` {usage}")));
+    }
+
+    #[test]
+    fn registered_names_match_the_passes_they_build() {
+        for info in PASSES {
+            let args: &[&str] = if info.name == "quantize" { &["q8_0"] } else { &[] };
+            assert_eq!((info.build)(args).unwrap().name(), info.name);
+        }
+    }
+}
