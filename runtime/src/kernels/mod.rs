@@ -3,6 +3,8 @@
 //! ([`dot_run`], [`tree_combine`], [`matvec_rows`], [`attention_head`]), which is what makes
 //! their logits bit-identical.
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 mod ops;
 mod tree;
 mod weights;
@@ -12,6 +14,7 @@ pub use ops::{
     router_topk, silu, softmax, AttentionShape, RopeAngles, Routing,
 };
 pub use tree::{
-    chunk_sum, combine_lanes, dot, dot_f32, dot_run, sum_squares, tree_combine, tree_sum, TreeSum, VectorTreeSum, LANES,
+    chunk_sum, combine_lanes, dot, dot_f32, dot_portable, dot_run, sum_squares, tree_combine, tree_sum, TreeSum,
+    VectorTreeSum, LANES,
 };
 pub use weights::{widen_q4_0, widen_q4_1, widen_q8_0, RowView, WeightView};

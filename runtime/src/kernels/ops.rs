@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 use waferc_ir::{Rope, RopeScaling};
 
-use super::tree::{dot_f32, dot_inline, sum_squares, tree_sum, VectorTreeSum};
+use super::tree::{dot_f32, dot_portable_inline, sum_squares, tree_sum, VectorTreeSum};
 use super::weights::WeightView;
 
 /// Rows of a matvec one rayon task computes: enough to amortise scheduling, few enough that
@@ -29,26 +29,13 @@ pub fn matvec(x: &[f32], weight: &WeightView, bias: Option<&[f32]>, out: &mut [f
 /// Rows `first..first + out.len()` of a matvec (no bias): the unit a tile or a thread computes.
 pub fn matvec_rows(x: &[f32], weight: &WeightView, first: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { matvec_rows_avx2(x, weight, first, out) };
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: the CPU supports AVX2 and F16C, checked just above.
+        return unsafe { super::avx2::matvec_rows(x, weight, first, out) };
     }
-    matvec_rows_portable(x, weight, first, out)
-}
-
-#[inline(always)]
-fn matvec_rows_portable(x: &[f32], weight: &WeightView, first: usize, out: &mut [f32]) {
     for (i, y) in out.iter_mut().enumerate() {
-        *y = dot_inline(x, weight.row(first + i));
+        *y = dot_portable_inline(x, weight.row(first + i));
     }
-}
-
-/// The same operations as the portable loop, vectorised over 256-bit registers: the 8 lanes of
-/// a chunk are one register, so the bits are those of the portable build.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn matvec_rows_avx2(x: &[f32], weight: &WeightView, first: usize, out: &mut [f32]) {
-    matvec_rows_portable(x, weight, first, out)
 }
 
 /// RMSNorm in groups the length of `weight`: per group `ms = tree_sum(x*x) / g`,

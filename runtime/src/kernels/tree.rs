@@ -15,11 +15,11 @@
 //! the subtree's value, and [`tree_combine`] of consecutive equal-sized runs' values, in order,
 //! reproduces the whole sum bit for bit. [`dot_run`] is that partial for one matvec tile.
 //!
-//! Only the grouping above is fixed; which instructions compute it is free. The 8-lane arrays
-//! are written so LLVM vectorises them (products and sums are rounded separately: Rust never
-//! contracts `a * b + c` into a fused multiply-add), and a runtime-detected AVX2 build of the
-//! matvec inner loop computes the same operations in the same order, so results never depend on
-//! CPU features or thread count.
+//! Only the grouping above is fixed; which instructions compute it is free. The portable code
+//! here is the definition (products and sums are rounded separately: Rust never contracts
+//! `a * b + c` into a fused multiply-add); on x86-64 CPUs with AVX2, [`dot`] runs the same
+//! operations in the same order with intrinsics (`super::avx2`), so results never depend on CPU
+//! features or thread count.
 
 use std::ops::Range;
 
@@ -61,22 +61,25 @@ pub fn chunk_sum(terms: &[f32]) -> f32 {
     combine_lanes(lanes)
 }
 
-/// Streaming form of the chunk tree: push chunk values (or the values of consecutive
-/// equal-sized aligned runs) in order, then [`TreeSum::finish`].
+/// Streaming form of the chunk tree: push chunk values (or the values of aligned runs of
+/// chunks) in order, then [`TreeSum::finish`].
 ///
 /// It keeps one pending subtree per level, merging two equal-sized neighbours as soon as both
 /// exist, so memory is one value per level and the grouping is exactly the padded perfect tree.
 #[derive(Clone, Debug)]
 pub struct TreeSum {
-    /// Pending subtree values, sizes strictly decreasing from the bottom of the stack.
+    /// Pending subtree values and their levels (a level-`j` subtree covers `2^j` chunks);
+    /// levels strictly decrease from the bottom of the stack.
     values: [f32; 64],
     levels: [u8; 64],
     len: usize,
+    /// Chunks covered so far.
+    chunks: u64,
 }
 
 impl Default for TreeSum {
     fn default() -> Self {
-        TreeSum { values: [0.0; 64], levels: [0; 64], len: 0 }
+        TreeSum { values: [0.0; 64], levels: [0; 64], len: 0, chunks: 0 }
     }
 }
 
@@ -85,9 +88,23 @@ impl TreeSum {
         Self::default()
     }
 
+    /// Appends one chunk's value.
     #[inline(always)]
-    pub fn push(&mut self, leaf: f32) {
-        let (mut value, mut level) = (leaf, 0u8);
+    pub fn push(&mut self, chunk_value: f32) {
+        self.push_subtree(chunk_value, 0)
+    }
+
+    /// Appends the value of a run of `2^level` chunks (its own `tree_sum`). Panics unless the
+    /// chunks pushed so far are a multiple of `2^level`, i.e. unless the run is aligned.
+    #[inline(always)]
+    pub fn push_subtree(&mut self, value: f32, level: u8) {
+        assert!(
+            self.chunks.trailing_zeros() >= level as u32,
+            "run of 2^{level} chunks pushed at chunk {}",
+            self.chunks
+        );
+        self.chunks += 1 << level;
+        let (mut value, mut level) = (value, level);
         while self.len > 0 && self.levels[self.len - 1] == level {
             self.len -= 1;
             value = self.values[self.len] + value;
@@ -152,7 +169,18 @@ pub fn sum_squares(x: &[f32]) -> f32 {
 /// Panics if `x.len() != row.len()`.
 #[inline]
 pub fn dot(x: &[f32], row: RowView) -> f32 {
-    dot_inline(x, row)
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: the CPU supports AVX2 and F16C, checked just above.
+        return unsafe { super::avx2::dot(x, row) };
+    }
+    dot_portable_inline(x, row)
+}
+
+/// [`dot`] without SIMD intrinsics: the definition every vectorised build must reproduce bit
+/// for bit (the tests compare them).
+pub fn dot_portable(x: &[f32], row: RowView) -> f32 {
+    dot_portable_inline(x, row)
 }
 
 /// The partial of one matvec tile: `tree_sum` over chunks `chunks` of `row`, i.e. the value of
@@ -162,31 +190,49 @@ pub fn dot_run(x: &[f32], row: RowView, chunks: Range<usize>) -> f32 {
     dot(x, row.sub(chunks))
 }
 
-/// The body of [`dot`], inlined into the matvec loops so that their AVX2 copy vectorises it.
+/// The body of [`dot_portable`], also inlined into the AVX2 kernel for the rows it leaves to it.
 #[inline(always)]
-pub(super) fn dot_inline(x: &[f32], row: RowView) -> f32 {
+pub(super) fn dot_portable_inline(x: &[f32], row: RowView) -> f32 {
     assert_eq!(x.len(), row.len(), "dot of a {}-element input with a {}-element row", x.len(), row.len());
     let bytes = row.bytes();
     match row.dtype() {
-        DType::Q4_1 => dot_chunks(x, row.chunks(), |c, w| widen_q4_1(block(bytes, c), w)),
-        DType::Q8_0 => dot_chunks(x, row.chunks(), |c, w| widen_q8_0(block(bytes, c), w)),
-        DType::Q4_0 => dot_chunks(x, row.chunks(), |c, w| widen_q4_0(block(bytes, c), w)),
-        DType::F32 | DType::BF16 | DType::F16 => dot_chunks(x, row.chunks(), |c, w| row.widen_chunk(c, w)),
+        DType::Q4_1 => dot_chunks(x, row.chunks(), Blocks::<20>(bytes, widen_q4_1)),
+        DType::Q8_0 => dot_chunks(x, row.chunks(), Blocks::<34>(bytes, widen_q8_0)),
+        DType::Q4_0 => dot_chunks(x, row.chunks(), Blocks::<18>(bytes, widen_q4_0)),
+        DType::F32 | DType::BF16 | DType::F16 => dot_chunks(x, row.chunks(), row),
+    }
+}
+
+/// Something that widens chunk `c` of a row into 32 f32 (zero-padded past a short end).
+/// A trait rather than a closure so that `#[inline(always)]` reaches the widening code.
+trait Widen {
+    fn widen(&self, c: usize, out: &mut [f32; BLOCK]);
+}
+
+impl Widen for RowView<'_> {
+    #[inline(always)]
+    fn widen(&self, c: usize, out: &mut [f32; BLOCK]) {
+        self.widen_chunk(c, out)
+    }
+}
+
+/// A row of quantisation blocks of `N` bytes and the function widening one.
+struct Blocks<'a, const N: usize>(&'a [u8], fn(&[u8; N], &mut [f32; BLOCK]));
+
+impl<const N: usize> Widen for Blocks<'_, N> {
+    #[inline(always)]
+    fn widen(&self, c: usize, out: &mut [f32; BLOCK]) {
+        (self.1)(self.0[c * N..][..N].try_into().expect("whole block"), out)
     }
 }
 
 #[inline(always)]
-fn block<const N: usize>(bytes: &[u8], c: usize) -> &[u8; N] {
-    bytes[c * N..][..N].try_into().expect("whole block")
-}
-
-#[inline(always)]
-fn dot_chunks(x: &[f32], chunks: usize, widen: impl Fn(usize, &mut [f32; BLOCK])) -> f32 {
+fn dot_chunks(x: &[f32], chunks: usize, row: impl Widen) -> f32 {
     let mut tree = TreeSum::new();
     let mut w = [0.0f32; BLOCK];
     let full = x.len() / BLOCK;
     for c in 0..chunks {
-        widen(c, &mut w);
+        row.widen(c, &mut w);
         let value = if c < full {
             chunk_dot(&w, x[c * BLOCK..][..BLOCK].try_into().expect("full chunk"))
         } else {
