@@ -369,3 +369,18 @@ fn damaged_headers_never_panic() {
         let _ = load(&dir);
     }
 }
+
+/// A `.gguf` path goes to the GGUF reader, whose error names the file.
+#[test]
+fn gguf_paths_go_to_the_gguf_reader() {
+    let dir = copy_fixture("qwen2-bias");
+    let file = dir.join("model.gguf");
+    std::fs::write(&file, b"GGML not really").unwrap();
+    match load_error(&file) {
+        FrontendError::Format { file: f, message } => {
+            assert_eq!(f, file);
+            assert!(!message.contains("not a checkpoint"), "the GGUF reader should have rejected it: {message}");
+        }
+        other => panic!("expected a GGUF format error, found {other:?}: {other}"),
+    }
+}
