@@ -20,11 +20,18 @@ fn row_bytes(seed: u8, rows: usize, row_len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// What the frontend should make of one GGUF tensor.
+struct Expected {
+    gguf_name: &'static str,
+    hf_name: &'static str,
+    hf_shape: Vec<u64>,
+    dtype: DType,
+}
+
 /// One llama layer, hidden 64, 4 heads of 16, 2 KV heads, ffn 96, vocab 64, every supported type.
-/// Returns the writer and, per GGUF tensor name, (HF name, HF shape, dtype).
-fn tiny_llama() -> (GgufWriter, Vec<(&'static str, &'static str, Vec<u64>, DType)>) {
-    // (GGUF name, HF name, ggml dims, ggml type, dtype, bytes per row)
-    let tensors: [(&str, &str, [u64; 2], u32, DType, usize); 11] = [
+fn tiny_llama() -> (GgufWriter, Vec<Expected>) {
+    // GGUF name, HF name, ggml dims (a 1-D tensor has N = 1), ggml type, dtype, bytes per row.
+    let tensors = [
         ("token_embd.weight", "model.embed_tokens.weight", [64, 64], Q8_0, DType::Q8_0, 2 * 34),
         ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight", [64, 1], F32, DType::F32, 256),
         ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", [64, 64], Q4_1, DType::Q4_1, 2 * 20),
@@ -42,7 +49,7 @@ fn tiny_llama() -> (GgufWriter, Vec<(&'static str, &'static str, Vec<u64>, DType
     for (seed, (gguf_name, hf_name, [k, n], ggml_type, dtype, row_len)) in tensors.into_iter().enumerate() {
         let (dims, hf_shape) = if n == 1 { (vec![k], vec![k]) } else { (vec![k, n], vec![n, k]) };
         writer = writer.tensor(gguf_name, &dims, ggml_type, row_bytes(seed as u8, n as usize, row_len));
-        expected.push((gguf_name, hf_name, hf_shape, dtype));
+        expected.push(Expected { gguf_name, hf_name, hf_shape, dtype });
     }
     (writer, expected)
 }
@@ -87,12 +94,12 @@ fn reads_tiny_llama_under_hugging_face_names_and_shapes() {
     assert_eq!(checkpoint.path, path);
 
     let names: Vec<&str> = checkpoint.tensors.keys().map(String::as_str).collect();
-    let mut expected_names: Vec<&str> = expected.iter().map(|e| e.1).collect();
+    let mut expected_names: Vec<&str> = expected.iter().map(|e| e.hf_name).collect();
     expected_names.sort();
     assert_eq!(names, expected_names);
-    for (gguf_name, hf_name, shape, dtype) in &expected {
+    for Expected { gguf_name, hf_name, hf_shape, dtype } in &expected {
         let entry = &checkpoint.tensors[*hf_name];
-        assert_eq!((&entry.ty.shape, entry.ty.dtype), (shape, *dtype), "{hf_name}");
+        assert_eq!((&entry.ty.shape, entry.ty.dtype), (hf_shape, *dtype), "{hf_name}");
         assert_eq!(entry.file, path);
         let bytes = entry.data.bytes().expect("tensor has data");
         assert_eq!(bytes.len() as u64, entry.ty.bytes().unwrap(), "{hf_name}");

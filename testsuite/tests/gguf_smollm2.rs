@@ -9,7 +9,7 @@ use waferc::frontend::tokenizer::Tokenizer;
 use waferc::frontend::{gguf, Architecture, Checkpoint};
 use waferc_ir::{DType, RopeScaling};
 use waferc_runtime::kernels::RowView;
-use waferc_runtime::{argmax, Decoder, ReferenceDecoder};
+use waferc_runtime::{argmax, ReferenceDecoder};
 use waferc_testsuite::{fixtures_dir, smollm2_gguf_path};
 
 fn smollm2() -> (Checkpoint, Tokenizer, PathBuf) {

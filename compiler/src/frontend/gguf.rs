@@ -67,11 +67,8 @@ fn model_config(file: &GgufFile, problems: &mut Vec<String>) -> Option<ModelConf
     let num_kv_heads = optional_u32(file, &format!("{arch}.attention.head_count_kv"), problems).unwrap_or(num_heads);
     // llama.cpp's defaults when a converter leaves these out.
     let theta = optional_f64(file, &format!("{arch}.rope.freq_base"), problems).unwrap_or(10_000.0);
-    let head_dim = optional_u32(file, &format!("{arch}.attention.key_length"), problems).unwrap_or(if num_heads == 0 {
-        0
-    } else {
-        hidden_size / num_heads
-    });
+    let head_dim = optional_u32(file, &format!("{arch}.attention.key_length"), problems)
+        .unwrap_or(hidden_size.checked_div(num_heads).unwrap_or(0));
     if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
         problems.push(format!("{num_heads} attention heads cannot share {num_kv_heads} KV heads evenly"));
     }
@@ -255,7 +252,7 @@ fn unpermute_rotary_rows(bytes: &WeightBytes, info: &TensorInfo, heads: u32) -> 
     let shape = info.hf_shape();
     let rows = shape[0] as usize;
     let heads = heads as usize;
-    if shape.len() != 2 || rows % (2 * heads) != 0 {
+    if shape.len() != 2 || !rows.is_multiple_of(2 * heads) {
         return Err(format!(
             "tensor {} of shape {shape:?} cannot be split into {heads} heads of rotary pairs",
             info.name

@@ -315,7 +315,7 @@ fn tensor_range(
         .ok_or_else(|| format!("rows of {row_len} elements are not whole {}-element blocks", waferc_ir::BLOCK))?;
     let rows: u64 = dims[1..].iter().product();
     let size = row_bytes * rows;
-    if offset % alignment != 0 {
+    if !offset.is_multiple_of(alignment) {
         return Err(format!("data offset {offset} is not a multiple of the alignment {alignment}"));
     }
     let end = offset.checked_add(size).filter(|&end| end <= data_len).ok_or_else(|| {
