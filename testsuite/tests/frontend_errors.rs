@@ -308,7 +308,13 @@ fn several_tensor_problems_are_reported_together() {
     let problems = problems(&error);
     let f = file.display();
     assert_has(problems, "missing tensor model.layers.1.self_attn.k_proj.bias (expected shape [32])");
-    assert_has(problems, &format!("{f}: unexpected tensor model.layers.1.self_attn.k_proj.biases f32[32]"));
+    assert_has(
+        problems,
+        &format!(
+            "{f}: unexpected tensor model.layers.1.self_attn.k_proj.biases f32[32]: qwen2 with 2 layers does not use it \
+             (misnamed model.layers.1.self_attn.k_proj.bias?)"
+        ),
+    );
     assert_has(problems, "missing tensor model.norm.weight (expected shape [64])");
     assert_has(
         problems,

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use waferc_ir::{Handle, KvCache, ModelMeta, Module, Op, Value, Weight};
 
-use super::{Architecture, Checkpoint, FrontendError, ModelConfig};
+use super::{Architecture, Checkpoint, FrontendError, ModelConfig, TensorEntry};
 
 /// Lowers a checkpoint to one decode step of IR, verified.
 pub fn lower(checkpoint: &Checkpoint) -> Result<Module, FrontendError> {
@@ -197,21 +197,22 @@ fn is_ignorable(name: &str) -> bool {
 fn check(checkpoint: &Checkpoint, plan: &ModelPlan, unusable: &BTreeMap<String, String>) -> Vec<String> {
     let mut problems = Vec::new();
     let mut expected = BTreeSet::new();
+    let mut missing = Vec::new();
     for want in plan.tensors() {
         expected.insert(want.name.as_str());
         let Some(entry) = checkpoint.tensors.get(&want.name) else {
             problems.push(match unusable.get(&want.name) {
                 Some(why) => why.clone(),
-                None => format!("missing tensor {} (expected shape {:?})", want.name, want.shape),
+                None => {
+                    missing.push(want);
+                    format!("missing tensor {} (expected shape {:?})", want.name, want.shape)
+                }
             });
             continue;
         };
         let file = entry.file.display();
         if entry.ty.shape != want.shape {
-            problems.push(format!(
-                "{file}: tensor {}: expected shape {:?}, found {} (shape {:?})",
-                want.name, want.shape, entry.ty, entry.ty.shape
-            ));
+            problems.push(format!("{file}: tensor {}: expected shape {:?}, found {}", want.name, want.shape, entry.ty));
             continue;
         }
         let needed = entry.ty.bytes();
@@ -230,16 +231,32 @@ fn check(checkpoint: &Checkpoint, plan: &ModelPlan, unusable: &BTreeMap<String, 
     }
     let config = &checkpoint.config;
     let model = format!("{} with {} layers", config.architecture.model_type(), config.num_layers);
-    for (name, entry) in &checkpoint.tensors {
-        if expected.contains(name.as_str()) || is_ignorable(name) {
-            continue;
-        }
+    let unexpected: Vec<(&String, &TensorEntry)> = checkpoint
+        .tensors
+        .iter()
+        .filter(|(name, _)| !expected.contains(name.as_str()) && !is_ignorable(name))
+        .collect();
+    // The missing tensor of the same shape a few edits away, if any. Pairing is quadratic: only
+    // when there are few of each.
+    let suggest = missing.len() * unexpected.len() <= 10_000;
+    let misnamed = |name: &str, shape: &[u64]| {
+        missing
+            .iter()
+            .filter(|m| suggest && m.shape == shape)
+            .map(|m| (edit_distance(&m.name, name), m))
+            .filter(|&(distance, _)| distance <= 4)
+            .min_by_key(|&(distance, _)| distance)
+            .map(|(_, m)| m.name.as_str())
+    };
+    for (name, entry) in unexpected {
         let hint = if name == "lm_head.weight" && config.tie_word_embeddings {
             " (tie_word_embeddings is true: the head is the embedding table)".to_string()
         } else if name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj") {
             " (experts fused into one tensor: waferc reads the per-expert layout transformers saves, \
              mlp.experts.E.gate_proj.weight and so on)"
                 .to_string()
+        } else if let Some(intended) = misnamed(name, &entry.ty.shape) {
+            format!(" (misnamed {intended}?)")
         } else {
             String::new()
         };
@@ -255,6 +272,20 @@ fn check(checkpoint: &Checkpoint, plan: &ModelPlan, unusable: &BTreeMap<String, 
         }
     }
     problems
+}
+
+/// Levenshtein distance over bytes, for pairing a misnamed tensor with the missing one it was meant to be.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut previous: Vec<usize> = (0..=b.len()).collect();
+    for (i, &ca) in a.iter().enumerate() {
+        let mut current = vec![i + 1; b.len() + 1];
+        for (j, &cb) in b.iter().enumerate() {
+            current[j + 1] = (previous[j] + usize::from(ca != cb)).min(previous[j + 1] + 1).min(current[j] + 1);
+        }
+        previous = current;
+    }
+    previous[b.len()]
 }
 
 /// Emits the IR for a checked checkpoint.
@@ -391,7 +422,6 @@ mod tests {
 
     use super::*;
     use crate::frontend::config::parse_config;
-    use crate::frontend::TensorEntry;
 
     /// A shape-only checkpoint holding exactly the tensors `config` calls for, in f32.
     fn checkpoint(config: serde_json::Value) -> Checkpoint {
@@ -500,5 +530,13 @@ mod tests {
             ),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn edit_distance_counts_single_byte_edits() {
+        assert_eq!(edit_distance("q_proj.bias", "q_proj.bias"), 0);
+        assert_eq!(edit_distance("q_proj.bias", "q_proj.biases"), 2);
+        assert_eq!(edit_distance("w1", "w3"), 1);
+        assert_eq!(edit_distance("", "abc"), 3);
     }
 }
