@@ -393,3 +393,47 @@ fn files_without_tokenizer_metadata_have_no_tokenizer_and_unknown_ones_are_repor
     let problems = invalid_problems(gguf::read(&writer.write(&dir, "mystery.gguf")).unwrap_err());
     assert!(problems[0].contains("tokenizer.ggml.pre \"mystery\""), "{problems:?}");
 }
+
+/// Corrupting any byte of the header, metadata or directory (tokenizer included) gives a result
+/// or an error, never a panic.
+#[test]
+fn corrupted_bytes_never_panic() {
+    let dir = scratch_dir("corrupted");
+    let (writer, _) = tiny_llama();
+    let writer = tiny_tokenizer(writer);
+    let bytes = writer.to_bytes();
+    let (mut bare, _) = tiny_llama();
+    bare = tiny_tokenizer(bare);
+    bare.tensors.iter_mut().for_each(|t| t.data.clear());
+    let directory_len = bare.to_bytes().len();
+    let path = dir.join("corrupt.gguf");
+    let mut rejected = 0;
+    for at in 0..directory_len {
+        for corrupt in [0x00, 0xFF, bytes[at] ^ 0x01, bytes[at] ^ 0x80] {
+            if corrupt == bytes[at] {
+                continue;
+            }
+            let mut damaged = bytes.clone();
+            damaged[at] = corrupt;
+            std::fs::write(&path, &damaged).unwrap();
+            let outcome = std::panic::catch_unwind(|| gguf::read(&path).is_err());
+            match outcome {
+                Ok(is_err) => rejected += usize::from(is_err),
+                Err(_) => panic!("byte {at} set to {corrupt:#04x}: the frontend panicked"),
+            }
+        }
+    }
+    assert!(rejected > directory_len, "most corruptions of the directory are caught ({rejected} were)");
+}
+
+#[test]
+fn version_2_files_read_like_version_3() {
+    let dir = scratch_dir("version2");
+    let (mut writer, _) = tiny_llama();
+    writer.version = 2;
+    let (v2, _) = gguf::read(&writer.write(&dir, "v2.gguf")).expect("GGUF v2 reads");
+    let (writer, _) = tiny_llama();
+    let (v3, _) = gguf::read(&writer.write(&dir, "v3.gguf")).unwrap();
+    assert_eq!(v2.config, v3.config);
+    assert!(v2.tensors.iter().zip(&v3.tensors).all(|((a, x), (b, y))| a == b && x.data.bytes() == y.data.bytes()));
+}
