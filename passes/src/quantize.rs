@@ -298,7 +298,7 @@ mod tests {
         );
         let up = &m.weights[Handle::new(1)];
         assert_eq!(up.data.bytes().map(<[u8]>::len), Some(48 * 68));
-        // Each row of `up` is sample_row() rounded to bf16; it must quantise as that row does.
+        // Each row of `up` is sample_row() truncated to bf16; it must quantise as that row does.
         let bf16_row: Vec<u8> = sample_row().iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
         let mut expected = vec![0u8; 68];
         quantize_row_q8_0(&widen(DType::BF16, &bf16_row), &mut expected);

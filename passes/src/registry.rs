@@ -33,7 +33,7 @@ pub const PASSES: &[PassInfo] = &[
     },
     PassInfo {
         name: "quantize",
-        usage: "quantize q8_0|q4_0 [embedding]",
+        usage: QUANTIZE_USAGE,
         summary: "quantise matvec weights (and with `embedding`, the embedding table) with ggml's reference rules",
         build: build_quantize,
     },
@@ -50,8 +50,10 @@ fn no_arguments(pass: &'static str, usage: &'static str, args: &[&str]) -> Resul
     }
 }
 
+const QUANTIZE_USAGE: &str = "quantize q8_0|q4_0 [embedding]";
+
 fn build_quantize(args: &[&str]) -> Result<Box<dyn Pass>, PassError> {
-    let bad = |message: String| PassError::BadArguments { pass: "quantize", message, usage: PASSES[2].usage };
+    let bad = |message: String| PassError::BadArguments { pass: "quantize", message, usage: QUANTIZE_USAGE };
     let (format, rest) = args.split_first().ok_or_else(|| bad("needs a format".into()))?;
     let format = QuantFormat::from_name(format).ok_or_else(|| bad(format!("unknown format `{format}`")))?;
     let include_embedding = match rest {
@@ -96,7 +98,8 @@ pub fn parse_pipeline(spec: &str) -> Result<Vec<Box<dyn Pass>>, PassError> {
         .collect()
 }
 
-/// Checks the module and changes nothing: a pipeline of just `verify` checks a file.
+/// Checks the module and changes nothing: a pipeline of just `verify` checks a file. (The pass
+/// manager verifies its input anyway; this pass makes the same check usable on its own.)
 struct Verify;
 
 impl Pass for Verify {
@@ -105,7 +108,7 @@ impl Pass for Verify {
     }
 
     fn run(&self, module: &mut Module) -> Result<(), PassError> {
-        verify(module).map_err(|source| PassError::BrokeIr { pass: "verify".into(), source })
+        verify(module).map_err(PassError::InvalidInput)
     }
 }
 

@@ -112,7 +112,11 @@ fn filetests() {
     let mut failures = Vec::new();
     for snapshot in files_ending_with(&root, ".snap") {
         if !snapshot.with_extension("ir").is_file() {
-            failures.push(format!("{}: no case {} for this snapshot", relative(&snapshot), relative(&snapshot.with_extension("ir"))));
+            failures.push(format!(
+                "{}: no case {} for this snapshot",
+                relative(&snapshot),
+                relative(&snapshot.with_extension("ir"))
+            ));
         }
     }
     for case in &cases {
