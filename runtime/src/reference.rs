@@ -361,15 +361,16 @@ impl Generation {
     }
 }
 
-/// The id of the largest logit, ties to the lower id (0 for an empty row).
+/// The id of the largest logit, ties to the lower id; NaNs never win (0 for a row without a
+/// number).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
+    let mut best: Option<usize> = None;
     for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
+        if !v.is_nan() && best.is_none_or(|b| v > logits[b]) {
+            best = Some(i);
         }
     }
-    best as u32
+    best.unwrap_or(0) as u32
 }
 
 /// Resets `decoder`, feeds `prompt` one step per token, then chooses up to `max_new_tokens`

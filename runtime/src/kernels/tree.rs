@@ -15,11 +15,16 @@
 //! the subtree's value, and [`tree_combine`] of consecutive equal-sized runs' values, in order,
 //! reproduces the whole sum bit for bit. [`dot_run`] is that partial for one matvec tile.
 //!
+//! Sums are written `left + right` in tree order (clippy's `assign_op_pattern` would flip them;
+//! IEEE addition is commutative, but the code should read like the rule).
+//!
 //! Only the grouping above is fixed; which instructions compute it is free. The portable code
 //! here is the definition (products and sums are rounded separately: Rust never contracts
 //! `a * b + c` into a fused multiply-add); on x86-64 CPUs with AVX2, [`dot`] runs the same
 //! operations in the same order with intrinsics (`super::avx2`), so results never depend on CPU
 //! features or thread count.
+
+#![allow(clippy::assign_op_pattern)]
 
 use std::ops::Range;
 
