@@ -12,3 +12,5 @@ pub mod registry;
 
 pub use error::PassError;
 pub use manager::{peak_rss, write_atomically, Pass, PassManager, PassRecord, PassReport, INPUT_LABEL};
+
+pub mod wafer;

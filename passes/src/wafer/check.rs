@@ -1,0 +1,757 @@
+//! The independent checker: re-derives, from the program and the IR alone, that the placement is
+//! sound. It shares no code with the placer: it reads what PEs hold (their SRAM images) and what
+//! routes carry, not how the placer decided either.
+//!
+//! Checked: instruction placements match the IR; every PE's SRAM regions are disjoint and within
+//! the budget, the code reserve first; every matvec and embedding weight element is held exactly
+//! once, as a grid of row blocks x aligned power-of-two chunk runs, every norm weight and bias
+//! element at least once, and every tile the placement lists is such a region; KV blocks cover
+//! `0..max_context` exactly once in aligned power-of-two chunk runs; every route's path is made of
+//! straight neighbour runs (or hops between consecutive wafers), each starting where the route
+//! already is, and reaches every destination; no two routes touching a PE share a colour, and no
+//! colour exceeds the target's limit; every operand a PE expects arrives on a route from a PE
+//! holding it (or is already there); every route is used by exactly one schedule step, after the
+//! steps that produce what it carries.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::ops::Range;
+
+use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work};
+use waferc_ir::{Handle, Module, Op};
+
+/// One problem the checker found. Each names what it can of the PE, route, instruction and layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Problem {
+    pub pe: Option<Pe>,
+    pub route: Option<u32>,
+    pub instr: Option<u32>,
+    pub layer: Option<u32>,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        if let Some(instr) = self.instr {
+            parts.push(format!("%{instr}"));
+        }
+        if let Some(layer) = self.layer {
+            parts.push(format!("layer {layer}"));
+        }
+        if let Some(route) = self.route {
+            parts.push(format!("route {route}"));
+        }
+        if let Some(pe) = self.pe {
+            parts.push(pe.to_string());
+        }
+        if parts.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", parts.join(", "), self.message)
+        }
+    }
+}
+
+/// The checker's verdict: every problem found (up to [`MAX_PROBLEMS`]).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub struct CheckError {
+    pub problems: Vec<Problem>,
+}
+
+/// The checker stops collecting after this many problems.
+pub const MAX_PROBLEMS: usize = 100;
+
+impl fmt::Display for CheckError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "placement check failed with {} problem(s)", self.problems.len())?;
+        for p in self.problems.iter().take(20) {
+            write!(f, "\n  {p}")?;
+        }
+        if self.problems.len() > 20 {
+            write!(f, "\n  ... and {} more", self.problems.len() - 20)?;
+        }
+        Ok(())
+    }
+}
+
+struct Checker<'a> {
+    program: &'a WaferProgram,
+    module: &'a Module,
+    problems: Vec<Problem>,
+}
+
+/// Checks `program` against the `module` it was compiled from.
+pub fn check(program: &WaferProgram, module: &Module) -> Result<(), CheckError> {
+    let mut c = Checker { program, module, problems: Vec::new() };
+    c.instrs();
+    if c.problems.is_empty() {
+        c.sram();
+        c.weights();
+        c.kv();
+        let routes = c.routes_by_id();
+        c.paths_and_colours();
+        c.operands(&routes);
+        c.schedule(&routes);
+    }
+    if c.problems.is_empty() {
+        Ok(())
+    } else {
+        Err(CheckError { problems: c.problems })
+    }
+}
+
+fn overlap(a: &Range<u64>, b: &Range<u64>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+impl<'a> Checker<'a> {
+    fn layer(&self, instr: u32) -> Option<u32> {
+        self.module.body.get(Handle::new(instr as usize)).and_then(|i| i.layer)
+    }
+
+    fn report(&mut self, pe: Option<Pe>, route: Option<u32>, instr: Option<u32>, message: String) {
+        if self.problems.len() < MAX_PROBLEMS {
+            let layer = instr.and_then(|i| self.layer(i));
+            self.problems.push(Problem { pe, route, instr, layer, message });
+        }
+    }
+
+    /// One placement per instruction, in order, naming the same op and layer.
+    fn instrs(&mut self) {
+        if self.program.instrs.len() != self.module.body.len() {
+            self.report(
+                None,
+                None,
+                None,
+                format!("{} placements for {} instructions", self.program.instrs.len(), self.module.body.len()),
+            );
+            return;
+        }
+        for (i, p) in self.program.instrs.iter().enumerate() {
+            let ir = &self.module.body[Handle::new(i)];
+            if p.instr as usize != i || p.op != ir.op.name() || p.layer != ir.layer {
+                self.report(
+                    None,
+                    None,
+                    Some(i as u32),
+                    format!(
+                        "placement says %{} = {} (layer {:?}), the IR has {}",
+                        p.instr,
+                        p.op,
+                        p.layer,
+                        ir.op.name()
+                    ),
+                );
+            }
+        }
+    }
+
+    fn sram(&mut self) {
+        let params = &self.program.target;
+        let mut previous: Option<Pe> = None;
+        for image in &self.program.pes {
+            let pe = image.pe;
+            if !params.contains(pe) {
+                self.report(Some(pe), None, None, format!("is outside target {}", params.name));
+            }
+            if previous.is_some_and(|p| p >= pe) {
+                self.report(Some(pe), None, None, "PE images are not sorted and unique".into());
+            }
+            previous = Some(pe);
+            match image.regions.first() {
+                Some(r) if r.kind == RegionKind::Code && r.offset == 0 && r.bytes >= params.code_reserve_bytes => {}
+                _ => self.report(Some(pe), None, None, "the first region is not the code reserve at offset 0".into()),
+            }
+            let mut end = 0u64;
+            for r in &image.regions {
+                if (r.offset as u64) < end {
+                    self.report(
+                        Some(pe),
+                        None,
+                        r.instr,
+                        format!("region at offset {} overlaps the one before", r.offset),
+                    );
+                }
+                end = r.offset as u64 + r.bytes as u64;
+            }
+            if end > params.sram_bytes_per_pe as u64 {
+                let instr = image.regions.iter().rev().find_map(|r| r.instr);
+                self.report(
+                    Some(pe),
+                    None,
+                    instr,
+                    format!("uses {end} bytes of SRAM, over the {}-byte budget", params.sram_bytes_per_pe),
+                );
+            }
+        }
+    }
+
+    /// Weight coverage, blob ranges, and the tiles the placements list.
+    fn weights(&mut self) {
+        // (instr, weight) -> (rows, cols, pe)
+        let mut held: BTreeMap<(u32, u32), Vec<(Range<u64>, Range<u64>, Pe)>> = BTreeMap::new();
+        let mut blobs = Vec::new();
+        for image in &self.program.pes {
+            for r in &image.regions {
+                if let (RegionKind::Weight { weight, rows, cols, blob }, Some(instr)) = (&r.kind, r.instr) {
+                    let Some(w) = self.module.weights.get(Handle::new(*weight as usize)) else {
+                        self.report(
+                            Some(image.pe),
+                            None,
+                            Some(instr),
+                            format!("holds weight #{weight}, which does not exist"),
+                        );
+                        continue;
+                    };
+                    let (n_rows, n_cols) = match w.ty.shape.as_slice() {
+                        [n] => (1, *n),
+                        [r, c] => (*r, *c),
+                        _ => (0, 0),
+                    };
+                    let expect =
+                        w.ty.dtype.row_bytes(cols.end.saturating_sub(cols.start)).map(|b| b * (rows.end - rows.start));
+                    if rows.end > n_rows || cols.end > n_cols || rows.start >= rows.end || cols.start >= cols.end {
+                        self.report(
+                            Some(image.pe),
+                            None,
+                            Some(instr),
+                            format!("holds rows {rows:?} x cols {cols:?} of {} ({}), out of range", w.name, w.ty),
+                        );
+                    } else if expect != Some(r.bytes as u64) || blob.end - blob.start != r.bytes as u64 {
+                        self.report(
+                            Some(image.pe),
+                            None,
+                            Some(instr),
+                            format!("region of {} is {} bytes, blob {blob:?}; expected {expect:?}", w.name, r.bytes),
+                        );
+                    }
+                    if blob.end > self.program.tile_blob_len {
+                        self.report(Some(image.pe), None, Some(instr), format!("blob range {blob:?} is past the blob"));
+                    }
+                    blobs.push((blob.clone(), image.pe));
+                    held.entry((instr, *weight)).or_default().push((rows.clone(), cols.clone(), image.pe));
+                }
+            }
+        }
+        blobs.sort_by_key(|(b, _)| (b.start, b.end));
+        for pair in blobs.windows(2) {
+            if pair[1].0.start < pair[0].0.end {
+                self.report(
+                    Some(pair[1].1),
+                    None,
+                    None,
+                    format!("blob range {:?} overlaps {:?}", pair[1].0, pair[0].0),
+                );
+            }
+        }
+        for (handle, ir) in self.module.body.iter() {
+            let instr = handle.index() as u32;
+            let (exact, shared): (Vec<_>, Vec<_>) = match &ir.op {
+                Op::Embed { table } => (vec![*table], vec![]),
+                Op::MatVec { weight, bias, .. } => (vec![*weight], bias.iter().copied().collect()),
+                Op::RmsNorm { weight, .. } => (vec![], vec![*weight]),
+                _ => continue,
+            };
+            for w in exact {
+                let pieces = held.remove(&(instr, w.index() as u32)).unwrap_or_default();
+                self.exactly_once(instr, w, pieces, matches!(ir.op, Op::MatVec { .. }));
+            }
+            for w in shared {
+                let pieces = held.remove(&(instr, w.index() as u32)).unwrap_or_default();
+                self.at_least_once(instr, w, pieces);
+            }
+        }
+        for ((instr, weight), pieces) in held {
+            self.report(
+                Some(pieces[0].2),
+                None,
+                Some(instr),
+                format!("holds weight #{weight}, which the instruction does not read"),
+            );
+        }
+        // Every tile a matvec lists is a weight region of that matvec with the tile's extent.
+        for p in &self.program.instrs {
+            let Work::MatVec(mv) = &p.work else { continue };
+            if mv.tiles.len() != mv.row_blocks as usize * mv.col_blocks as usize {
+                self.report(
+                    None,
+                    None,
+                    Some(p.instr),
+                    format!("{} tiles for a {} x {} grid", mv.tiles.len(), mv.row_blocks, mv.col_blocks),
+                );
+            }
+            let mut seen = HashSet::new();
+            for t in &mv.tiles {
+                let region = self.program.pe(t.pe).and_then(|img| img.regions.get(t.region as usize));
+                let ok = match region {
+                    Some(r) => match &r.kind {
+                        RegionKind::Weight { rows, cols, .. } => {
+                            r.instr == Some(p.instr)
+                                && *rows == t.rows
+                                && cols.start == t.chunks.start * 32
+                                && cols.end.div_ceil(32) == t.chunks.end
+                        }
+                        _ => false,
+                    },
+                    None => false,
+                };
+                if !ok {
+                    self.report(
+                        Some(t.pe),
+                        None,
+                        Some(p.instr),
+                        format!("tile rows {:?} x chunks {:?} is not the weight region it names", t.rows, t.chunks),
+                    );
+                }
+                if !seen.insert((t.pe, t.region)) {
+                    self.report(
+                        Some(t.pe),
+                        None,
+                        Some(p.instr),
+                        format!("tile rows {:?} x chunks {:?} is placed twice", t.rows, t.chunks),
+                    );
+                }
+            }
+        }
+    }
+
+    /// A weight held as a grid: row bands that partition the rows, each band's column pieces
+    /// partitioning the columns; for a matvec, column pieces are aligned equal power-of-two
+    /// chunk runs (the last may be short).
+    fn exactly_once(
+        &mut self,
+        instr: u32,
+        weight: Handle<waferc_ir::Weight>,
+        mut pieces: Vec<(Range<u64>, Range<u64>, Pe)>,
+        chunk_runs: bool,
+    ) {
+        let w = &self.module.weights[weight];
+        let (n_rows, n_cols) = match w.ty.shape.as_slice() {
+            [r, c] => (*r, *c),
+            [n] => (1, *n),
+            _ => return,
+        };
+        if pieces.is_empty() {
+            self.report(None, None, Some(instr), format!("weight {} is held by no PE", w.name));
+            return;
+        }
+        pieces.sort_by_key(|(r, c, _)| (r.start, c.start, r.end, c.end));
+        let mut row = 0;
+        let mut i = 0;
+        while i < pieces.len() {
+            let band = pieces[i].0.clone();
+            let pe = pieces[i].2;
+            if band.start != row {
+                let what = if band.start < row { "held twice" } else { "held by no PE" };
+                self.report(
+                    Some(pe),
+                    None,
+                    Some(instr),
+                    format!("rows {row}..{} of {} are {what}", band.start.max(row), w.name),
+                );
+                return;
+            }
+            let mut col = 0;
+            let run = pieces[i].1.end - pieces[i].1.start;
+            while i < pieces.len() && pieces[i].0 == band {
+                let (_, cols, pe) = &pieces[i];
+                if cols.start != col {
+                    let what = if cols.start < col { "held twice" } else { "held by no PE" };
+                    self.report(
+                        Some(*pe),
+                        None,
+                        Some(instr),
+                        format!("rows {band:?}, cols {col}.. of {} are {what}", w.name),
+                    );
+                    return;
+                }
+                let aligned = cols.start % run == 0 && (cols.end - cols.start == run || cols.end == n_cols);
+                if chunk_runs
+                    && (run % 32 != 0 && cols.end != n_cols || !(run / 32).max(1).is_power_of_two() || !aligned)
+                {
+                    self.report(
+                        Some(*pe),
+                        None,
+                        Some(instr),
+                        format!("cols {cols:?} of {} are not an aligned power-of-two run of 32-element chunks", w.name),
+                    );
+                }
+                col = cols.end;
+                i += 1;
+            }
+            if col != n_cols {
+                self.report(
+                    Some(pe),
+                    None,
+                    Some(instr),
+                    format!("rows {band:?}, cols {col}..{n_cols} of {} are held by no PE", w.name),
+                );
+            }
+            row = band.end;
+        }
+        if row != n_rows {
+            self.report(None, None, Some(instr), format!("rows {row}..{n_rows} of {} are held by no PE", w.name));
+        }
+    }
+
+    fn at_least_once(
+        &mut self,
+        instr: u32,
+        weight: Handle<waferc_ir::Weight>,
+        mut pieces: Vec<(Range<u64>, Range<u64>, Pe)>,
+    ) {
+        let w = &self.module.weights[weight];
+        let n = w.ty.elements();
+        pieces.sort_by_key(|(_, c, _)| (c.start, c.end));
+        let mut covered = 0;
+        for (_, cols, _) in &pieces {
+            if cols.start > covered {
+                break;
+            }
+            covered = covered.max(cols.end);
+        }
+        if covered < n {
+            self.report(None, None, Some(instr), format!("elements {covered}..{n} of {} are held by no PE", w.name));
+        }
+    }
+
+    fn kv(&mut self) {
+        let max_context = self.program.max_context;
+        for p in &self.program.instrs {
+            let Work::Attention(att) = &p.work else { continue };
+            for head in &att.kv_heads_placed {
+                let mut next = 0u32;
+                let run = head.blocks.first().map_or(0, |b| b.positions.end - b.positions.start);
+                for b in &head.blocks {
+                    let len = b.positions.end - b.positions.start;
+                    let aligned = run % 32 == 0 && (run / 32).is_power_of_two() && b.positions.start % run == 0;
+                    if b.positions.start != next || !aligned || (len != run && b.positions.end != max_context) {
+                        self.report(
+                            Some(b.pe),
+                            None,
+                            Some(p.instr),
+                            format!(
+                                "KV head {} block {:?} is not the next aligned power-of-two run of 32-position chunks",
+                                head.kv_head, b.positions
+                            ),
+                        );
+                    }
+                    let region = self.program.pe(b.pe).and_then(|img| img.regions.get(b.region as usize));
+                    let holds = matches!(region.map(|r| &r.kind), Some(RegionKind::KvCache { kv_head, positions }) if *kv_head == head.kv_head && *positions == b.positions);
+                    if !holds {
+                        self.report(
+                            Some(b.pe),
+                            None,
+                            Some(p.instr),
+                            format!("KV head {} block {:?} names no such KV region", head.kv_head, b.positions),
+                        );
+                    }
+                    next = b.positions.end;
+                }
+                if next != max_context {
+                    self.report(
+                        None,
+                        None,
+                        Some(p.instr),
+                        format!("KV head {} covers positions 0..{next}, not 0..{max_context}", head.kv_head),
+                    );
+                }
+            }
+        }
+    }
+
+    fn routes_by_id(&mut self) -> HashMap<u32, &'a Route> {
+        let program = self.program;
+        let mut by_id = HashMap::with_capacity(program.routes.len());
+        for (index, r) in program.routes.iter().enumerate() {
+            if r.id as usize != index {
+                self.report(None, Some(r.id), Some(r.instr), format!("route {} is stored at index {index}", r.id));
+            }
+            if by_id.insert(r.id, r).is_some() {
+                self.report(None, Some(r.id), Some(r.instr), "route id used twice".into());
+            }
+        }
+        by_id
+    }
+
+    /// The PEs a route's runs visit, in order, or the problem with its path.
+    fn walk(&self, route: &Route) -> Result<HashSet<Pe>, (Option<Pe>, String)> {
+        let params = &self.program.target;
+        let mut at: HashSet<Pe> = route.sources.iter().copied().collect();
+        for run in &route.path {
+            if !at.contains(&run.from) {
+                return Err((Some(run.from), format!("a run starts at {} where the route has not been", run.from)));
+            }
+            if !params.contains(run.from) || !params.contains(run.to) {
+                return Err((Some(run.to), "a run leaves the target".into()));
+            }
+            if run.from.wafer != run.to.wafer {
+                if run.from.wafer.abs_diff(run.to.wafer) != 1 {
+                    return Err((Some(run.from), "an inter-wafer hop skips a wafer".into()));
+                }
+                at.insert(run.to);
+                continue;
+            }
+            if run.from.x != run.to.x && run.from.y != run.to.y {
+                return Err((Some(run.from), format!("the run {} -> {} is not straight", run.from, run.to)));
+            }
+            if run.from == run.to {
+                return Err((Some(run.from), "a run of no hops".into()));
+            }
+            let (a, b) = (run.from, run.to);
+            for x in a.x.min(b.x)..=a.x.max(b.x) {
+                for y in a.y.min(b.y)..=a.y.max(b.y) {
+                    at.insert(Pe::new(a.wafer, x, y));
+                }
+            }
+        }
+        for d in &route.destinations {
+            if !at.contains(d) {
+                return Err((Some(*d), "the route never reaches this destination".into()));
+            }
+        }
+        Ok(at)
+    }
+
+    fn paths_and_colours(&mut self) {
+        let params = &self.program.target;
+        let (cols, rows) = (params.grid_cols as usize, params.grid_rows as usize);
+        let mut masks = vec![0u32; cols * rows * params.wafers as usize];
+        let index = |pe: Pe| (pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize;
+        for route in &self.program.routes {
+            if route.sources.is_empty() || route.destinations.is_empty() {
+                self.report(None, Some(route.id), Some(route.instr), "has no source or no destination".into());
+                continue;
+            }
+            if route.colour >= params.colours_per_pe || route.colour >= 32 {
+                self.report(
+                    None,
+                    Some(route.id),
+                    Some(route.instr),
+                    format!("colour {} is over the limit of {}", route.colour, params.colours_per_pe),
+                );
+                continue;
+            }
+            let pes = match self.walk(route) {
+                Ok(pes) => pes,
+                Err((pe, message)) => {
+                    self.report(pe, Some(route.id), Some(route.instr), message);
+                    continue;
+                }
+            };
+            let bit = 1u32 << route.colour;
+            let mut clash = None;
+            for pe in &pes {
+                let m = &mut masks[index(*pe)];
+                if *m & bit != 0 && clash.is_none_or(|c: Pe| *pe < c) {
+                    clash = Some(*pe);
+                }
+                *m |= bit;
+            }
+            if let Some(pe) = clash {
+                self.report(
+                    Some(pe),
+                    Some(route.id),
+                    Some(route.instr),
+                    format!("colour {} is already used at this PE by another route", route.colour),
+                );
+            }
+        }
+    }
+
+    /// Every operand region is fed: the PE holds the value itself, or an operand route of the
+    /// value's source ends here and is listed by the instruction.
+    fn operands(&mut self, routes: &HashMap<u32, &Route>) {
+        // Which value's data an operand is: through expert_dispatch to the dispatched vector.
+        let source = |mut v: usize| loop {
+            match &self.module.body[Handle::new(v)].op {
+                Op::ExpertDispatch { x, .. } => v = x.index(),
+                _ => return v as u32,
+            }
+        };
+        // (value, destination PE) -> element ranges arriving.
+        let mut arriving: HashMap<(u32, Pe), Vec<(Range<u64>, u32)>> = HashMap::new();
+        for r in routes.values() {
+            if let RouteKind::Operand { value, elements } = &r.kind {
+                let src_ok = self.program.pe(r.sources[0]).is_some_and(|img| {
+                    img.regions.iter().any(|g| g.instr == Some(*value) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
+                });
+                if !src_ok {
+                    self.report(
+                        Some(r.sources[0]),
+                        Some(r.id),
+                        Some(*value),
+                        format!("sends elements {elements:?} of %{value}, which this PE does not hold"),
+                    );
+                }
+                for d in &r.destinations {
+                    arriving.entry((*value, *d)).or_default().push((elements.clone(), r.id));
+                }
+            }
+        }
+        let listed: Vec<HashSet<u32>> = self
+            .program
+            .instrs
+            .iter()
+            .map(|p| {
+                let mut set: HashSet<u32> = p.operand_routes.iter().copied().collect();
+                if let Work::Attention(att) = &p.work {
+                    for h in &att.kv_heads_placed {
+                        set.extend(h.q_routes.iter().chain(&h.k_routes).chain(&h.v_routes).copied());
+                    }
+                }
+                set
+            })
+            .collect();
+        for image in &self.program.pes {
+            for region in &image.regions {
+                let (RegionKind::Operand { value, elements }, Some(instr)) = (&region.kind, region.instr) else {
+                    continue;
+                };
+                let src = source(*value as usize);
+                let local = self.program.pe(image.pe).is_some_and(|img| {
+                    img.regions.iter().any(|g| g.instr == Some(src) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
+                });
+                if local {
+                    continue;
+                }
+                let mut pieces: Vec<(Range<u64>, u32)> = arriving
+                    .get(&(src, image.pe))
+                    .map(|v| v.iter().filter(|(e, _)| overlap(e, elements)).cloned().collect())
+                    .unwrap_or_default();
+                pieces.sort_by_key(|(e, _)| e.start);
+                let mut covered = elements.start;
+                for (e, id) in &pieces {
+                    if e.start <= covered {
+                        covered = covered.max(e.end);
+                    }
+                    if !listed[instr as usize].contains(id) {
+                        self.report(
+                            Some(image.pe),
+                            Some(*id),
+                            Some(instr),
+                            format!("operand %{value} arrives on route {id}, which the instruction does not list"),
+                        );
+                    }
+                }
+                if covered < elements.end {
+                    self.report(
+                        Some(image.pe),
+                        None,
+                        Some(instr),
+                        format!(
+                            "no route from its producer brings elements {covered}..{} of operand %{value}",
+                            elements.end
+                        ),
+                    );
+                }
+            }
+        }
+        // Routes every placement names exist.
+        for p in &self.program.instrs {
+            let mut named: Vec<u32> = p.operand_routes.iter().chain(&p.deliveries).copied().collect();
+            match &p.work {
+                Work::Embed { collects, .. } => named.extend(collects),
+                Work::MatVec(mv) => named.extend(mv.reductions.iter().chain(&mv.broadcasts).chain(&mv.collects)),
+                Work::RmsNorm(n) => named.extend(n.group_routes.iter().flat_map(|g| [g.reduce, g.broadcast])),
+                Work::Attention(att) => {
+                    named.extend(&att.collects);
+                    for h in &att.kv_heads_placed {
+                        named.extend(h.q_routes.iter().chain(&h.k_routes).chain(&h.v_routes));
+                        named.extend(
+                            [h.max_reduce, h.max_broadcast, h.sum_reduce, h.sum_broadcast, h.out_reduce]
+                                .into_iter()
+                                .flatten(),
+                        );
+                    }
+                }
+                Work::Router { routing } | Work::Dispatch { routing } => named.push(*routing),
+                Work::Combine { routing, collects } => {
+                    named.push(*routing);
+                    named.extend(collects);
+                }
+                Work::Elementwise => {}
+            }
+            for id in named {
+                if !routes.contains_key(&id) {
+                    self.report(
+                        None,
+                        Some(id),
+                        Some(p.instr),
+                        format!("the placement names route {id}, which does not exist"),
+                    );
+                }
+            }
+            if let ResultLayout::Vector(l) = &p.result {
+                let mut next = 0;
+                for s in &l.segments {
+                    if s.elements.start != next || s.elements.end <= s.elements.start {
+                        self.report(
+                            Some(s.pe),
+                            None,
+                            Some(p.instr),
+                            format!("result segment {:?} does not follow {next}", s.elements),
+                        );
+                    }
+                    next = s.elements.end;
+                }
+            }
+        }
+    }
+
+    /// Every route in exactly one step; steps in program order; deliveries before their readers.
+    fn schedule(&mut self, routes: &HashMap<u32, &Route>) {
+        let mut used: HashMap<u32, usize> = HashMap::new();
+        let mut first_step: HashMap<u32, usize> = HashMap::new();
+        let mut last_instr = 0;
+        for (s, step) in self.program.schedule.iter().enumerate() {
+            if step.instr < last_instr {
+                self.report(None, None, Some(step.instr), format!("step {s} goes back to an earlier instruction"));
+            }
+            last_instr = step.instr;
+            first_step.entry(step.instr).or_insert(s);
+            for id in &step.routes {
+                if !routes.contains_key(id) {
+                    self.report(
+                        None,
+                        Some(*id),
+                        Some(step.instr),
+                        format!("step {s} ({:?}) uses route {id}, which does not exist", step.phase),
+                    );
+                } else if let Some(prev) = used.insert(*id, s) {
+                    self.report(
+                        None,
+                        Some(*id),
+                        Some(step.instr),
+                        format!("route {id} is used by steps {prev} and {s}"),
+                    );
+                }
+            }
+        }
+        for r in &self.program.routes {
+            match used.get(&r.id) {
+                None => self.report(None, Some(r.id), Some(r.instr), "no schedule step uses this route".into()),
+                Some(step) => {
+                    if let RouteKind::Operand { .. } = r.kind {
+                        for p in &self.program.instrs {
+                            if p.operand_routes.contains(&r.id) && first_step.get(&p.instr).is_some_and(|f| f < step) {
+                                self.report(
+                                    None,
+                                    Some(r.id),
+                                    Some(p.instr),
+                                    format!("the instruction starts before step {step} delivers its operand"),
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for p in &self.program.instrs {
+            if !first_step.contains_key(&p.instr) {
+                self.report(None, None, Some(p.instr), "no schedule step runs this instruction".into());
+            }
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! Lowering an IR module onto a wafer target: tiling, placement, routing, schedule.
+//!
+//! [`compile`] runs four stages, each deterministic and linear in the number of tiles:
+//!
+//! 1. **Sizing** (`size`): every instruction gets a shape that fits one PE's SRAM: a matvec a grid
+//!    of tiles (rows x an aligned power-of-two run of 32-element chunks, chosen to need the fewest
+//!    PEs), the embedding row blocks, attention KV blocks of power-of-two position runs for
+//!    `max_context`, vectors segments. A model that does not fit stops here, saying by how much
+//!    and what would fit.
+//! 2. **Placement** (`place`): layers go to wafers in a balanced pipeline; on each wafer PEs are
+//!    taken in snake order (row 0 left to right, row 1 right to left, ...), instructions in
+//!    program order, so consecutive layers and a tile row's PEs are neighbours. The experts of an
+//!    MoE layer have their tile rows interleaved, so whichever experts the router picks, their
+//!    work is spread over the layer's whole region rather than one corner of it.
+//! 3. **Routing** (`route`): dimension-ordered paths (multicasts go along the source's column,
+//!    then along rows; gathers along rows, then the destination's column), inter-wafer traffic
+//!    through each wafer's gateway PE (0, 0), and greedy colour assignment under the target's
+//!    colour limit.
+//! 4. **Schedule**: the steps of one decode step, each naming the routes it uses.
+//!
+//! [`check`] re-verifies a program independently of the placer's bookkeeping.
+
+mod check;
+mod place;
+mod route;
+mod size;
+
+use std::fmt;
+
+pub use check::{check, CheckError};
+use waferc_ir::wafer::{Pe, Plan, WaferProgram};
+use waferc_ir::{IrError, Module};
+use waferc_targets::Target;
+
+/// Options of [`compile`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompileOptions {
+    /// KV capacity in positions (the longest prompt plus generated tokens the program supports).
+    pub max_context: u32,
+    /// The matvec plan: the default [`Plan::Tiled`], or WaferLLM's [`Plan::MeshGemv`].
+    pub plan: Plan,
+}
+
+impl CompileOptions {
+    /// The default plan with KV capacity `max_context`.
+    pub fn new(max_context: u32) -> Self {
+        CompileOptions { max_context, plan: Plan::Tiled }
+    }
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions::new(4096)
+    }
+}
+
+/// Why a module could not be compiled for a target.
+#[derive(Debug, thiserror::Error)]
+pub enum WaferError {
+    #[error("invalid module: {0}")]
+    Module(#[from] IrError),
+    #[error("compile options: {0}")]
+    Options(String),
+    #[error("{0}")]
+    DoesNotFit(Box<NotFit>),
+    #[error("%{instr} = {op}{}: {message}", layer_suffix(*layer))]
+    Unsupported { instr: u32, op: &'static str, layer: Option<u32>, message: String },
+    #[error(
+        "{pe}: route {route} of %{instr} = {op}{} needs a colour, but all {limit} colours of the PE's router \
+         are taken by other routes through it",
+        layer_suffix(*layer)
+    )]
+    Colours { pe: Pe, route: u32, instr: u32, op: &'static str, layer: Option<u32>, limit: u8 },
+}
+
+fn layer_suffix(layer: Option<u32>) -> String {
+    layer.map(|l| format!(" (layer {l})")).unwrap_or_default()
+}
+
+/// The does-not-fit report: how far the module is over, and what would fit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NotFit {
+    pub target: String,
+    pub needed_pes: u64,
+    pub available_pes: u64,
+    pub sram_bytes_per_pe: u32,
+    /// When the total fits but one wafer of a pipeline does not: that wafer and its need.
+    pub wafer: Option<(u16, u64)>,
+    /// Targets and quantisations that would fit, e.g. `wse3x4`, `q8_0 on wse3`.
+    pub would_fit: Vec<String>,
+}
+
+impl NotFit {
+    /// PEs short (on the wafer that overflows, for a pipeline).
+    pub fn short_pes(&self) -> u64 {
+        match self.wafer {
+            Some((_, need)) => need.saturating_sub(self.available_pes),
+            None => self.needed_pes.saturating_sub(self.available_pes),
+        }
+    }
+
+    pub fn short_bytes(&self) -> u64 {
+        self.short_pes() * self.sram_bytes_per_pe as u64
+    }
+}
+
+impl fmt::Display for NotFit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.wafer {
+            Some((wafer, need)) => write!(
+                f,
+                "the module does not fit target {}: wafer {wafer} of the pipeline needs {need} PEs but a wafer has {}",
+                self.target, self.available_pes
+            )?,
+            None => write!(
+                f,
+                "the module does not fit target {}: it needs {} PEs but the target has {}",
+                self.target, self.needed_pes, self.available_pes
+            )?,
+        }
+        write!(
+            f,
+            "; short by {} PEs ({:.2} GB of SRAM at {} bytes per PE)",
+            self.short_pes(),
+            self.short_bytes() as f64 / 1e9,
+            self.sram_bytes_per_pe
+        )?;
+        if self.would_fit.is_empty() {
+            write!(f, "; no built-in target or q8_0/q4_0 quantisation would fit it either")
+        } else {
+            write!(
+                f,
+                "; it would fit: {} (quantise with the `quantize` pass, e.g. `--passes \"quantize q8_0\"`)",
+                self.would_fit.join(", ")
+            )
+        }
+    }
+}
+
+/// Compiles `module` for `target`: tiles, placement, routes and schedule. Deterministic: the
+/// same module, target and options always give the same program.
+pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Result<WaferProgram, WaferError> {
+    waferc_ir::verify(module)?;
+    if options.max_context == 0 {
+        return Err(WaferError::Options("max_context must be at least 1".into()));
+    }
+    if let Plan::MeshGemv { p, group_num } = options.plan {
+        if p == 0 || group_num == 0 {
+            return Err(WaferError::Options(format!(
+                "MeshGemv needs p >= 1 and group_num >= 1, got p {p}, group_num {group_num}"
+            )));
+        }
+    }
+    let params = target.params();
+    let analysis = size::Analysis::new(module);
+    let sizes = size::size_module(module, &params, options, None)?;
+    let wafer_of = size::assign_wafers(module, &sizes, &params).map_err(|overflow| {
+        let would_fit = size::what_would_fit(module, target, options);
+        WaferError::DoesNotFit(Box::new(NotFit {
+            target: target.name.clone(),
+            needed_pes: sizes.total_pes(),
+            available_pes: overflow.available,
+            sram_bytes_per_pe: params.sram_bytes_per_pe,
+            wafer: overflow.wafer,
+            would_fit,
+        }))
+    })?;
+    place::place(module, &analysis, &sizes, &wafer_of, &params, options)
+}

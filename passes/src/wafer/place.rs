@@ -1,0 +1,811 @@
+//! Placement (PEs and SRAM images), routes and the schedule, from the sizes.
+
+use std::ops::Range;
+
+use waferc_ir::wafer::{
+    AttentionPlacement, EmbedBlock, GroupRoutes, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement,
+    NormPlacement, Pe, PeImage, Phase, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId, RouteKind,
+    Run, Segment, Step, TargetParams, Tile, VectorLayout, WaferProgram, Work,
+};
+use waferc_ir::{Module, Op, ValueType, BLOCK};
+
+use super::route::{self, assign_colours};
+use super::size::{Analysis, Shape, Sizes};
+use super::{CompileOptions, WaferError};
+
+const CHUNK: u64 = BLOCK as u64;
+const F32: u64 = 4;
+
+/// The `index`-th PE of a wafer in snake order: row 0 left to right, row 1 right to left, ...
+fn snake(params: &TargetParams, wafer: u16, index: u64) -> Pe {
+    let cols = params.grid_cols as u64;
+    let y = index / cols;
+    let along = index % cols;
+    let x = if y % 2 == 0 { along } else { cols - 1 - along };
+    Pe::new(wafer, x as u16, y as u16)
+}
+
+struct Placer<'a> {
+    module: &'a Module,
+    analysis: &'a Analysis,
+    params: &'a TargetParams,
+    options: &'a CompileOptions,
+    /// Next free snake index, per wafer.
+    cursor: Vec<u64>,
+    images: Vec<PeImage>,
+    placements: Vec<InstrPlacement>,
+    /// Snake base of each expert interleave group, once allocated.
+    group_base: Vec<Option<u64>>,
+    routes: Vec<Route>,
+}
+
+pub(super) fn place(
+    module: &Module,
+    analysis: &Analysis,
+    sizes: &Sizes,
+    wafer_of: &[u16],
+    params: &TargetParams,
+    options: &CompileOptions,
+) -> Result<WaferProgram, WaferError> {
+    let mut placer = Placer {
+        module,
+        analysis,
+        params,
+        options,
+        cursor: vec![0; params.wafers as usize],
+        images: Vec::new(),
+        placements: Vec::with_capacity(module.body.len()),
+        group_base: vec![None; analysis.groups.len()],
+        routes: Vec::new(),
+    };
+    for (handle, _) in module.body.iter() {
+        let i = handle.index();
+        let placement = placer.place_instr(i, &sizes.shapes[i], wafer_of[i])?;
+        placer.placements.push(placement);
+    }
+    for i in 0..module.body.len() {
+        placer.route_instr(i)?;
+    }
+    for i in 0..module.body.len() {
+        placer.deliver(i);
+    }
+    if let Err(clash) = assign_colours(&mut placer.routes, params) {
+        let route = &placer.routes[clash.route];
+        let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
+        return Err(WaferError::Colours {
+            pe: clash.pe,
+            route: clash.route as u32,
+            instr: route.instr,
+            op: instr.op.name(),
+            layer: instr.layer,
+            limit: params.colours_per_pe,
+        });
+    }
+    let schedule = placer.schedule();
+    let Placer { mut images, placements, routes, .. } = placer;
+    images.sort_unstable_by_key(|image| image.pe);
+    let mut blob = 0u64;
+    for image in &mut images {
+        for region in &mut image.regions {
+            if let RegionKind::Weight { blob: range, .. } = &mut region.kind {
+                *range = blob..blob + region.bytes as u64;
+                blob += region.bytes as u64;
+            }
+        }
+    }
+    Ok(WaferProgram {
+        target: params.clone(),
+        plan: options.plan,
+        max_context: options.max_context,
+        pes: images,
+        instrs: placements,
+        routes,
+        schedule,
+        tile_blob_len: blob,
+        weights_present: module.weights.iter().all(|(_, w)| w.data.is_present()),
+    })
+}
+
+/// A region request: the instruction it serves, its kind, its bytes.
+type Request = (RegionKind, u64);
+
+impl Placer<'_> {
+    fn take(&mut self, wafer: u16, count: u64) -> u64 {
+        let base = self.cursor[wafer as usize];
+        self.cursor[wafer as usize] += count;
+        base
+    }
+
+    /// Gives `pe` its image: the code reserve, then `requests` in order. Returns the regions'
+    /// indices in the image.
+    fn fill(&mut self, pe: Pe, instr: u32, requests: Vec<Request>) -> Result<Vec<u32>, WaferError> {
+        let mut regions = Vec::with_capacity(requests.len() + 1);
+        regions.push(Region { offset: 0, bytes: self.params.code_reserve_bytes, instr: None, kind: RegionKind::Code });
+        let mut offset = self.params.code_reserve_bytes as u64;
+        for (kind, bytes) in requests {
+            regions.push(Region { offset: offset as u32, bytes: bytes as u32, instr: Some(instr), kind });
+            offset += bytes;
+        }
+        if offset > self.params.sram_bytes_per_pe as u64 {
+            let op = &self.module.body[waferc_ir::Handle::new(instr as usize)];
+            return Err(WaferError::Unsupported {
+                instr,
+                op: op.op.name(),
+                layer: op.layer,
+                message: format!("{pe} would need {offset} bytes of SRAM, more than {}", self.params.sram_bytes_per_pe),
+            });
+        }
+        let indices = (1..regions.len() as u32).collect();
+        self.images.push(PeImage { pe, regions });
+        Ok(indices)
+    }
+
+    fn result_segments(
+        &mut self,
+        wafer: u16,
+        instr: u32,
+        segments: &[Range<u64>],
+        extra: impl Fn(&Range<u64>) -> Vec<Request>,
+    ) -> Result<VectorLayout, WaferError> {
+        let base = self.take(wafer, segments.len() as u64);
+        let mut layout = VectorLayout::default();
+        for (j, seg) in segments.iter().enumerate() {
+            let pe = snake(self.params, wafer, base + j as u64);
+            let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
+            requests.extend(extra(seg));
+            self.fill(pe, instr, requests)?;
+            layout.segments.push(Segment { pe, elements: seg.clone() });
+        }
+        Ok(layout)
+    }
+
+    fn unsupported(&self, instr: usize, message: String) -> WaferError {
+        let ir = &self.module.body[waferc_ir::Handle::new(instr)];
+        WaferError::Unsupported { instr: instr as u32, op: ir.op.name(), layer: ir.layer, message }
+    }
+
+    fn place_instr(&mut self, i: usize, shape: &Shape, wafer: u16) -> Result<InstrPlacement, WaferError> {
+        let module = self.module;
+        let ir = &module.body[waferc_ir::Handle::new(i)];
+        let instr = i as u32;
+        let operand_regions = |seg: &Range<u64>| -> Vec<Request> {
+            let mut operands = ir.op.operands();
+            operands.dedup();
+            operands
+                .into_iter()
+                .filter(|v| matches!(module.body[*v].ty, ValueType::Tensor(_)))
+                .map(|v| {
+                    (
+                        RegionKind::Operand { value: v.index() as u32, elements: seg.clone() },
+                        (seg.end - seg.start) * F32,
+                    )
+                })
+                .collect()
+        };
+        let (result, work) = match (&ir.op, shape) {
+            (Op::Embed { table }, Shape::Embed { segments, rows_per_block }) => {
+                let w = &module.weights[*table];
+                let rows = w.ty.shape[0];
+                let mut blocks = Vec::new();
+                for (seg, per) in segments.iter().zip(rows_per_block) {
+                    let width = seg.end - seg.start;
+                    let row_bytes = w.ty.dtype.row_bytes(width).expect("sizing checked the cut");
+                    let count = rows.div_ceil(*per);
+                    let base = self.take(wafer, count);
+                    for b in 0..count {
+                        let pe = snake(self.params, wafer, base + b);
+                        let block_rows = b * per..((b + 1) * per).min(rows);
+                        let weight = RegionKind::Weight {
+                            weight: table.index() as u32,
+                            rows: block_rows.clone(),
+                            cols: seg.clone(),
+                            blob: 0..0,
+                        };
+                        let bytes = (block_rows.end - block_rows.start) * row_bytes;
+                        self.fill(pe, instr, vec![(weight, bytes), (RegionKind::Scratch, width * F32)])?;
+                        blocks.push(EmbedBlock { pe, rows: block_rows, elements: seg.clone() });
+                    }
+                }
+                let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
+                (ResultLayout::Vector(layout), Work::Embed { blocks, collects: Vec::new() })
+            }
+            (
+                Op::MatVec { x, weight, bias },
+                Shape::MatVec { rows_per_tile, chunks_per_tile, row_blocks, col_blocks, segments },
+            ) => {
+                let w = &module.weights[*weight];
+                let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
+                let (r_count, c_count) = (*row_blocks as u64, *col_blocks as u64);
+                // Tile (r, c) sits at snake index base + r * stride + c (interleaved experts
+                // leave room for the group's other members between one tile row and the next).
+                let (base, stride) = match self.analysis.group[i] {
+                    Some((g, member)) => {
+                        let members = self.analysis.groups[g].len() as u64;
+                        let base = match self.group_base[g] {
+                            Some(base) => base,
+                            None => {
+                                let base = self.take(wafer, members * r_count * c_count);
+                                self.group_base[g] = Some(base);
+                                base
+                            }
+                        };
+                        (base + member as u64 * c_count, members * c_count)
+                    }
+                    None => (self.take(wafer, r_count * c_count), c_count),
+                };
+                let width_of = |c: u64| (c * chunks_per_tile * CHUNK)..((c + 1) * chunks_per_tile * CHUNK).min(cols);
+                let mut tiles = Vec::with_capacity((r_count * c_count) as usize);
+                for r in 0..r_count {
+                    let tile_rows = r * rows_per_tile..((r + 1) * rows_per_tile).min(rows);
+                    let n_rows = tile_rows.end - tile_rows.start;
+                    for c in 0..c_count {
+                        let pe = snake(self.params, wafer, base + r * stride + c);
+                        let tile_cols = width_of(c);
+                        let width = tile_cols.end - tile_cols.start;
+                        let mut requests = vec![
+                            (
+                                RegionKind::Weight {
+                                    weight: weight.index() as u32,
+                                    rows: tile_rows.clone(),
+                                    cols: tile_cols.clone(),
+                                    blob: 0..0,
+                                },
+                                n_rows * w.ty.dtype.row_bytes(width).expect("tiles cut at block boundaries"),
+                            ),
+                            (RegionKind::Operand { value: x.index() as u32, elements: tile_cols.clone() }, width * F32),
+                            (RegionKind::Partial { elements: n_rows as u32 }, 2 * n_rows * F32),
+                        ];
+                        if let (Some(b), 0) = (bias, c) {
+                            let bw = &module.weights[*b];
+                            let bytes = bw.ty.dtype.row_bytes(n_rows).ok_or_else(|| {
+                                self.unsupported(
+                                    i,
+                                    format!("bias {} ({}) cannot be cut at row {}", bw.name, bw.ty, tile_rows.start),
+                                )
+                            })?;
+                            requests.push((
+                                RegionKind::Weight {
+                                    weight: b.index() as u32,
+                                    rows: 0..1,
+                                    cols: tile_rows.clone(),
+                                    blob: 0..0,
+                                },
+                                bytes,
+                            ));
+                        }
+                        let region = self.fill(pe, instr, requests)?[0];
+                        tiles.push(Tile {
+                            pe,
+                            rows: tile_rows.clone(),
+                            chunks: tile_cols.start / CHUNK..tile_cols.end.div_ceil(CHUNK),
+                            region,
+                        });
+                    }
+                }
+                let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
+                let placement = MatVecPlacement {
+                    rows,
+                    cols,
+                    row_blocks: *row_blocks,
+                    col_blocks: *col_blocks,
+                    tiles,
+                    reductions: Vec::new(),
+                    broadcasts: Vec::new(),
+                    bias: bias.map(|b| b.index() as u32),
+                    collects: Vec::new(),
+                };
+                (ResultLayout::Vector(layout), Work::MatVec(placement))
+            }
+            (Op::RmsNorm { weight, .. }, Shape::Vector { segments }) => {
+                let w = &module.weights[*weight];
+                let g = w.ty.shape[0];
+                let len = segments.last().map_or(0, |s| s.end);
+                let layout = self.result_segments(wafer, instr, segments, |seg| {
+                    let n = seg.end - seg.start;
+                    // The weight slice this segment scales by: the whole weight when the segment
+                    // holds whole groups, else the segment's part of its group.
+                    let cols = if g <= n && g < len { 0..g } else { seg.start % g..seg.start % g + n };
+                    let bytes = w.ty.dtype.row_bytes(cols.end - cols.start).unwrap_or((cols.end - cols.start) * F32);
+                    let mut requests = operand_regions(seg);
+                    requests.push((
+                        RegionKind::Weight { weight: weight.index() as u32, rows: 0..1, cols, blob: 0..0 },
+                        bytes,
+                    ));
+                    requests.push((RegionKind::Scratch, 2 * n.div_ceil(g.min(n)) * F32));
+                    requests
+                })?;
+                (ResultLayout::Vector(layout), Work::RmsNorm(NormPlacement { group_len: g, group_routes: Vec::new() }))
+            }
+            (Op::ExpertCombine { routing, .. }, Shape::Vector { segments }) => {
+                let top_k = match module.body[*routing].ty {
+                    ValueType::Routing { top_k, .. } => top_k as u64,
+                    _ => 0,
+                };
+                let layout = self.result_segments(wafer, instr, segments, |seg| {
+                    vec![(RegionKind::Scratch, top_k * (seg.end - seg.start) * F32 + top_k * 8)]
+                })?;
+                (ResultLayout::Vector(layout), Work::Combine { routing: 0, collects: Vec::new() })
+            }
+            (Op::Rope { .. } | Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. }, Shape::Vector { segments }) => {
+                let layout = self.result_segments(wafer, instr, segments, operand_regions)?;
+                (ResultLayout::Vector(layout), Work::Elementwise)
+            }
+            (
+                Op::Attention { q, k, v, cache, heads, .. },
+                Shape::Attention { positions_per_block, blocks_per_head, segments },
+            ) => {
+                let c = &module.caches[*cache];
+                let (hd, kv_heads) = (c.head_dim as u64, c.kv_heads);
+                let q_per_kv = (*heads / kv_heads) as u64;
+                let per = *positions_per_block as u64;
+                let mut placed = Vec::with_capacity(kv_heads as usize);
+                for h in 0..kv_heads as u64 {
+                    let base = self.take(wafer, *blocks_per_head as u64);
+                    let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
+                    for b in 0..*blocks_per_head as u64 {
+                        let pe = snake(self.params, wafer, base + b);
+                        let positions = (b * per) as u32..((b + 1) * per).min(self.options.max_context as u64) as u32;
+                        let n = (positions.end - positions.start) as u64;
+                        let q_range = h * q_per_kv * hd..(h + 1) * q_per_kv * hd;
+                        let kv_range = h * hd..(h + 1) * hd;
+                        let requests = vec![
+                            (RegionKind::KvCache { kv_head: h as u32, positions: positions.clone() }, n * hd * 2 * F32),
+                            (RegionKind::Operand { value: q.index() as u32, elements: q_range }, q_per_kv * hd * F32),
+                            (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
+                            (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),
+                            (RegionKind::Scratch, q_per_kv * n * F32),
+                            (
+                                RegionKind::Partial { elements: (q_per_kv * (hd + 2)) as u32 },
+                                2 * q_per_kv * (hd + 2) * F32,
+                            ),
+                        ];
+                        let region = self.fill(pe, instr, requests)?[0];
+                        blocks.push(KvBlock { pe, positions, region });
+                    }
+                    placed.push(KvHeadPlacement {
+                        kv_head: h as u32,
+                        blocks,
+                        q_routes: Vec::new(),
+                        k_routes: Vec::new(),
+                        v_routes: Vec::new(),
+                        max_reduce: None,
+                        max_broadcast: None,
+                        sum_reduce: None,
+                        sum_broadcast: None,
+                        out_reduce: None,
+                    });
+                }
+                let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
+                let placement = AttentionPlacement {
+                    heads: *heads,
+                    kv_heads,
+                    head_dim: c.head_dim,
+                    kv_heads_placed: placed,
+                    collects: Vec::new(),
+                };
+                (ResultLayout::Vector(layout), Work::Attention(placement))
+            }
+            (Op::RouterTopK { logits, top_k, .. }, Shape::Router) => {
+                let experts = match &module.body[*logits].ty {
+                    ValueType::Tensor(t) => t.elements(),
+                    ValueType::Routing { .. } => 0,
+                };
+                let pe = snake(self.params, wafer, self.take(wafer, 1));
+                let requests = vec![
+                    (RegionKind::Operand { value: logits.index() as u32, elements: 0..experts }, experts * F32),
+                    (RegionKind::Output { elements: 0..*top_k as u64 }, *top_k as u64 * 8),
+                ];
+                self.fill(pe, instr, requests)?;
+                (ResultLayout::Routing { pe }, Work::Router { routing: 0 })
+            }
+            (Op::ExpertDispatch { .. }, Shape::Dispatch) => {
+                let source = self.analysis.source[i] as usize;
+                (self.placements[source].result.clone(), Work::Dispatch { routing: 0 })
+            }
+            (op, shape) => {
+                return Err(self.unsupported(i, format!("internal: {} was sized as {shape:?}", op.name())));
+            }
+        };
+        Ok(InstrPlacement {
+            instr,
+            op: ir.op.name().to_string(),
+            layer: ir.layer,
+            expert: self.analysis.expert[i],
+            result,
+            operand_routes: Vec::new(),
+            deliveries: Vec::new(),
+            work,
+        })
+    }
+
+    fn add_route(
+        &mut self,
+        instr: usize,
+        kind: RouteKind,
+        sources: Vec<Pe>,
+        destinations: Vec<Pe>,
+        path: Vec<Vec<Run>>,
+        message_bytes: u64,
+    ) -> RouteId {
+        let id = self.routes.len() as RouteId;
+        self.routes.push(Route {
+            id,
+            instr: instr as u32,
+            kind,
+            colour: 0,
+            sources,
+            destinations,
+            path: path.into_iter().flatten().collect(),
+            message_bytes: message_bytes as u32,
+        });
+        id
+    }
+
+    fn reduce_route(&mut self, instr: usize, op: ReduceOp, elements: u64, leaves: Vec<Pe>, destination: Pe) -> RouteId {
+        let path = route::reduction(&leaves, destination);
+        self.add_route(
+            instr,
+            RouteKind::Reduce { op, elements: elements as u32 },
+            leaves,
+            vec![destination],
+            vec![path],
+            elements * F32,
+        )
+    }
+
+    fn statistic_route(&mut self, instr: usize, elements: u64, source: Pe, destinations: Vec<Pe>) -> RouteId {
+        let path = route::multicast(source, &destinations);
+        self.add_route(
+            instr,
+            RouteKind::Statistic { elements: elements as u32 },
+            vec![source],
+            destinations,
+            vec![path],
+            elements * F32,
+        )
+    }
+
+    /// `Collect` routes into each of `layout`'s segments from `pieces` (a PE and the elements it
+    /// holds), pieces in order.
+    fn collect_routes(&mut self, instr: usize, layout: &VectorLayout, pieces: &[(Pe, Range<u64>)]) -> Vec<RouteId> {
+        let mut ids = Vec::with_capacity(layout.segments.len());
+        for seg in &layout.segments {
+            let mut sources = Vec::new();
+            let mut largest = 0;
+            for (pe, elements) in pieces {
+                let overlap = elements.start.max(seg.elements.start)..elements.end.min(seg.elements.end);
+                if overlap.start < overlap.end {
+                    if sources.last() != Some(pe) {
+                        sources.push(*pe);
+                    }
+                    largest = largest.max(overlap.end - overlap.start);
+                }
+            }
+            let path = route::gather(&sources, seg.pe);
+            ids.push(self.add_route(
+                instr,
+                RouteKind::Collect { elements: seg.elements.clone() },
+                sources,
+                vec![seg.pe],
+                vec![path],
+                largest * F32,
+            ));
+        }
+        ids
+    }
+
+    /// The instruction's own routes: reductions, broadcasts, collects, the routing.
+    fn route_instr(&mut self, i: usize) -> Result<(), WaferError> {
+        let layout = match &self.placements[i].result {
+            ResultLayout::Vector(layout) => layout.clone(),
+            ResultLayout::Routing { .. } => VectorLayout::default(),
+        };
+        let mut work = std::mem::replace(&mut self.placements[i].work, Work::Elementwise);
+        match &mut work {
+            Work::Embed { blocks, collects } => {
+                let pieces: Vec<(Pe, Range<u64>)> = blocks.iter().map(|b| (b.pe, b.elements.clone())).collect();
+                *collects = self.collect_routes(i, &layout, &pieces);
+            }
+            Work::MatVec(mv) => self.matvec_routes(i, mv, &layout),
+            Work::RmsNorm(norm) => {
+                let g = norm.group_len;
+                let groups = layout.len().div_ceil(g);
+                for group in 0..groups {
+                    let members: Vec<Pe> =
+                        layout.overlapping(group * g..(group + 1) * g).map(|(seg, _)| seg.pe).collect();
+                    if members.len() > 1 {
+                        let reduce = self.reduce_route(i, ReduceOp::Sum, 1, members.clone(), members[0]);
+                        let broadcast = self.statistic_route(i, 1, members[0], members[1..].to_vec());
+                        norm.group_routes.push(GroupRoutes { group, reduce, broadcast });
+                    }
+                }
+            }
+            Work::Attention(att) => {
+                let q_per_kv = (att.heads / att.kv_heads) as u64;
+                let hd = att.head_dim as u64;
+                let mut pieces = Vec::new();
+                for head in &mut att.kv_heads_placed {
+                    let blocks: Vec<Pe> = head.blocks.iter().map(|b| b.pe).collect();
+                    let root = blocks[0];
+                    if blocks.len() > 1 {
+                        head.max_reduce = Some(self.reduce_route(i, ReduceOp::Max, q_per_kv, blocks.clone(), root));
+                        head.max_broadcast = Some(self.statistic_route(i, q_per_kv, root, blocks[1..].to_vec()));
+                        head.sum_reduce = Some(self.reduce_route(i, ReduceOp::Sum, q_per_kv, blocks.clone(), root));
+                        head.sum_broadcast = Some(self.statistic_route(i, q_per_kv, root, blocks[1..].to_vec()));
+                        head.out_reduce = Some(self.reduce_route(i, ReduceOp::Sum, q_per_kv * hd, blocks, root));
+                    }
+                    let h = head.kv_head as u64;
+                    pieces.push((root, h * q_per_kv * hd..(h + 1) * q_per_kv * hd));
+                }
+                att.collects = self.collect_routes(i, &layout, &pieces);
+            }
+            Work::Router { routing } => {
+                let ResultLayout::Routing { pe } = self.placements[i].result else {
+                    return Err(self.unsupported(i, "internal: router without a routing layout".into()));
+                };
+                let mut destinations = Vec::new();
+                for (j, placement) in self.placements.iter().enumerate() {
+                    if j != i && self.analysis.router[j] == Some(i as u32) {
+                        destinations.extend(placement_pes(placement));
+                    }
+                }
+                destinations.sort_unstable();
+                destinations.dedup();
+                destinations.retain(|d| *d != pe);
+                let top_k = match self.module.body[waferc_ir::Handle::new(i)].ty {
+                    ValueType::Routing { top_k, .. } => top_k as u64,
+                    _ => 0,
+                };
+                let path = route::multicast(pe, &destinations);
+                *routing = self.add_route(i, RouteKind::Routing, vec![pe], destinations, vec![path], top_k * 8);
+            }
+            Work::Dispatch { routing } | Work::Combine { routing, .. } => {
+                let router = self.analysis.router[i].expect("dispatch and combine read a routing") as usize;
+                let Work::Router { routing: id } = self.placements[router].work else {
+                    return Err(self.unsupported(i, format!("internal: %{router} is not a placed router")));
+                };
+                *routing = id;
+            }
+            Work::Elementwise => {}
+        }
+        if let (Work::Combine { collects, .. }, Op::ExpertCombine { experts, .. }) =
+            (&mut work, &self.module.body[waferc_ir::Handle::new(i)].op)
+        {
+            let mut pieces = Vec::new();
+            for e in experts {
+                if let ResultLayout::Vector(l) = &self.placements[self.analysis.source[e.index()] as usize].result {
+                    pieces.extend(l.segments.iter().map(|s| (s.pe, s.elements.clone())));
+                }
+            }
+            // Per segment, sources in expert order (the collect route lists each once).
+            *collects = self.collect_routes(i, &layout, &pieces);
+        }
+        self.placements[i].work = work;
+        Ok(())
+    }
+
+    fn matvec_routes(&mut self, i: usize, mv: &mut MatVecPlacement, layout: &VectorLayout) {
+        let c_count = mv.col_blocks as usize;
+        let row_pes = |mv: &MatVecPlacement, r: usize| -> Vec<Pe> {
+            mv.tiles[r * c_count..(r + 1) * c_count].iter().map(|t| t.pe).collect()
+        };
+        let rows_of =
+            |mv: &MatVecPlacement, r: usize| mv.tiles[r * c_count].rows.end - mv.tiles[r * c_count].rows.start;
+        match self.options.plan {
+            Plan::Tiled => {
+                for r in 0..mv.row_blocks as usize {
+                    let leaves = row_pes(mv, r);
+                    if leaves.len() > 1 {
+                        let id = self.reduce_route(i, ReduceOp::Sum, rows_of(mv, r), leaves.clone(), leaves[0]);
+                        mv.reductions.push(id);
+                    }
+                }
+            }
+            Plan::MeshGemv { group_num, .. } => {
+                let group = c_count.div_ceil(group_num as usize).next_power_of_two();
+                for r in 0..mv.row_blocks as usize {
+                    let leaves = row_pes(mv, r);
+                    for chunk in leaves.chunks(group).filter(|c| c.len() > 1) {
+                        let id = self.reduce_route(i, ReduceOp::Sum, rows_of(mv, r), chunk.to_vec(), chunk[0]);
+                        mv.reductions.push(id);
+                    }
+                }
+                for r in 0..mv.row_blocks as usize {
+                    let leaves = row_pes(mv, r);
+                    let leaders: Vec<Pe> = leaves.iter().step_by(group).copied().collect();
+                    if leaders.len() > 1 {
+                        let id = self.reduce_route(i, ReduceOp::Sum, rows_of(mv, r), leaders.clone(), leaders[0]);
+                        mv.reductions.push(id);
+                    }
+                    if leaves.len() > 1 {
+                        let id = self.statistic_route(i, rows_of(mv, r), leaves[0], leaves[1..].to_vec());
+                        mv.broadcasts.push(id);
+                    }
+                }
+            }
+        }
+        let pieces: Vec<(Pe, Range<u64>)> = (0..mv.row_blocks as usize)
+            .map(|r| (mv.tiles[r * c_count].pe, mv.tiles[r * c_count].rows.clone()))
+            .collect();
+        mv.collects = self.collect_routes(i, layout, &pieces);
+    }
+
+    /// The deliveries of instruction `i`'s result: per segment, one multicast to every PE of every
+    /// reader that needs part of it.
+    fn deliver(&mut self, i: usize) {
+        if self.analysis.source[i] as usize != i {
+            return;
+        }
+        let ResultLayout::Vector(layout) = self.placements[i].result.clone() else {
+            return;
+        };
+        let readers = self.analysis.readers[i].clone();
+        for seg in &layout.segments {
+            let mut destinations = Vec::new();
+            // (reader, attention head and role) that this segment reaches.
+            let mut reached: Vec<(usize, Option<(usize, usize)>)> = Vec::new();
+            for &reader in &readers {
+                let reader = reader as usize;
+                let before = destinations.len();
+                self.reader_pes(i, reader, &seg.elements, &mut destinations, &mut reached);
+                if destinations.len() > before {
+                    reached.push((reader, None));
+                }
+            }
+            destinations.sort_unstable();
+            destinations.dedup();
+            destinations.retain(|d| *d != seg.pe);
+            if destinations.is_empty() {
+                continue;
+            }
+            let path = route::multicast(seg.pe, &destinations);
+            let id = self.add_route(
+                i,
+                RouteKind::Operand { value: i as u32, elements: seg.elements.clone() },
+                vec![seg.pe],
+                destinations,
+                vec![path],
+                (seg.elements.end - seg.elements.start) * F32,
+            );
+            self.placements[i].deliveries.push(id);
+            for (reader, head_role) in reached {
+                match head_role {
+                    None => push_unique(&mut self.placements[reader].operand_routes, id),
+                    Some((head, role)) => {
+                        if let Work::Attention(att) = &mut self.placements[reader].work {
+                            let h = &mut att.kv_heads_placed[head];
+                            let list = [&mut h.q_routes, &mut h.k_routes, &mut h.v_routes];
+                            push_unique(list.into_iter().nth(role).expect("three roles"), id);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Appends the PEs of `reader` that need `elements` of value `value` (an operand, possibly
+    /// through `expert_dispatch`).
+    fn reader_pes(
+        &self,
+        value: usize,
+        reader: usize,
+        elements: &Range<u64>,
+        out: &mut Vec<Pe>,
+        reached: &mut Vec<(usize, Option<(usize, usize)>)>,
+    ) {
+        let overlaps = |r: &Range<u64>| r.start < elements.end && elements.start < r.end;
+        let reads = |v: waferc_ir::Value| self.analysis.source[v.index()] as usize == value;
+        let placement = &self.placements[reader];
+        match (&placement.work, &self.module.body[waferc_ir::Handle::new(reader)].op) {
+            (Work::MatVec(mv), _) => {
+                let c_count = mv.col_blocks as usize;
+                let cols_of = |t: &Tile| t.chunks.start * CHUNK..(t.chunks.end * CHUNK).min(mv.cols);
+                for c in 0..c_count {
+                    if overlaps(&cols_of(&mv.tiles[c])) {
+                        out.extend(mv.tiles.iter().skip(c).step_by(c_count).map(|t| t.pe));
+                    }
+                }
+            }
+            (Work::Attention(att), Op::Attention { q, k, v, .. }) => {
+                let hd = att.head_dim as u64;
+                let q_per_kv = (att.heads / att.kv_heads) as u64;
+                for (role, operand) in [q, k, v].into_iter().enumerate() {
+                    if !reads(*operand) {
+                        continue;
+                    }
+                    for (head, placed) in att.kv_heads_placed.iter().enumerate() {
+                        let h = placed.kv_head as u64;
+                        let range =
+                            if role == 0 { h * q_per_kv * hd..(h + 1) * q_per_kv * hd } else { h * hd..(h + 1) * hd };
+                        if overlaps(&range) {
+                            out.extend(placed.blocks.iter().map(|b| b.pe));
+                            reached.push((reader, Some((head, role))));
+                        }
+                    }
+                }
+            }
+            (Work::Combine { .. }, _) | (Work::Dispatch { .. }, _) | (Work::Embed { .. }, _) => {}
+            (_, _) => match &placement.result {
+                ResultLayout::Routing { pe } => out.push(*pe),
+                ResultLayout::Vector(l) => out.extend(l.overlapping(elements.clone()).map(|(s, _)| s.pe)),
+            },
+        }
+    }
+
+    fn schedule(&self) -> Vec<Step> {
+        let mut steps = Vec::new();
+        let mut step = |instr: usize, phase: Phase, routes: Vec<RouteId>| {
+            steps.push(Step { instr: instr as u32, phase, routes });
+        };
+        for (i, p) in self.placements.iter().enumerate() {
+            match &p.work {
+                Work::Embed { collects, .. } => step(i, Phase::Gather, collects.clone()),
+                Work::MatVec(mv) => {
+                    step(i, Phase::Compute, Vec::new());
+                    if !mv.reductions.is_empty() {
+                        step(i, Phase::Reduce, mv.reductions.clone());
+                    }
+                    if !mv.broadcasts.is_empty() {
+                        step(i, Phase::Broadcast, mv.broadcasts.clone());
+                    }
+                    step(i, Phase::Collect, mv.collects.clone());
+                }
+                Work::RmsNorm(norm) => {
+                    step(i, Phase::Compute, Vec::new());
+                    if !norm.group_routes.is_empty() {
+                        step(i, Phase::Reduce, norm.group_routes.iter().map(|g| g.reduce).collect());
+                        step(i, Phase::Broadcast, norm.group_routes.iter().map(|g| g.broadcast).collect());
+                    }
+                    step(i, Phase::Finish, Vec::new());
+                }
+                Work::Attention(att) => {
+                    step(i, Phase::Compute, Vec::new());
+                    let heads = &att.kv_heads_placed;
+                    let gather = |pick: &dyn Fn(&KvHeadPlacement) -> [Option<RouteId>; 2]| -> Vec<RouteId> {
+                        heads.iter().flat_map(|h| pick(h)).flatten().collect()
+                    };
+                    step(i, Phase::AttentionMax, gather(&|h| [h.max_reduce, h.max_broadcast]));
+                    step(i, Phase::AttentionSum, gather(&|h| [h.sum_reduce, h.sum_broadcast]));
+                    step(i, Phase::AttentionOut, gather(&|h| [h.out_reduce, None]));
+                    step(i, Phase::Collect, att.collects.clone());
+                }
+                Work::Combine { collects, .. } => {
+                    step(i, Phase::Gather, collects.clone());
+                    step(i, Phase::Compute, Vec::new());
+                }
+                Work::Router { routing } => {
+                    step(i, Phase::Compute, Vec::new());
+                    step(i, Phase::Deliver, vec![*routing]);
+                }
+                Work::Elementwise | Work::Dispatch { .. } => step(i, Phase::Compute, Vec::new()),
+            }
+            if !p.deliveries.is_empty() {
+                step(i, Phase::Deliver, p.deliveries.clone());
+            }
+        }
+        steps
+    }
+}
+
+fn push_unique(list: &mut Vec<RouteId>, id: RouteId) {
+    if list.last() != Some(&id) {
+        list.push(id);
+    }
+}
+
+/// Every PE an instruction's placement occupies (not the PEs it merely aliases).
+fn placement_pes(p: &InstrPlacement) -> Vec<Pe> {
+    let mut pes = Vec::new();
+    match &p.work {
+        Work::Dispatch { .. } => return pes,
+        Work::MatVec(mv) => pes.extend(mv.tiles.iter().map(|t| t.pe)),
+        Work::Embed { blocks, .. } => pes.extend(blocks.iter().map(|b| b.pe)),
+        Work::Attention(att) => pes.extend(att.kv_heads_placed.iter().flat_map(|h| h.blocks.iter().map(|b| b.pe))),
+        _ => {}
+    }
+    match &p.result {
+        ResultLayout::Vector(l) => pes.extend(l.segments.iter().map(|s| s.pe)),
+        ResultLayout::Routing { pe } => pes.push(*pe),
+    }
+    pes
+}

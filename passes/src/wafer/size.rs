@@ -1,0 +1,535 @@
+//! Sizing: the shape of every instruction's placement (tiles, blocks, segments) and its PE count,
+//! and the split of layers over the wafers of a pipeline.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use waferc_ir::wafer::{Plan, TargetParams};
+use waferc_ir::{DType, Module, Op, ValueType, Weight, BLOCK};
+use waferc_targets::Target;
+
+use super::{CompileOptions, WaferError};
+
+const CHUNK: u64 = BLOCK as u64;
+/// The largest vector segment one PE holds (elements): 8 KiB of f32, so a PE can hold a result
+/// segment, two operand segments and a norm weight slice with room to spare.
+pub(super) const MAX_SEGMENT: u64 = 2048;
+/// Bytes of one f32.
+const F32: u64 = 4;
+
+/// Facts about the module the placer needs beyond the IR itself.
+pub(super) struct Analysis {
+    /// The MoE expert an instruction computes for (through `expert_dispatch`), per instruction.
+    pub expert: Vec<Option<u32>>,
+    /// The value whose data an instruction's result is: itself, or for `expert_dispatch` the
+    /// dispatched `x`'s source.
+    pub source: Vec<u32>,
+    /// Per value (by source): the instructions reading it as an operand, in program order,
+    /// `expert_dispatch` looked through (its readers read the dispatched `x`).
+    pub readers: Vec<Vec<u32>>,
+    /// Per instruction of an MoE block (experts, dispatch, combine): the router's value.
+    pub router: Vec<Option<u32>>,
+    /// Per expert matvec: its interleave group (same router, same position in the expert's FFN,
+    /// same weight shape) and its index in the group.
+    pub group: Vec<Option<(usize, usize)>>,
+    pub groups: Vec<Vec<u32>>,
+}
+
+impl Analysis {
+    pub fn new(module: &Module) -> Analysis {
+        let n = module.body.len();
+        let mut expert = vec![None; n];
+        let mut source: Vec<u32> = (0..n as u32).collect();
+        let mut readers = vec![Vec::new(); n];
+        let mut router = vec![None; n];
+        for (handle, instr) in module.body.iter() {
+            let i = handle.index();
+            match &instr.op {
+                Op::ExpertDispatch { x, routing, expert: e } => {
+                    expert[i] = Some(*e);
+                    source[i] = source[x.index()];
+                    router[i] = Some(routing.index() as u32);
+                }
+                Op::ExpertCombine { routing, .. } => router[i] = Some(routing.index() as u32),
+                op => {
+                    for operand in op.operands() {
+                        if expert[i].is_none() {
+                            expert[i] = expert[operand.index()];
+                            router[i] = router[operand.index()];
+                        }
+                    }
+                }
+            }
+            if !matches!(instr.op, Op::ExpertDispatch { .. }) {
+                for operand in instr.op.operands() {
+                    let list = &mut readers[source[operand.index()] as usize];
+                    if list.last() != Some(&(i as u32)) {
+                        list.push(i as u32);
+                    }
+                }
+            }
+        }
+        // Interleave groups: the k-th matvec of every expert of one router, if shapes agree.
+        let mut group = vec![None; n];
+        let mut groups: Vec<Vec<u32>> = Vec::new();
+        let mut keys: BTreeMap<(u32, u32, Vec<u64>), usize> = BTreeMap::new();
+        let mut role: BTreeMap<(u32, u32), u32> = BTreeMap::new();
+        for (handle, instr) in module.body.iter() {
+            let i = handle.index();
+            let (Op::MatVec { weight, .. }, Some(e), Some(r)) = (&instr.op, expert[i], router[i]) else { continue };
+            let k = role.entry((r, e)).or_insert(0);
+            let key = (r, *k, module.weights[*weight].ty.shape.clone());
+            *k += 1;
+            let g = *keys.entry(key).or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
+            group[i] = Some((g, groups[g].len()));
+            groups[g].push(i as u32);
+        }
+        Analysis { expert, source, readers, router, group, groups }
+    }
+}
+
+/// The shape of one instruction's placement.
+#[derive(Clone, Debug)]
+pub(super) enum Shape {
+    /// Table row blocks per result segment.
+    Embed {
+        segments: Vec<Range<u64>>,
+        rows_per_block: Vec<u64>,
+    },
+    MatVec {
+        rows_per_tile: u64,
+        chunks_per_tile: u64,
+        row_blocks: u32,
+        col_blocks: u32,
+        segments: Vec<Range<u64>>,
+    },
+    /// Elementwise ops, norms, rope, combine: result segments, one PE each.
+    Vector {
+        segments: Vec<Range<u64>>,
+    },
+    Attention {
+        positions_per_block: u32,
+        blocks_per_head: u32,
+        segments: Vec<Range<u64>>,
+    },
+    Router,
+    /// Aliases its `x`: no PEs.
+    Dispatch,
+}
+
+pub(super) struct Sizes {
+    pub shapes: Vec<Shape>,
+    /// PEs per instruction.
+    pub pes: Vec<u64>,
+}
+
+impl Sizes {
+    pub fn total_pes(&self) -> u64 {
+        self.pes.iter().sum()
+    }
+}
+
+/// `len` elements cut into segments of `size` (the last may be short).
+pub(super) fn segments(len: u64, size: u64) -> Vec<Range<u64>> {
+    (0..len.div_ceil(size)).map(|i| i * size..((i + 1) * size).min(len)).collect()
+}
+
+/// The storage type a weight is sized with: its own, or the quantisation being tried for the
+/// does-not-fit hint (only for 2-D weights whose rows are whole blocks and that it would shrink).
+pub(super) fn effective_dtype(weight: &Weight, quantise: Option<DType>) -> DType {
+    let own = weight.ty.dtype;
+    match quantise {
+        Some(q)
+            if weight.ty.shape.len() == 2
+                && weight.ty.shape[1] % CHUNK == 0
+                && q.row_bytes(CHUNK) < own.row_bytes(CHUNK) =>
+        {
+            q
+        }
+        _ => own,
+    }
+}
+
+/// SRAM of one matvec tile: weight rows, the x slice, the partial sums and a receive buffer for
+/// them, and the bias slice (held by roots; budgeted on every tile).
+pub(super) fn tile_bytes(dtype: DType, bias: Option<DType>, rows: u64, width: u64) -> Option<u64> {
+    let weight = rows * dtype.row_bytes(width)?;
+    let bias = match bias {
+        Some(b) => b.row_bytes(rows).unwrap_or(rows * F32),
+        None => 0,
+    };
+    Some(weight + width * F32 + 2 * rows * F32 + bias)
+}
+
+/// SRAM of one KV block of `positions` positions: keys and values, the query heads, the new key
+/// and value, scores, and partials (own and received) of the maximum, sum and weighted values.
+pub(super) fn kv_block_bytes(positions: u64, head_dim: u64, q_per_kv: u64) -> u64 {
+    positions * head_dim * 2 * F32
+        + q_per_kv * head_dim * F32
+        + 2 * head_dim * F32
+        + q_per_kv * positions * F32
+        + 2 * q_per_kv * (head_dim + 2) * F32
+}
+
+/// SRAM of one vector-op segment PE holding `len` result elements.
+pub(super) fn vector_bytes(module: &Module, op: &Op, len: u64) -> u64 {
+    let operands = {
+        let mut ops = op.operands();
+        ops.dedup();
+        ops.retain(|v| !matches!(module.body[*v].ty, ValueType::Routing { .. }));
+        ops.len() as u64
+    };
+    let extra = match op {
+        Op::RmsNorm { weight, .. } => {
+            let w = &module.weights[*weight];
+            let g = w.ty.shape[0];
+            w.ty.dtype.row_bytes(len.min(g)).unwrap_or(len.min(g) * F32) + 2 * len.div_ceil(g.min(len)) * F32
+        }
+        Op::ExpertCombine { routing, .. } => match module.body[*routing].ty {
+            // Every chosen expert's slice is held until all have arrived (combined in expert order).
+            ValueType::Routing { top_k, .. } => top_k as u64 * len * F32 + top_k as u64 * 8,
+            _ => 0,
+        },
+        _ => 0,
+    };
+    let operand_bytes = if matches!(op, Op::ExpertCombine { .. }) { 0 } else { operands * len * F32 };
+    len * F32 + operand_bytes + extra
+}
+
+/// Sizes every instruction for `params`; `quantise` sizes matvec and embedding weights as if
+/// quantised (for the does-not-fit hint).
+pub(super) fn size_module(
+    module: &Module,
+    params: &TargetParams,
+    options: &CompileOptions,
+    quantise: Option<DType>,
+) -> Result<Sizes, WaferError> {
+    let usable = params.usable_bytes_per_pe() as u64;
+    let mut shapes = Vec::with_capacity(module.body.len());
+    let mut pes = Vec::with_capacity(module.body.len());
+    for (handle, instr) in module.body.iter() {
+        let i = handle.index() as u32;
+        let unsupported =
+            |message: String| WaferError::Unsupported { instr: i, op: instr.op.name(), layer: instr.layer, message };
+        let len = match &instr.ty {
+            ValueType::Tensor(t) => t.elements(),
+            ValueType::Routing { .. } => 0,
+        };
+        let fits = |s: u64| vector_bytes(module, &instr.op, s) <= usable;
+        let pow2_segments = |extra: &dyn Fn(u64) -> bool| -> Result<Vec<Range<u64>>, WaferError> {
+            let mut size = MAX_SEGMENT;
+            while size >= CHUNK {
+                let s = size.min(len);
+                if extra(size) && fits(s) {
+                    return Ok(segments(len, s));
+                }
+                size /= 2;
+            }
+            Err(unsupported(format!("no segment of 32 to {MAX_SEGMENT} elements fits {usable} bytes of SRAM")))
+        };
+        let unit_segments = |unit: u64| -> Result<Vec<Range<u64>>, WaferError> {
+            let mut multiple = (MAX_SEGMENT / unit).max(1);
+            loop {
+                let s = (unit * multiple).min(len);
+                if fits(s) {
+                    return Ok(segments(len, s));
+                }
+                if multiple == 1 {
+                    return Err(unsupported(format!(
+                        "a segment of {unit} elements does not fit {usable} bytes of SRAM"
+                    )));
+                }
+                multiple /= 2;
+            }
+        };
+        let shape = match &instr.op {
+            Op::Embed { table } => {
+                let w = &module.weights[*table];
+                let dtype = effective_dtype(w, quantise);
+                let rows = w.ty.shape[0];
+                let segs = segments(len, MAX_SEGMENT);
+                let mut rows_per_block = Vec::with_capacity(segs.len());
+                for seg in &segs {
+                    let width = seg.end - seg.start;
+                    let row = dtype.row_bytes(width).ok_or_else(|| {
+                        unsupported(format!("table {} ({}) cannot be cut at element {}", w.name, w.ty, seg.start))
+                    })?;
+                    let per_block = usable.saturating_sub(width * F32) / row;
+                    if per_block == 0 {
+                        return Err(unsupported(format!("one {width}-element row of {} does not fit a PE", w.name)));
+                    }
+                    let blocks = rows.div_ceil(per_block);
+                    rows_per_block.push(rows.div_ceil(blocks));
+                }
+                Shape::Embed { segments: segs, rows_per_block }
+            }
+            Op::MatVec { weight, bias, .. } => {
+                let w = &module.weights[*weight];
+                let dtype = effective_dtype(w, quantise);
+                let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
+                let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
+                let tiling = match options.plan {
+                    Plan::Tiled => tile_for_sram(dtype, bias_dtype, rows, cols, usable),
+                    Plan::MeshGemv { p, .. } => tile_mesh(dtype, bias_dtype, rows, cols, usable, p as u64),
+                }
+                .ok_or_else(|| {
+                    unsupported(format!(
+                        "no tile of weight {} ({}) fits {usable} bytes of SRAM{}",
+                        w.name,
+                        w.ty,
+                        match options.plan {
+                            Plan::MeshGemv { p, .. } => format!(" as {p} x {p} blocks (raise p)"),
+                            Plan::Tiled => String::new(),
+                        }
+                    ))
+                })?;
+                Shape::MatVec {
+                    rows_per_tile: tiling.rows_per_tile,
+                    chunks_per_tile: tiling.chunks_per_tile,
+                    row_blocks: tiling.row_blocks,
+                    col_blocks: tiling.col_blocks,
+                    segments: pow2_segments(&|_| true)?,
+                }
+            }
+            Op::RmsNorm { weight, .. } => {
+                let g = module.weights[*weight].ty.shape[0];
+                let segs = if g == len {
+                    pow2_segments(&|_| true)?
+                } else if g <= MAX_SEGMENT {
+                    unit_segments(g)?
+                } else {
+                    pow2_segments(&|s| g % s == 0)?
+                };
+                Shape::Vector { segments: segs }
+            }
+            Op::Rope { head_dim, .. } => Shape::Vector { segments: unit_segments(*head_dim as u64)? },
+            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::ExpertCombine { .. } => {
+                Shape::Vector { segments: pow2_segments(&|_| true)? }
+            }
+            Op::Attention { cache, heads, .. } => {
+                let c = &module.caches[*cache];
+                let head_dim = c.head_dim as u64;
+                let q_per_kv = (*heads / c.kv_heads) as u64;
+                let max_positions = CHUNK * (options.max_context as u64).div_ceil(CHUNK).next_power_of_two();
+                let mut positions = CHUNK;
+                if kv_block_bytes(positions, head_dim, q_per_kv) > usable {
+                    return Err(unsupported(format!(
+                        "32 positions of a KV head (head_dim {head_dim}, {q_per_kv} query heads) need {} bytes, more than \
+                         the {usable} usable bytes of a PE",
+                        kv_block_bytes(positions, head_dim, q_per_kv)
+                    )));
+                }
+                while positions * 2 <= max_positions && kv_block_bytes(positions * 2, head_dim, q_per_kv) <= usable {
+                    positions *= 2;
+                }
+                let blocks = (options.max_context as u64).div_ceil(positions);
+                Shape::Attention {
+                    positions_per_block: positions as u32,
+                    blocks_per_head: blocks as u32,
+                    segments: unit_segments(head_dim)?,
+                }
+            }
+            Op::RouterTopK { logits, top_k, .. } => {
+                let experts = match &module.body[*logits].ty {
+                    ValueType::Tensor(t) => t.elements(),
+                    ValueType::Routing { .. } => 0,
+                };
+                if experts * F32 + *top_k as u64 * 8 > usable {
+                    return Err(unsupported(format!("{experts} router logits do not fit one PE")));
+                }
+                Shape::Router
+            }
+            Op::ExpertDispatch { .. } => Shape::Dispatch,
+        };
+        let count = match (&shape, &instr.op) {
+            (Shape::Attention { blocks_per_head, segments, .. }, Op::Attention { cache, .. }) => {
+                module.caches[*cache].kv_heads as u64 * *blocks_per_head as u64 + segments.len() as u64
+            }
+            (Shape::Embed { segments, rows_per_block }, Op::Embed { table }) => {
+                let rows = module.weights[*table].ty.shape[0];
+                segments.len() as u64 + rows_per_block.iter().map(|per| rows.div_ceil(*per)).sum::<u64>()
+            }
+            (Shape::MatVec { row_blocks, col_blocks, segments, .. }, _) => {
+                *row_blocks as u64 * *col_blocks as u64 + segments.len() as u64
+            }
+            (Shape::Vector { segments }, _) => segments.len() as u64,
+            (Shape::Router, _) => 1,
+            _ => 0,
+        };
+        shapes.push(shape);
+        pes.push(count);
+    }
+    Ok(Sizes { shapes, pes })
+}
+
+pub(super) struct Tiling {
+    pub rows_per_tile: u64,
+    pub chunks_per_tile: u64,
+    pub row_blocks: u32,
+    pub col_blocks: u32,
+}
+
+/// The tiling needing the fewest PEs (ties: fewer tiles per row, so shorter reductions): every
+/// power-of-two chunk run, with as many rows as fit beside it, rows then spread evenly.
+fn tile_for_sram(dtype: DType, bias: Option<DType>, rows: u64, cols: u64, usable: u64) -> Option<Tiling> {
+    let chunks = cols.div_ceil(CHUNK);
+    let mut best: Option<(u64, Tiling)> = None;
+    let mut run = 1;
+    while run <= chunks.next_power_of_two() {
+        let width = (run * CHUNK).min(cols);
+        let per_row = tile_bytes(dtype, bias, 1, width)? - tile_bytes(dtype, bias, 0, width)?;
+        let fixed = tile_bytes(dtype, bias, 0, width)?;
+        let max_rows = usable.saturating_sub(fixed) / per_row.max(1);
+        if max_rows > 0 {
+            let row_blocks = rows.div_ceil(max_rows.min(rows));
+            let col_blocks = chunks.div_ceil(run);
+            let tiles = row_blocks * col_blocks;
+            if best.as_ref().is_none_or(|(t, b)| tiles < *t || (tiles == *t && col_blocks < b.col_blocks as u64)) {
+                let tiling = Tiling {
+                    rows_per_tile: rows.div_ceil(row_blocks),
+                    chunks_per_tile: run,
+                    row_blocks: row_blocks as u32,
+                    col_blocks: col_blocks as u32,
+                };
+                best = Some((tiles, tiling));
+            }
+        }
+        run *= 2;
+    }
+    best.map(|(_, t)| t).map(|t| Tiling { row_blocks: rows.div_ceil(t.rows_per_tile) as u32, ..t })
+}
+
+/// WaferLLM's `p x p` blocks: `p` row blocks, and the columns in at most `p` aligned
+/// power-of-two chunk runs.
+fn tile_mesh(dtype: DType, bias: Option<DType>, rows: u64, cols: u64, usable: u64, p: u64) -> Option<Tiling> {
+    let chunks = cols.div_ceil(CHUNK);
+    let run = chunks.div_ceil(p).next_power_of_two();
+    let rows_per_tile = rows.div_ceil(p.min(rows));
+    let width = (run * CHUNK).min(cols);
+    (tile_bytes(dtype, bias, rows_per_tile, width)? <= usable).then(|| Tiling {
+        rows_per_tile,
+        chunks_per_tile: run,
+        row_blocks: rows.div_ceil(rows_per_tile) as u32,
+        col_blocks: chunks.div_ceil(run) as u32,
+    })
+}
+
+/// A pipeline split that does not fit: the wafer that overflows (if the total would fit) and
+/// the PEs available (per wafer when `wafer` is set, in total otherwise).
+pub(super) struct Overflow {
+    pub wafer: Option<(u16, u64)>,
+    pub available: u64,
+}
+
+/// The wafer of every instruction: the prologue (before the first layer) on wafer 0, the
+/// epilogue on the last used wafer, whole layers in between, balanced by PE count; if the
+/// balanced split overflows a wafer, wafers are filled in order instead.
+pub(super) fn assign_wafers(module: &Module, sizes: &Sizes, params: &TargetParams) -> Result<Vec<u16>, Overflow> {
+    let per_wafer = params.grid_cols as u64 * params.grid_rows as u64;
+    let wafers = params.wafers as u64;
+    let total = sizes.total_pes();
+    if total > per_wafer * wafers {
+        return Err(Overflow { wafer: None, available: per_wafer * wafers });
+    }
+    let units = units(module);
+    let loads: Vec<u64> = units.iter().map(|u| sizes.pes[u.clone()].iter().sum()).collect();
+    let balanced: Vec<u64> = {
+        let mut prefix = 0;
+        loads
+            .iter()
+            .map(|load| {
+                // The unit goes where its midpoint falls in the whole program's load.
+                let mid = 2 * prefix + load;
+                prefix += load;
+                (mid * wafers / (2 * total).max(1)).min(wafers - 1)
+            })
+            .collect()
+    };
+    let overflow = |assign: &[u64]| -> Option<(u16, u64)> {
+        let mut used = vec![0u64; wafers as usize];
+        for (unit, w) in assign.iter().enumerate() {
+            used[*w as usize] += loads[unit];
+        }
+        used.iter().enumerate().find(|(_, u)| **u > per_wafer).map(|(w, u)| (w as u16, *u))
+    };
+    let chosen = match overflow(&balanced) {
+        None => balanced,
+        Some(first) => {
+            let mut filled = Vec::with_capacity(units.len());
+            let (mut wafer, mut used) = (0u64, 0u64);
+            for load in &loads {
+                if used + load > per_wafer && used > 0 && wafer + 1 < wafers {
+                    wafer += 1;
+                    used = 0;
+                }
+                used += load;
+                filled.push(wafer);
+            }
+            if overflow(&filled).is_some() {
+                return Err(Overflow { wafer: Some(first), available: per_wafer });
+            }
+            filled
+        }
+    };
+    let mut wafer_of = vec![0u16; sizes.pes.len()];
+    for (unit, range) in units.iter().enumerate() {
+        for w in &mut wafer_of[range.clone()] {
+            *w = chosen[unit] as u16;
+        }
+    }
+    Ok(wafer_of)
+}
+
+/// Runs of instructions that stay on one wafer: each layer, with the layer-less instructions
+/// before the first layer joining it and any others joining the layer before them.
+fn units(module: &Module) -> Vec<Range<usize>> {
+    let mut units: Vec<Range<usize>> = Vec::new();
+    let mut current: Option<Option<u32>> = None;
+    for (handle, instr) in module.body.iter() {
+        let i = handle.index();
+        let joins = match (current, instr.layer) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some(None), Some(_)) => true,
+            (Some(Some(prev)), Some(l)) => prev == l,
+        };
+        if joins {
+            units.last_mut().expect("a unit is open").end = i + 1;
+        } else {
+            units.push(i..i + 1);
+        }
+        if instr.layer.is_some() || current.is_none() {
+            current = Some(instr.layer);
+        }
+    }
+    units
+}
+
+/// Built-in targets on which the module fits as it is, then quantisations that make it fit
+/// `target`: `wse3x4`, `q8_0 on wse3`.
+pub(super) fn what_would_fit(module: &Module, target: &Target, options: &CompileOptions) -> Vec<String> {
+    let mut fits = Vec::new();
+    for other in waferc_targets::list() {
+        if other.name == target.name {
+            continue;
+        }
+        let params = other.params();
+        if let Ok(sizes) = size_module(module, &params, options, None) {
+            if assign_wafers(module, &sizes, &params).is_ok() {
+                fits.push(other.name.clone());
+            }
+        }
+    }
+    let params = target.params();
+    for quant in [DType::Q8_0, DType::Q4_0] {
+        if let Ok(sizes) = size_module(module, &params, options, Some(quant)) {
+            if assign_wafers(module, &sizes, &params).is_ok() {
+                fits.push(format!("{quant} on {}", target.name));
+            }
+        }
+    }
+    fits
+}
