@@ -37,8 +37,8 @@ enum Operand {
 }
 
 enum AttrValue {
-    Word(String),
-    Str(String),
+    /// A bare word or a quoted string.
+    Scalar(String),
     List(Vec<(String, Pos)>),
 }
 
@@ -65,14 +65,14 @@ impl Attrs {
     }
 
     fn missing(&self, key: &str, what: &str) -> IrError {
-        self.owner_pos.error(format!("{}: missing attribute `{key}={what}`", self.owner))
+        self.owner_pos.error(format!("{}: missing attribute `{key}` ({what})", self.owner))
     }
 
     /// The value of `key=value` as a single word or string.
     fn scalar(&mut self, key: &'static str, what: &str) -> Result<Option<(String, Pos)>, IrError> {
         let Some(attr) = self.take(key) else { return Ok(None) };
         match attr.value {
-            Some((AttrValue::Word(w), pos)) | Some((AttrValue::Str(w), pos)) => Ok(Some((w, pos))),
+            Some((AttrValue::Scalar(w), pos)) => Ok(Some((w, pos))),
             Some((AttrValue::List(_), pos)) => Err(pos.error(format!("`{key}` takes {what}, not a list"))),
             None => Err(attr.pos.error(format!("expected `=` and {what} after `{key}`"))),
         }
@@ -291,17 +291,16 @@ impl Parser {
                 self.next();
                 let value_pos = self.pos();
                 let value = match self.peek().clone() {
-                    Tok::Word(w) => AttrValue::Word(w),
-                    Tok::Str(s) => AttrValue::Str(s),
+                    Tok::Word(text) | Tok::Str(text) => {
+                        self.next();
+                        AttrValue::Scalar(text)
+                    }
                     Tok::Punct('[') => {
                         self.next();
                         AttrValue::List(self.list()?)
                     }
                     _ => return Err(self.unexpected(&format!("a value after `{key}=`"))),
                 };
-                if !matches!(value, AttrValue::List(_)) {
-                    self.next();
-                }
                 Some((value, value_pos))
             } else {
                 None
