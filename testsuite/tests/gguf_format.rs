@@ -437,3 +437,20 @@ fn version_2_files_read_like_version_3() {
     assert_eq!(v2.config, v3.config);
     assert!(v2.tensors.iter().zip(&v3.tensors).all(|((a, x), (b, y))| a == b && x.data.bytes() == y.data.bytes()));
 }
+
+/// Each `tokenizer.ggml.pre` family transformers knows gets its split regex, and each compiles.
+#[test]
+fn pre_tokenizer_names_select_their_split() {
+    let dir = scratch_dir("pre_tokenizers");
+    for pre in ["gpt2", "llama-bpe", "qwen2", "tekken"] {
+        let (writer, _) = tiny_llama();
+        let mut writer = tiny_tokenizer(writer);
+        for (key, value) in &mut writer.metadata {
+            if key == "tokenizer.ggml.pre" {
+                *value = Value::Str(pre.into());
+            }
+        }
+        let (_, tokenizer) = gguf::read(&writer.write(&dir, &format!("{pre}.gguf"))).unwrap();
+        assert_eq!(tokenizer.unwrap().encode("hello world").unwrap(), [13, 14], "{pre}");
+    }
+}

@@ -18,16 +18,41 @@ use super::container::{GgufFile, MetadataValue};
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
-/// Llama 3's split (transformers' `_LLAMA3_SPLIT`), for the `tokenizer.ggml.pre` names using it.
+/// The splits transformers' GGUF loader pairs with `tokenizer.ggml.pre` names
+/// (`GGUF_PRE_TOKENIZER_SPLITS`), applied before a regex-free ByteLevel.
 const LLAMA3_SPLIT: &str = concat!(
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}",
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 );
-const LLAMA3_PRE: [&str; 10] =
-    ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx", "smaug-bpe"];
-/// Vocabularies whose merges were learned over GPT-2's own split, ByteLevel's built-in regex.
-/// (`smollm` is one: transformers gives it GPT-2's split, and so does SmolLM2's tokenizer.json.)
-const GPT2_PRE: [&str; 4] = ["default", "gpt-2", "gpt2", "smollm"];
+const QWEN2_SPLIT: &str = concat!(
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}",
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+const TEKKEN_SPLIT: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*",
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+);
+
+/// How text is split into words before BPE, by `tokenizer.ggml.pre`.
+enum PreSplit {
+    /// GPT-2's own split, ByteLevel's built-in regex. `smollm` is one of these: transformers gives
+    /// it GPT-2's split, and so does SmolLM2's tokenizer.json.
+    Gpt2,
+    Regex(&'static str),
+}
+
+/// `None` for a name we do not know.
+fn pre_split(pre: &str) -> Option<PreSplit> {
+    Some(match pre {
+        "default" | "gpt-2" | "gpt2" | "smollm" => PreSplit::Gpt2,
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2" | "dbrx"
+        | "smaug-bpe" => PreSplit::Regex(LLAMA3_SPLIT),
+        "qwen2" | "deepseek-r1-qwen" | "megrez" => PreSplit::Regex(QWEN2_SPLIT),
+        "tekken" => PreSplit::Regex(TEKKEN_SPLIT),
+        _ => return None,
+    })
+}
 
 /// The byte-level BPE tokenizer the metadata describes; `None` when the file has no tokenizer;
 /// an error message for one that cannot be rebuilt.
@@ -50,14 +75,14 @@ pub(super) fn from_metadata(file: &GgufFile) -> Result<Option<Tokenizer>, String
         None => "default",
         Some(value) => value.as_str().ok_or("tokenizer.ggml.pre is not a string")?,
     };
-    let pre_tokenizer: PreTokenizerWrapper = if GPT2_PRE.contains(&pre) {
-        ByteLevel::new(false, true, true).into()
-    } else if LLAMA3_PRE.contains(&pre) {
-        let split = Split::new(SplitPattern::Regex(LLAMA3_SPLIT.into()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| format!("the Llama 3 split regex does not compile: {e}"))?;
-        Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
-    } else {
-        return Err(format!("tokenizer.ggml.pre {pre:?} names a pre-tokenizer waferc does not know; {fix}"));
+    let pre_tokenizer: PreTokenizerWrapper = match pre_split(pre) {
+        Some(PreSplit::Gpt2) => ByteLevel::new(false, true, true).into(),
+        Some(PreSplit::Regex(regex)) => {
+            let split = Split::new(SplitPattern::Regex(regex.into()), SplitDelimiterBehavior::Isolated, false)
+                .map_err(|e| format!("the split regex for tokenizer.ggml.pre {pre:?} does not compile: {e}"))?;
+            Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
+        }
+        None => return Err(format!("tokenizer.ggml.pre {pre:?} names a pre-tokenizer waferc does not know; {fix}")),
     };
 
     let tokens = string_array(file, "tokenizer.ggml.tokens")?.ok_or("tokenizer.ggml.tokens is missing")?;
@@ -104,8 +129,8 @@ pub(super) fn from_metadata(file: &GgufFile) -> Result<Option<Tokenizer>, String
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
     // Control tokens (`<|im_start|>`) are special and kept whole; user-defined ones (`<think>`)
-    // are kept whole but are ordinary text. A "control" token outside the byte alphabet is a
-    // llama.cpp mislabel that transformers skips, and so do we.
+    // are kept whole but are ordinary text. Like transformers, only tokens spelled in the byte
+    // alphabet qualify: a "control" token outside it is a llama.cpp mislabel.
     let typed = |wanted: i64| {
         tokens.iter().zip(&token_types).filter(move |&(token, &ty)| ty == wanted && in_alphabet(token)).map(|(t, _)| t)
     };
