@@ -257,16 +257,21 @@ fn malformed_headers_give_clean_errors() {
     long_key.extend_from_slice(&[0; 32]);
     assert!(format_error_of(&dir, "long-key.gguf", &long_key).contains("runs past the end"));
 
-    // An array value claiming 2^60 strings.
-    let mut huge_array = header(3, 0, 1);
-    huge_array.extend_from_slice(&1u64.to_le_bytes());
-    huge_array.push(b'a');
-    huge_array.extend_from_slice(&9u32.to_le_bytes());
-    huge_array.extend_from_slice(&8u32.to_le_bytes());
-    huge_array.extend_from_slice(&(1u64 << 60).to_le_bytes());
-    huge_array.extend_from_slice(&[0; 64]);
-    let message = format_error_of(&dir, "huge-array.gguf", &huge_array);
-    assert!(message.contains("metadata entry 0 (a)") && message.contains("array elements"), "{message}");
+    // Array values claiming 2^20 strings (more than the file holds) and 2^60 (more than anyone).
+    let array_header = |count: u64| {
+        let mut bytes = header(3, 0, 1);
+        bytes.extend_from_slice(&1u64.to_le_bytes());
+        bytes.push(b'a');
+        bytes.extend_from_slice(&9u32.to_le_bytes());
+        bytes.extend_from_slice(&8u32.to_le_bytes());
+        bytes.extend_from_slice(&count.to_le_bytes());
+        bytes.extend_from_slice(&[0; 64]);
+        bytes
+    };
+    let message = format_error_of(&dir, "long-array.gguf", &array_header(1 << 20));
+    assert!(message.contains("metadata entry 0 (a)") && message.contains("1048576 array elements"), "{message}");
+    let message = format_error_of(&dir, "huge-array.gguf", &array_header(1 << 60));
+    assert!(message.contains("metadata entry 0 (a)") && message.contains("more than the 16777216"), "{message}");
 
     let mut bad_bool = header(3, 0, 1);
     bad_bool.extend_from_slice(&1u64.to_le_bytes());

@@ -18,6 +18,10 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 const MAX_DIMS: u32 = 4;
 /// Arrays of arrays are legal; nothing real nests deeper than this.
 const MAX_ARRAY_NESTING: u32 = 8;
+/// A parsed value takes up to 32 times the bytes of a packed one (a `u8` becomes a
+/// `MetadataValue`), so the file size alone does not bound memory. The largest real arrays are
+/// token lists and merges, well under a million entries.
+const MAX_ARRAY_LEN: u64 = 1 << 24;
 
 /// A parsed GGUF file. Tensor data stays in `map`; `TensorInfo::range` locates it.
 pub(crate) struct GgufFile {
@@ -425,6 +429,9 @@ impl<'a> Reader<'a> {
                     9 => 4 + 8,
                     other => return Err(format!("array of unknown value type {other}")),
                 };
+                if count > MAX_ARRAY_LEN {
+                    return Err(format!("array of {count} values, more than the {MAX_ARRAY_LEN} waferc accepts"));
+                }
                 self.check_count(count, min_size, "array elements")?;
                 let mut items = Vec::with_capacity(count as usize);
                 for index in 0..count {
