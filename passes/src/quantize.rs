@@ -247,6 +247,58 @@ mod tests {
         assert!(q4[2..].iter().all(|&b| b == 0x88), "zero maps to the offset 8 in both nibbles");
     }
 
+    /// Widens blocks as NUMERICS.md says the decoders do: q8_0 `d * q`, q4_0 `d * (q - 8)`.
+    fn widen_blocks(format: QuantFormat, bytes: &[u8]) -> Vec<(f32, Vec<f32>)> {
+        let block_bytes = format.dtype().row_bytes(BLOCK as u64).unwrap() as usize;
+        let scale = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        bytes
+            .chunks(block_bytes)
+            .map(|b| {
+                let d = scale(b);
+                let values = match format {
+                    QuantFormat::Q8_0 => b[2..].iter().map(|&q| d * f32::from(q as i8)).collect(),
+                    QuantFormat::Q4_0 => (0..BLOCK)
+                        .map(|i| {
+                            let byte = b[2 + i % (BLOCK / 2)];
+                            let q = if i < BLOCK / 2 { byte & 0xf } else { byte >> 4 };
+                            d * (f32::from(q) - 8.0)
+                        })
+                        .collect(),
+                };
+                (d, values)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn decoded_blocks_are_within_the_quantisation_step() {
+        // Deterministic values spanning several magnitudes, and both signs for the largest. Blocks
+        // stay above ~0.01 in magnitude: below that the f16 scale is subnormal and loses bits,
+        // as it does in ggml.
+        let row: Vec<f32> = (0..32 * 64)
+            .map(|i: u32| {
+                let phase = (i.wrapping_mul(2_654_435_761) >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
+                phase * 10f32.powi((i / 32 % 4) as i32 - 1)
+            })
+            .collect();
+        for format in QuantFormat::ALL {
+            let mut bytes = vec![0u8; format.dtype().row_bytes(row.len() as u64).unwrap() as usize];
+            format.quantize_row(&row, &mut bytes);
+            for ((d, decoded), original) in widen_blocks(format, &bytes).iter().zip(row.chunks(BLOCK)) {
+                let amax = original.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                // Half a step for rounding (a whole step where q4_0 clamps 16 to 15), plus the
+                // f16 rounding of the scale, which scales with the block's largest value.
+                let step = match format {
+                    QuantFormat::Q8_0 => 0.5 * d.abs(),
+                    QuantFormat::Q4_0 => d.abs(),
+                };
+                for (x, y) in original.iter().zip(decoded) {
+                    assert!((x - y).abs() <= step + amax * 2e-3, "{format:?}: {x} decoded as {y}, d = {d}");
+                }
+            }
+        }
+    }
+
     fn f32_bytes(values: &[f32]) -> Vec<u8> {
         values.iter().flat_map(|v| v.to_le_bytes()).collect()
     }
