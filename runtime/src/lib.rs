@@ -4,8 +4,9 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 pub mod error;
+pub mod executor;
 pub mod kernels;
 pub mod reference;
 
 pub use error::{RuntimeError, Site};
-pub use reference::{argmax, generate, Decoder, Generation, ReferenceDecoder};
+pub use reference::{argmax, generate, Decoder, Generation, InstrValue, ReferenceDecoder};

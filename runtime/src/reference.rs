@@ -47,9 +47,22 @@ impl Slot {
     }
 }
 
+/// An instruction's value after a step, as [`ReferenceDecoder::last_values`] records it (the
+/// wafer executor reports the same, so the two can be compared instruction by instruction).
+#[derive(Clone, Debug, PartialEq)]
+pub enum InstrValue {
+    Tensor(Vec<f32>),
+    Routing(Routing),
+    /// Computed from an expert the routing did not choose.
+    Absent,
+}
+
 #[derive(Clone, Debug)]
 pub struct ReferenceDecoder {
     module: Module,
+    /// Every instruction's value of the last step, when recording ([`Self::record_values`]).
+    last_values: Option<Vec<InstrValue>>,
+    record_values: bool,
     max_context: usize,
     position: usize,
     caches: Vec<CacheState>,
@@ -86,6 +99,8 @@ impl ReferenceDecoder {
         let rope_tables = rope_keys.iter().map(|(dim, rope)| kernels::rope_frequencies(*dim as usize, rope)).collect();
         Ok(ReferenceDecoder {
             module: module.clone(),
+            last_values: None,
+            record_values: false,
             max_context,
             position: 0,
             caches: vec![CacheState::default(); module.caches.len()],
@@ -100,6 +115,17 @@ impl ReferenceDecoder {
 
     pub fn max_context(&self) -> usize {
         self.max_context
+    }
+
+    /// Whether to keep every instruction's value of each step (off by default: it copies them).
+    pub fn record_values(&mut self, record: bool) {
+        self.record_values = record;
+        self.last_values = None;
+    }
+
+    /// Every instruction's value of the last successful step, indexed by value, when recording.
+    pub fn last_values(&self) -> Option<&[InstrValue]> {
+        self.last_values.as_deref()
     }
 
     /// Feeds `token` at the next position and returns that position's logits row.
@@ -131,6 +157,7 @@ impl ReferenceDecoder {
 
     pub fn reset(&mut self) {
         self.position = 0;
+        self.last_values = None;
         for state in &mut self.caches {
             state.keys.clear();
             state.values.clear();
@@ -153,6 +180,18 @@ impl ReferenceDecoder {
             let angles = self.rope_table_of[handle.index()].map(|t| &angles[t]);
             let slot = step.eval(instr, angles)?;
             slots.push(slot);
+        }
+        if self.record_values {
+            self.last_values = Some(
+                slots
+                    .iter()
+                    .map(|slot| match slot {
+                        Slot::Tensor(t) => InstrValue::Tensor(t.clone()),
+                        Slot::Routing(r) => InstrValue::Routing(r.clone()),
+                        Slot::Absent => InstrValue::Absent,
+                    })
+                    .collect(),
+            );
         }
         let output = self.module.output.ok_or(waferc_ir::IrError::NoOutput)?;
         match std::mem::replace(&mut slots[output.index()], Slot::Absent) {

@@ -64,8 +64,8 @@ pub enum ExecError {
     MessageLength { site: InstrSite, route: RouteId, sender: Pe, pe: Pe, expected: usize, found: usize },
     #[error("{site}: {pe} needs elements {elements:?} of %{value}, but {problem}")]
     MissingOperand { site: InstrSite, pe: Pe, value: u32, elements: Range<u64>, problem: String },
-    #[error("{site}: the reduction on route {route} has a path that does not follow its tree: {problem}")]
-    ReducePath { site: InstrSite, route: RouteId, problem: String },
+    #[error("{site}: the path of route {route} is malformed: {problem}")]
+    RoutePath { site: InstrSite, route: RouteId, problem: String },
     #[error("the program's weights are not present (a shape-only compile); only timing_only execution is possible")]
     NoWeights,
     #[error("the tile blob has {found} bytes, the program expects {expected}")]

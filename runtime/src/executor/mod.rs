@@ -32,7 +32,8 @@ use waferc_ir::wafer::{
 };
 use waferc_ir::{DType, Module, Op, ValueType, BLOCK};
 
-use crate::kernels::{self, RopeAngles, RowView, Routing, VectorTreeSum};
+use crate::kernels::{self, RopeAngles, Routing, RowView, VectorTreeSum};
+use crate::reference::InstrValue;
 
 pub use error::{ExecError, InstrSite};
 pub use timing::{LinkLoad, PeLoad, StepSpan, StepTiming, TimingReport};
@@ -55,15 +56,6 @@ pub struct StepResult {
     /// The logits row, assembled from the output's result segments (`None` when timing only).
     pub logits: Option<Vec<f32>>,
     pub timing: StepTiming,
-}
-
-/// An instruction's value after a step, assembled from its PEs (for validation).
-#[derive(Clone, Debug, PartialEq)]
-pub enum ExecValue {
-    Vector(Vec<f32>),
-    Routing(Routing),
-    /// An unchosen expert's value: nothing was computed.
-    Absent,
 }
 
 /// Values on the wafer: real f32 elements, or (timing only) just how many there would be.
@@ -157,7 +149,7 @@ pub struct Executor<'p> {
     /// Modeled cycles of each step since the last reset, by position.
     history: Vec<u64>,
     last_timing: Option<StepTiming>,
-    last_values: Option<Vec<ExecValue>>,
+    last_values: Option<Vec<InstrValue>>,
 }
 
 impl<'p> Executor<'p> {
@@ -300,8 +292,20 @@ impl<'p> Executor<'p> {
 
     /// Every instruction's value after the last step, indexed by value, when
     /// [`ExecOptions::record_values`] is set (`expert_dispatch` shows the `x` it forwards).
-    pub fn last_values(&self) -> Option<&[ExecValue]> {
+    pub fn last_values(&self) -> Option<&[InstrValue]> {
         self.last_values.as_deref()
+    }
+
+    /// The instructions in the order the schedule runs them.
+    pub fn schedule_order(&self) -> Vec<InstrIndex> {
+        self.runs.iter().map(|(instr, _)| *instr).collect()
+    }
+
+    /// The bytes of weight region `region` of the `pe_index`-th PE image, as loaded into its SRAM.
+    pub(crate) fn region_bytes(&self, pe_index: usize, region: usize) -> Option<&[u8]> {
+        let found = self.program.pes.get(pe_index)?.regions.get(region)?;
+        let RegionKind::Weight { blob, .. } = &found.kind else { return None };
+        self.sram.get(pe_index)?.get(found.offset as usize..)?.get(..(blob.end - blob.start) as usize)
     }
 
     /// Feeds `token` at the next position: runs the schedule once, returns the logits and the
@@ -342,7 +346,14 @@ impl<'p> Executor<'p> {
                 state.held[instr as usize] = Held::Absent;
             }
             let ready = self.ready_cycle(&state, instr);
-            state.timeline.finish_instr(self.program, &self.costs, &run, open, ready, &self.instr_pes[instr as usize]);
+            state.timeline.finish_instr(
+                self.program,
+                &self.costs,
+                &mut run,
+                open,
+                ready,
+                &self.instr_pes[instr as usize],
+            );
         }
         let logits = self.output_logits(&state)?;
         if self.options.record_values {
@@ -356,7 +367,7 @@ impl<'p> Executor<'p> {
     /// `prompt_tokens` tokens (see [`timing`] for the model). `None` before the first step.
     pub fn timing_report(&self, prompt_tokens: usize) -> Option<TimingReport> {
         let last = self.last_timing.as_ref()?;
-        Some(timing::report(self.program, &self.costs, &self.history, last, prompt_tokens))
+        Some(timing::report(self.program, &self.history, last, prompt_tokens))
     }
 
     /// The cycle at which all of `instr`'s operands (and, for an expert, the routing) are ready.
@@ -390,20 +401,21 @@ impl<'p> Executor<'p> {
         }
     }
 
-    fn collect_values(&self, state: &StepState) -> Vec<ExecValue> {
+    fn collect_values(&self, state: &StepState) -> Vec<InstrValue> {
         let value_of = |held: &Held| match held {
-            Held::Segments(segments) => ExecValue::Vector(segments.iter().flat_map(|d| d.values().to_vec()).collect()),
-            Held::Routing(r) => ExecValue::Routing(r.clone()),
-            Held::Pending | Held::Absent => ExecValue::Absent,
+            Held::Segments(segments) => InstrValue::Tensor(segments.iter().flat_map(|d| d.values().to_vec()).collect()),
+            Held::Routing(r) => InstrValue::Routing(r.clone()),
+            Held::Pending | Held::Absent => InstrValue::Absent,
         };
         (0..self.module.body.len())
             .map(|i| match &self.module.body[waferc_ir::Handle::new(i)].op {
                 Op::ExpertDispatch { routing, expert, .. } => {
-                    let chosen = matches!(&state.held[routing.index()], Held::Routing(r) if r.weight_of(*expert).is_some());
+                    let chosen =
+                        matches!(&state.held[routing.index()], Held::Routing(r) if r.weight_of(*expert).is_some());
                     if chosen {
                         value_of(&state.held[self.alias[i] as usize])
                     } else {
-                        ExecValue::Absent
+                        InstrValue::Absent
                     }
                 }
                 _ => value_of(&state.held[i]),
@@ -551,13 +563,13 @@ impl<'p> Executor<'p> {
                 sender,
                 pe,
                 self.message(state, run, id, sender, pe)?,
-                carried_elements.len() as usize,
+                span(&carried_elements) as usize,
             )?;
             pieces.push((overlap.clone(), data.slice(relative(&overlap, carried_elements.start))));
         }
         pieces.sort_by_key(|(range, _)| range.start);
         let mut covered = elements.start;
-        let mut out = if self.options.timing_only { None } else { Some(Vec::with_capacity(elements.len() as usize)) };
+        let mut out = if self.options.timing_only { None } else { Some(Vec::with_capacity(span(&elements) as usize)) };
         for (range, data) in &pieces {
             if range.end <= covered {
                 continue;
@@ -591,7 +603,7 @@ impl<'p> Executor<'p> {
         }
         Ok(match out {
             Some(values) => Data::Values(values),
-            None => Data::Shape(elements.len() as usize),
+            None => Data::Shape(span(&elements) as usize),
         })
     }
 
@@ -612,7 +624,11 @@ impl<'p> Executor<'p> {
         if leaves.len() != route.sources.len() {
             return Err(ExecError::Malformed {
                 site: run.site.clone(),
-                problem: format!("reduction route {id} has {} sources for {} partials", route.sources.len(), leaves.len()),
+                problem: format!(
+                    "reduction route {id} has {} sources for {} partials",
+                    route.sources.len(),
+                    leaves.len()
+                ),
             });
         }
         let destination = single_destination(run, route)?;
@@ -661,11 +677,7 @@ impl<'p> Executor<'p> {
         if placement.deliveries.len() != segments.len() {
             return Err(ExecError::Malformed {
                 site: run.site.clone(),
-                problem: format!(
-                    "{} deliveries for {} result segments",
-                    placement.deliveries.len(),
-                    segments.len()
-                ),
+                problem: format!("{} deliveries for {} result segments", placement.deliveries.len(), segments.len()),
             });
         }
         let Held::Segments(held) = &state.held[run.instr as usize] else { return Ok(()) };
@@ -698,7 +710,7 @@ impl<'p> Executor<'p> {
             if range.start != covered {
                 break;
             }
-            let data = self.receive_data(state, run, id, *sender, segment.pe, range.len() as usize)?;
+            let data = self.receive_data(state, run, id, *sender, segment.pe, span(&range) as usize)?;
             out.extend_from_slice(data.values());
             covered = range.end;
         }
@@ -711,7 +723,7 @@ impl<'p> Executor<'p> {
                 problem: format!("no source of collect route {id} holds them"),
             });
         }
-        Ok(if self.options.timing_only { Data::Shape(segment.elements.len() as usize) } else { Data::Values(out) })
+        Ok(if self.options.timing_only { Data::Shape(span(&segment.elements) as usize) } else { Data::Values(out) })
     }
 
     // ---------------------------------------------------------------------------------------
@@ -807,7 +819,7 @@ impl<'p> Executor<'p> {
         cols: Range<u64>,
     ) -> Result<Vec<f32>, ExecError> {
         let (weight, rows, held_cols, bytes) = self.weight_region(run, pe, region)?;
-        let view = region_row(self.weight_dtype(weight), bytes, row - rows.start, held_cols.len())
+        let view = region_row(self.weight_dtype(weight), bytes, row - rows.start, span(&held_cols))
             .ok_or_else(|| self.region_error(run, pe, region, "its bytes do not match its rows and elements"))?;
         let widened = view.widen();
         Ok(widened[(cols.start - held_cols.start) as usize..(cols.end - held_cols.start) as usize].to_vec())
@@ -874,21 +886,18 @@ impl<'p> Executor<'p> {
             }
             (Op::RouterTopK { logits, top_k, normalize }, Work::Router { routing }) => {
                 let ResultLayout::Routing { pe } = placement.result else {
-                    return Err(ExecError::Malformed { site: run.site.clone(), problem: "a router's result must be a routing".into() });
+                    return Err(ExecError::Malformed {
+                        site: run.site.clone(),
+                        problem: "a router's result must be a routing".into(),
+                    });
                 };
                 self.router(state, run, logits.index() as InstrIndex, *top_k, *normalize, pe, *routing)?
             }
             // The result aliases `x`; the gate (checked before) decided whether it exists.
             (Op::ExpertDispatch { .. }, Work::Dispatch { .. }) => {}
-            (Op::ExpertCombine { routing, experts }, Work::Combine { routing: route, collects }) => self.combine_experts(
-                state,
-                run,
-                routing.index() as InstrIndex,
-                experts,
-                *route,
-                collects,
-                &segments,
-            )?,
+            (Op::ExpertCombine { routing, experts }, Work::Combine { routing: route, collects }) => {
+                self.combine_experts(state, run, routing.index() as InstrIndex, experts, *route, collects, &segments)?
+            }
             (_, work) => {
                 return Err(ExecError::Malformed {
                     site: run.site.clone(),
@@ -921,12 +930,12 @@ impl<'p> Executor<'p> {
             for block in blocks.iter().filter(|b| b.rows.contains(&token)) {
                 let Some(overlap) = intersect(&block.elements, &segment.elements) else { continue };
                 let data = if self.options.timing_only {
-                    Data::Shape(overlap.len() as usize)
+                    Data::Shape(span(&overlap) as usize)
                 } else {
                     let region = self.find_weight_region(run, block.pe, table, token, &block.elements)?;
                     Data::Values(self.widen_from_region(run, block.pe, region, token, overlap.clone())?)
                 };
-                run.compute(block.pe, self.costs.flops(overlap.len() as u64));
+                run.compute(block.pe, self.costs.flops(span(&overlap) as u64));
                 self.send(state, run, id, block.pe, Payload::Data(data))?;
                 parts.push((block.pe, overlap));
             }
@@ -968,18 +977,22 @@ impl<'p> Executor<'p> {
                         run,
                         tile.pe,
                         region,
-                        &format!("the tile needs weight {}, rows {:?}, elements {cols:?}", self.weight_name(weight), tile.rows),
+                        &format!(
+                            "the tile needs weight {}, rows {:?}, elements {cols:?}",
+                            self.weight_name(weight),
+                            tile.rows
+                        ),
                     ));
                 }
                 let mut out = Vec::with_capacity(rows as usize);
                 for row in 0..rows {
-                    let view = region_row(dtype, bytes, row, cols.len())
+                    let view = region_row(dtype, bytes, row, span(&cols))
                         .ok_or_else(|| self.region_error(run, tile.pe, region, "its bytes do not match its shape"))?;
                     out.push(kernels::dot(x_part.values(), view));
                 }
                 Data::Values(out)
             };
-            run.compute(tile.pe, self.costs.fma(rows * cols.len() as u64));
+            run.compute(tile.pe, self.costs.fma(rows * span(&cols) as u64));
             partials.push(partial);
         }
 
@@ -989,9 +1002,10 @@ impl<'p> Executor<'p> {
         for &id in &p.reductions {
             let route = self.route(run, id)?;
             let row_block = reduction_row_block(run, route, p)?;
+            let site = run.site.clone();
             let tile_on = |pe: Pe| -> Result<usize, ExecError> {
                 tile_of_row_block(p, row_block, pe).ok_or_else(|| ExecError::MalformedOnPe {
-                    site: run.site.clone(),
+                    site: site.clone(),
                     pe,
                     problem: format!("reduction route {id} reaches it, but it holds no tile of row block {row_block}"),
                 })
@@ -1011,10 +1025,8 @@ impl<'p> Executor<'p> {
                 return Err(route_kind_error(run, route, "a broadcast of reduced rows"));
             };
             let root = single_source(run, route)?;
-            let row_block = total_at
-                .iter()
-                .position(|&t| p.tiles[t].pe == root)
-                .ok_or_else(|| ExecError::MalformedOnPe {
+            let row_block =
+                total_at.iter().position(|&t| p.tiles[t].pe == root).ok_or_else(|| ExecError::MalformedOnPe {
                     site: run.site.clone(),
                     pe: root,
                     problem: format!("broadcast route {id} starts here, but no row block's total is here"),
@@ -1046,7 +1058,7 @@ impl<'p> Executor<'p> {
                     _ => total,
                 };
                 if bias.is_some() {
-                    run.compute(tile.pe, self.costs.flops(overlap.len() as u64));
+                    run.compute(tile.pe, self.costs.flops(span(&overlap) as u64));
                 }
                 self.send(state, run, id, tile.pe, Payload::Data(data))?;
                 parts.push((tile.pe, overlap));
@@ -1070,7 +1082,7 @@ impl<'p> Executor<'p> {
             .map(|freqs| RopeAngles::new(freqs, self.position as usize));
         let mut held = Vec::with_capacity(segments.len());
         for segment in segments {
-            let n = segment.elements.len();
+            let n = span(&segment.elements) as usize;
             let (data, flops) = match op {
                 Op::Silu { x } => {
                     let x = self.operand(state, run, segment.pe, x.index() as InstrIndex, segment.elements.clone())?;
@@ -1092,7 +1104,7 @@ impl<'p> Executor<'p> {
                     let x = self.operand(state, run, segment.pe, x.index() as InstrIndex, heads.clone())?;
                     let data = self.compute_data(n, || {
                         let angles = angles.as_ref().expect("rope instructions have frequencies");
-                        let mut out = vec![0.0; heads.len() as usize];
+                        let mut out = vec![0.0; span(&heads) as usize];
                         kernels::rope(x.values(), angles, &mut out);
                         out[relative(&segment.elements, heads.start)].to_vec()
                     });
@@ -1137,7 +1149,7 @@ impl<'p> Executor<'p> {
                 let range = intersect(&(group * g..(group + 1) * g), &segment.elements).expect("the group overlaps");
                 let part = x_seg.slice(relative(&range, segment.elements.start));
                 let partial = self.compute_data(1, || vec![kernels::sum_squares(part.values())]);
-                run.compute(segment.pe, self.costs.fma(range.len() as u64));
+                run.compute(segment.pe, self.costs.fma(span(&range) as u64));
                 seg_parts.push((group, range, partial));
             }
             xs.push(x_seg);
@@ -1187,7 +1199,7 @@ impl<'p> Executor<'p> {
         run.begin(Phase::Finish);
         let mut held = Vec::with_capacity(segments.len());
         for (s, segment) in segments.iter().enumerate() {
-            let mut out = Vec::with_capacity(segment.elements.len() as usize);
+            let mut out = Vec::with_capacity(span(&segment.elements) as usize);
             for (group, range, partial) in &parts[s] {
                 let r = match inverse.get(&(s, *group)) {
                     Some(r) => r.clone(),
@@ -1199,12 +1211,14 @@ impl<'p> Executor<'p> {
                         return Err(ExecError::MalformedOnPe {
                             site: run.site.clone(),
                             pe: segment.pe,
-                            problem: format!("group {group} spans several segments but has no reduce and broadcast routes"),
+                            problem: format!(
+                                "group {group} spans several segments but has no reduce and broadcast routes"
+                            ),
                         })
                     }
                 };
                 let cols = range.start - group * g..range.end - group * g;
-                run.compute(segment.pe, self.costs.flops(2 * range.len() as u64));
+                run.compute(segment.pe, self.costs.flops(2 * span(&range) as u64));
                 if self.options.timing_only {
                     continue;
                 }
@@ -1216,7 +1230,7 @@ impl<'p> Executor<'p> {
                 out.extend_from_slice(&y);
             }
             held.push(if self.options.timing_only {
-                Data::Shape(segment.elements.len() as usize)
+                Data::Shape(span(&segment.elements) as usize)
             } else {
                 Data::Values(out)
             });
@@ -1261,8 +1275,8 @@ impl<'p> Executor<'p> {
             run.begin(Phase::Compute);
             let mut blocks = Vec::with_capacity(kh.blocks.len());
             for (b_index, block) in kh.blocks.iter().enumerate() {
-                let region = pe_image(self.program, block.pe)
-                    .and_then(|(_, image)| image.regions.get(block.region as usize));
+                let region =
+                    pe_image(self.program, block.pe).and_then(|(_, image)| image.regions.get(block.region as usize));
                 match region.map(|r| &r.kind) {
                     Some(RegionKind::KvCache { kv_head, positions })
                         if *kv_head == kh.kv_head && *positions == block.positions => {}
@@ -1303,7 +1317,9 @@ impl<'p> Executor<'p> {
                     (0..group)
                         .map(|head| {
                             let q_head = &q_block.values()[head * dim..(head + 1) * dim];
-                            (0..n).map(|t| kernels::attention_score(q_head, &cache.keys[t * dim..(t + 1) * dim], scale)).collect()
+                            (0..n)
+                                .map(|t| kernels::attention_score(q_head, &cache.keys[t * dim..(t + 1) * dim], scale))
+                                .collect()
                         })
                         .collect()
                 };
@@ -1318,11 +1334,11 @@ impl<'p> Executor<'p> {
             // tree reduction over the blocks (none with a single block) and, for the first two,
             // a broadcast of the result back to every block.
             let statistic = |state: &mut StepState,
-                                 run: &mut InstrRun,
-                                 phase: Phase,
-                                 reduce: Option<RouteId>,
-                                 broadcast: Option<RouteId>,
-                                 blocks: &[BlockWork]|
+                             run: &mut InstrRun,
+                             phase: Phase,
+                             reduce: Option<RouteId>,
+                             broadcast: Option<RouteId>,
+                             blocks: &[BlockWork]|
              -> Result<Vec<Data>, ExecError> {
                 run.begin(phase);
                 let leaves: Vec<Data> = blocks.iter().map(|b| b.local.clone()).collect();
@@ -1383,7 +1399,11 @@ impl<'p> Executor<'p> {
                     }
                     out
                 });
-                run.compute(block.pe, self.costs.flops((n * group) as u64 * timing::DIVIDE_FLOPS) + self.costs.fma((n * group * dim) as u64));
+                run.compute(
+                    block.pe,
+                    self.costs.flops((n * group) as u64 * timing::DIVIDE_FLOPS)
+                        + self.costs.fma((n * group * dim) as u64),
+                );
                 outs.push(out);
             }
             let (root, total) = match kh.out_reduce {
@@ -1442,7 +1462,10 @@ impl<'p> Executor<'p> {
             Routing { experts: experts as usize, chosen: (0..top_k).map(|e| (e, weight)).collect() }
         } else {
             if top_k == 0 || top_k as u64 > experts {
-                return Err(ExecError::Malformed { site: run.site.clone(), problem: format!("top {top_k} of {experts} experts") });
+                return Err(ExecError::Malformed {
+                    site: run.site.clone(),
+                    problem: format!("top {top_k} of {experts} experts"),
+                });
             }
             kernels::router_topk(x.values(), top_k as usize, normalize)
         };
@@ -1465,7 +1488,10 @@ impl<'p> Executor<'p> {
     ) -> Result<(), ExecError> {
         check_count(run, "collect routes", collects.len(), segments.len())?;
         let ResultLayout::Routing { pe: router } = self.program.instrs[routing_value as usize].result else {
-            return Err(ExecError::Malformed { site: run.site.clone(), problem: "its routing operand is not a routing".into() });
+            return Err(ExecError::Malformed {
+                site: run.site.clone(),
+                problem: "its routing operand is not a routing".into(),
+            });
         };
         run.begin(Phase::Gather);
         // The experts' PEs send what they hold (unchosen experts hold nothing and stay silent).
@@ -1477,7 +1503,8 @@ impl<'p> Executor<'p> {
                 else {
                     continue;
                 };
-                for (source, data) in layout.segments.iter().zip(held) {
+                let held = held.clone();
+                for (source, data) in layout.segments.iter().zip(&held) {
                     if let Some(overlap) = intersect(&source.elements, &segment.elements) {
                         let part = data.slice(relative(&overlap, source.elements.start));
                         self.send(state, run, id, source.pe, Payload::Data(part))?;
@@ -1503,7 +1530,10 @@ impl<'p> Executor<'p> {
                     problem: format!("the routing chose expert {expert} of {}", experts.len()),
                 })?;
                 let ResultLayout::Vector(layout) = &self.program.instrs[value.index()].result else {
-                    return Err(ExecError::Malformed { site: run.site.clone(), problem: format!("expert {expert}'s output is not a vector") });
+                    return Err(ExecError::Malformed {
+                        site: run.site.clone(),
+                        problem: format!("expert {expert}'s output is not a vector"),
+                    });
                 };
                 let parts = layout
                     .overlapping(segment.elements.clone())
@@ -1515,7 +1545,7 @@ impl<'p> Executor<'p> {
         }
         run.begin(Phase::Compute);
         for (segment, (routing, weighted)) in segments.iter().zip(received) {
-            let n = segment.elements.len() as usize;
+            let n = span(&segment.elements) as usize;
             held.push(self.compute_data(n, || {
                 let inputs: Vec<(f32, &[f32])> = weighted.iter().map(|(w, d)| (*w, d.values())).collect();
                 let mut out = vec![0.0; n];
@@ -1612,7 +1642,11 @@ fn schedule_runs(program: &WaferProgram) -> Result<Vec<(InstrIndex, Range<usize>
     for (i, step) in program.schedule.iter().enumerate() {
         if step.instr as usize >= program.instrs.len() {
             return Err(ExecError::Schedule {
-                problem: format!("step {i} names %{}, but the program has {} instructions", step.instr, program.instrs.len()),
+                problem: format!(
+                    "step {i} names %{}, but the program has {} instructions",
+                    step.instr,
+                    program.instrs.len()
+                ),
             });
         }
         match runs.last_mut() {
@@ -1774,7 +1808,14 @@ fn single_destination(run: &InstrRun, route: &Route) -> Result<Pe, ExecError> {
     }
 }
 
-fn data_of(run: &InstrRun, id: RouteId, sender: Pe, receiver: Pe, payload: &Payload, expected: usize) -> Result<Data, ExecError> {
+fn data_of(
+    run: &InstrRun,
+    id: RouteId,
+    sender: Pe,
+    receiver: Pe,
+    payload: &Payload,
+    expected: usize,
+) -> Result<Data, ExecError> {
     match payload {
         Payload::Data(data) if data.len() == expected => Ok(data.clone()),
         Payload::Data(data) => Err(ExecError::MessageLength {
@@ -1853,6 +1894,11 @@ fn work_name(work: &Work) -> &'static str {
         Work::Router { .. } => "Router",
         Work::Combine { .. } => "Combine",
     }
+}
+
+/// Elements in a range of element indices.
+fn span(range: &Range<u64>) -> u64 {
+    range.end - range.start
 }
 
 fn intersect(a: &Range<u64>, b: &Range<u64>) -> Option<Range<u64>> {

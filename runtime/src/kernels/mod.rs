@@ -10,8 +10,9 @@ mod tree;
 mod weights;
 
 pub use ops::{
-    add, attention, attention_head, expert_combine, matvec, matvec_rows, mul, rms_norm, rope, rope_frequencies,
-    router_topk, silu, softmax, AttentionShape, RopeAngles, Routing,
+    add, attention, attention_head, attention_score, expert_combine, matvec, matvec_rows, mul, rms_inverse, rms_norm,
+    rms_scale, rope, rope_frequencies, router_topk, silu, softmax, softmax_normalize, softmax_numerators,
+    AttentionShape, RopeAngles, Routing,
 };
 pub use tree::{
     chunk_sum, combine_lanes, dot, dot_f32, dot_portable, dot_run, sum_squares, tree_combine, tree_sum, TreeSum,

@@ -45,11 +45,22 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     assert!(g > 0 && x.len() % g == 0, "norm group {g} does not divide {} elements", x.len());
     assert_eq!(out.len(), x.len(), "rms_norm output length");
     for (xs, ys) in x.chunks_exact(g).zip(out.chunks_exact_mut(g)) {
-        let ms = sum_squares(xs) / g as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for ((y, &v), &w) in ys.iter_mut().zip(xs).zip(weight) {
-            *y = (v * r) * w;
-        }
+        rms_scale(xs, rms_inverse(sum_squares(xs), g, eps), weight, ys);
+    }
+}
+
+/// A norm group's `1 / sqrt(ms + eps)` from its sum of squares, `ms = sum_squares / g`. With
+/// [`rms_scale`], the two halves of [`rms_norm`] that the executor runs on different PEs.
+pub fn rms_inverse(sum_squares: f32, group_len: usize, eps: f32) -> f32 {
+    let ms = sum_squares / group_len as f32;
+    1.0 / (ms + eps).sqrt()
+}
+
+/// `y = (x * r) * w` elementwise, `r` a group's [`rms_inverse`]. Panics if the lengths differ.
+pub fn rms_scale(x: &[f32], inverse: f32, weight: &[f32], out: &mut [f32]) {
+    assert!(x.len() == weight.len() && x.len() == out.len(), "rms_scale of mismatched lengths");
+    for ((y, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *y = (v * inverse) * w;
     }
 }
 
@@ -181,7 +192,7 @@ pub fn attention_head(
         start..start + dim
     };
     let positions = keys.len() / row;
-    let scores: Vec<f32> = (0..positions).map(|t| dot_f32(q_head, &keys[at(t)]) * scale).collect();
+    let scores: Vec<f32> = (0..positions).map(|t| attention_score(q_head, &keys[at(t)], scale)).collect();
     let p = softmax(&scores);
     let mut sum = VectorTreeSum::new(dim);
     for (t, &weight) in p.iter().enumerate() {
@@ -193,9 +204,25 @@ pub fn attention_head(
 /// `m = max s`, `e[t] = exp(s[t] - m)`, `z = tree_sum(e)`, `p[t] = e[t] / z`.
 pub fn softmax(scores: &[f32]) -> Vec<f32> {
     let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let e: Vec<f32> = scores.iter().map(|&s| (s - m).exp()).collect();
+    let e = softmax_numerators(scores, m);
     let z = tree_sum(&e);
-    e.into_iter().map(|e| e / z).collect()
+    softmax_normalize(e, z)
+}
+
+/// One attention score, `tree_sum(q * k) * scale`.
+pub fn attention_score(q_head: &[f32], key: &[f32], scale: f32) -> f32 {
+    dot_f32(q_head, key) * scale
+}
+
+/// `exp(s - m)` per score, `m` the maximum over all scores (the executor's KV blocks each hold
+/// some of the scores and receive `m` from a reduction).
+pub fn softmax_numerators(scores: &[f32], max: f32) -> Vec<f32> {
+    scores.iter().map(|&s| (s - max).exp()).collect()
+}
+
+/// `e / z` per numerator, `z` the `tree_sum` of all of them.
+pub fn softmax_normalize(numerators: Vec<f32>, denominator: f32) -> Vec<f32> {
+    numerators.into_iter().map(|e| e / denominator).collect()
 }
 
 /// `x / (1 + exp(-x))`.
