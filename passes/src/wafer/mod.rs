@@ -67,10 +67,10 @@ pub enum WaferError {
     Unsupported { instr: u32, op: &'static str, layer: Option<u32>, message: String },
     #[error(
         "{pe}: route {route} of %{instr} = {op}{} needs a colour, but all {limit} colours of the PE's router \
-         are taken by other routes through it",
+         are taken by other routes through it ({holders})",
         layer_suffix(*layer)
     )]
-    Colours { pe: Pe, route: u32, instr: u32, op: &'static str, layer: Option<u32>, limit: u8 },
+    Colours { pe: Pe, route: u32, instr: u32, op: &'static str, layer: Option<u32>, limit: u8, holders: String },
 }
 
 fn layer_suffix(layer: Option<u32>) -> String {

@@ -1,5 +1,6 @@
 //! Placement (PEs and SRAM images), routes and the schedule, from the sizes.
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use waferc_ir::wafer::{
@@ -36,6 +37,8 @@ struct Placer<'a> {
     placements: Vec<InstrPlacement>,
     /// Snake base of each expert interleave group, once allocated.
     group_base: Vec<Option<u64>>,
+    /// Index in `images` of each PE's image.
+    image_of: HashMap<Pe, usize>,
     routes: Vec<Route>,
 }
 
@@ -56,6 +59,7 @@ pub(super) fn place(
         images: Vec::new(),
         placements: Vec::with_capacity(module.body.len()),
         group_base: vec![None; analysis.groups.len()],
+        image_of: HashMap::new(),
         routes: Vec::new(),
     };
     for (handle, _) in module.body.iter() {
@@ -72,6 +76,22 @@ pub(super) fn place(
     if let Err(clash) = assign_colours(&mut placer.routes, params) {
         let route = &placer.routes[clash.route];
         let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
+        // Name the routes already holding the PE's colours, grouped by instruction and kind.
+        let mut holders: std::collections::BTreeMap<(u32, &'static str), u32> = std::collections::BTreeMap::new();
+        for r in &placer.routes[..clash.route] {
+            let mut touches = false;
+            route::for_each_pe(r, |pe| touches |= pe == clash.pe);
+            if touches {
+                *holders.entry((r.instr, kind_name(&r.kind))).or_default() += 1;
+            }
+        }
+        let holders = holders
+            .into_iter()
+            .map(|((instr, kind), n)| {
+                format!("{n} {kind} of %{instr} {}", module.body[waferc_ir::Handle::new(instr as usize)].op.name())
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
         return Err(WaferError::Colours {
             pe: clash.pe,
             route: clash.route as u32,
@@ -79,6 +99,7 @@ pub(super) fn place(
             op: instr.op.name(),
             layer: instr.layer,
             limit: params.colours_per_pe,
+            holders,
         });
     }
     let schedule = placer.schedule();
@@ -136,8 +157,92 @@ impl Placer<'_> {
             });
         }
         let indices = (1..regions.len() as u32).collect();
+        self.image_of.insert(pe, self.images.len());
         self.images.push(PeImage { pe, regions });
         Ok(indices)
+    }
+
+    /// The layout of a vector op's result: on the PEs of its newest operand's segments when
+    /// their cut suits the op and their SRAM has room (the data is then local and the op sits
+    /// beside its producer), otherwise on fresh PEs cut as `segments`. `requests` lists a
+    /// segment's regions; operand regions for data already on the PE are dropped.
+    fn vector_layout(
+        &mut self,
+        i: usize,
+        wafer: u16,
+        segments: &[Range<u64>],
+        requests: impl Fn(&Range<u64>) -> Vec<Request>,
+    ) -> Result<VectorLayout, WaferError> {
+        let ir = &self.module.body[waferc_ir::Handle::new(i)];
+        let host = ir
+            .op
+            .operands()
+            .into_iter()
+            .filter(|v| matches!(self.module.body[*v].ty, ValueType::Tensor(_)))
+            .max()
+            .map(|v| self.analysis.source[v.index()] as usize);
+        let len = segments.last().map_or(0, |s| s.end);
+        if let Some(ResultLayout::Vector(host)) = host.map(|h| &self.placements[h].result) {
+            let host = host.clone();
+            if host.len() == len && suits(&ir.op, self.module, &host, len) && self.wafer_of_layout(&host) == Some(wafer)
+            {
+                let plan: Vec<(Pe, Range<u64>, Vec<Request>)> = host
+                    .segments
+                    .iter()
+                    .map(|seg| {
+                        let mut wanted = vec![(
+                            RegionKind::Output { elements: seg.elements.clone() },
+                            (seg.elements.end - seg.elements.start) * F32,
+                        )];
+                        wanted.extend(requests(&seg.elements).into_iter().filter(|(kind, _)| match kind {
+                            RegionKind::Operand { value, elements } => !self.holds(seg.pe, *value as usize, elements),
+                            _ => true,
+                        }));
+                        (seg.pe, seg.elements.clone(), wanted)
+                    })
+                    .collect();
+                let room = plan.iter().all(|(pe, _, wanted)| {
+                    let image = &self.images[self.image_of[pe]];
+                    let end = image.regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
+                    end + wanted.iter().map(|(_, b)| b).sum::<u64>() <= self.params.sram_bytes_per_pe as u64
+                });
+                if room {
+                    let mut layout = VectorLayout::default();
+                    for (pe, elements, wanted) in plan {
+                        let image = &mut self.images[self.image_of[&pe]];
+                        let mut offset = image.regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
+                        for (kind, bytes) in wanted {
+                            image.regions.push(Region {
+                                offset: offset as u32,
+                                bytes: bytes as u32,
+                                instr: Some(i as u32),
+                                kind,
+                            });
+                            offset += bytes;
+                        }
+                        layout.segments.push(Segment { pe, elements });
+                    }
+                    return Ok(layout);
+                }
+            }
+        }
+        self.result_segments(wafer, i as u32, segments, requests)
+    }
+
+    fn wafer_of_layout(&self, layout: &VectorLayout) -> Option<u16> {
+        layout.segments.first().map(|s| s.pe.wafer)
+    }
+
+    /// Whether `pe` holds `elements` of value `value`'s data (its source's result).
+    fn holds(&self, pe: Pe, value: usize, elements: &Range<u64>) -> bool {
+        let source = self.analysis.source[value] as usize;
+        match &self.placements[source].result {
+            ResultLayout::Vector(l) => l
+                .segments
+                .iter()
+                .any(|s| s.pe == pe && s.elements.start <= elements.start && elements.end <= s.elements.end),
+            ResultLayout::Routing { .. } => false,
+        }
     }
 
     fn result_segments(
@@ -147,16 +252,26 @@ impl Placer<'_> {
         segments: &[Range<u64>],
         extra: impl Fn(&Range<u64>) -> Vec<Request>,
     ) -> Result<VectorLayout, WaferError> {
-        let base = self.take(wafer, segments.len() as u64);
         let mut layout = VectorLayout::default();
-        for (j, seg) in segments.iter().enumerate() {
-            let pe = snake(self.params, wafer, base + j as u64);
-            let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
-            requests.extend(extra(seg));
-            self.fill(pe, instr, requests)?;
-            layout.segments.push(Segment { pe, elements: seg.clone() });
+        for seg in segments {
+            layout.segments.push(self.segment_pe(wafer, instr, seg, extra(seg))?);
         }
         Ok(layout)
+    }
+
+    /// The next PE, holding result segment `seg` (and `extra` regions).
+    fn segment_pe(
+        &mut self,
+        wafer: u16,
+        instr: u32,
+        seg: &Range<u64>,
+        extra: Vec<Request>,
+    ) -> Result<Segment, WaferError> {
+        let pe = snake(self.params, wafer, self.take(wafer, 1));
+        let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
+        requests.extend(extra);
+        self.fill(pe, instr, requests)?;
+        Ok(Segment { pe, elements: seg.clone() })
     }
 
     fn unsupported(&self, instr: usize, message: String) -> WaferError {
@@ -187,6 +302,8 @@ impl Placer<'_> {
                 let w = &module.weights[*table];
                 let rows = w.ty.shape[0];
                 let mut blocks = Vec::new();
+                let mut layout = VectorLayout::default();
+                // Each segment's PE follows its table blocks, so its gather stays local.
                 for (seg, per) in segments.iter().zip(rows_per_block) {
                     let width = seg.end - seg.start;
                     let row_bytes = w.ty.dtype.row_bytes(width).expect("sizing checked the cut");
@@ -205,8 +322,8 @@ impl Placer<'_> {
                         self.fill(pe, instr, vec![(weight, bytes), (RegionKind::Scratch, width * F32)])?;
                         blocks.push(EmbedBlock { pe, rows: block_rows, elements: seg.clone() });
                     }
+                    layout.segments.push(self.segment_pe(wafer, instr, seg, Vec::new())?);
                 }
-                let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
                 (ResultLayout::Vector(layout), Work::Embed { blocks, collects: Vec::new() })
             }
             (
@@ -216,9 +333,11 @@ impl Placer<'_> {
                 let w = &module.weights[*weight];
                 let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
                 let (r_count, c_count) = (*row_blocks as u64, *col_blocks as u64);
-                // Tile (r, c) sits at snake index base + r * stride + c (interleaved experts
-                // leave room for the group's other members between one tile row and the next).
-                let (base, stride) = match self.analysis.group[i] {
+                // Interleaved experts: tile (r, c) of member m of a group of M sits at snake index
+                // base + (r * M + m) * C + c, so each expert's rows spread over the group's region.
+                // Otherwise tile rows are taken in order, each result segment's PE right after
+                // the last tile row it collects from, so collects stay local.
+                let interleave = match self.analysis.group[i] {
                     Some((g, member)) => {
                         let members = self.analysis.groups[g].len() as u64;
                         let base = match self.group_base[g] {
@@ -229,17 +348,22 @@ impl Placer<'_> {
                                 base
                             }
                         };
-                        (base + member as u64 * c_count, members * c_count)
+                        Some((base + member as u64 * c_count, members * c_count))
                     }
-                    None => (self.take(wafer, r_count * c_count), c_count),
+                    None => None,
                 };
+                let mut layout = VectorLayout::default();
                 let width_of = |c: u64| (c * chunks_per_tile * CHUNK)..((c + 1) * chunks_per_tile * CHUNK).min(cols);
                 let mut tiles = Vec::with_capacity((r_count * c_count) as usize);
                 for r in 0..r_count {
                     let tile_rows = r * rows_per_tile..((r + 1) * rows_per_tile).min(rows);
                     let n_rows = tile_rows.end - tile_rows.start;
+                    let row_base = match interleave {
+                        Some((base, stride)) => base + r * stride,
+                        None => self.take(wafer, c_count),
+                    };
                     for c in 0..c_count {
-                        let pe = snake(self.params, wafer, base + r * stride + c);
+                        let pe = snake(self.params, wafer, row_base + c);
                         let tile_cols = width_of(c);
                         let width = tile_cols.end - tile_cols.start;
                         let mut requests = vec![
@@ -281,8 +405,15 @@ impl Placer<'_> {
                             region,
                         });
                     }
+                    if interleave.is_none() {
+                        while let Some(seg) = segments.get(layout.segments.len()).filter(|s| s.end <= tile_rows.end) {
+                            layout.segments.push(self.segment_pe(wafer, instr, seg, Vec::new())?);
+                        }
+                    }
                 }
-                let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
+                if interleave.is_some() {
+                    layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
+                }
                 let placement = MatVecPlacement {
                     rows,
                     cols,
@@ -300,7 +431,7 @@ impl Placer<'_> {
                 let w = &module.weights[*weight];
                 let g = w.ty.shape[0];
                 let len = segments.last().map_or(0, |s| s.end);
-                let layout = self.result_segments(wafer, instr, segments, |seg| {
+                let layout = self.vector_layout(i, wafer, segments, |seg| {
                     let n = seg.end - seg.start;
                     // The weight slice this segment scales by: the whole weight when the segment
                     // holds whole groups, else the segment's part of its group.
@@ -327,7 +458,7 @@ impl Placer<'_> {
                 (ResultLayout::Vector(layout), Work::Combine { routing: 0, collects: Vec::new() })
             }
             (Op::Rope { .. } | Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. }, Shape::Vector { segments }) => {
-                let layout = self.result_segments(wafer, instr, segments, operand_regions)?;
+                let layout = self.vector_layout(i, wafer, segments, operand_regions)?;
                 (ResultLayout::Vector(layout), Work::Elementwise)
             }
             (
@@ -784,6 +915,40 @@ impl Placer<'_> {
             }
         }
         steps
+    }
+}
+
+/// Whether a vector op can compute on `layout`'s cut: rope needs whole heads per segment; a norm
+/// whole groups per segment, or equal aligned power-of-two chunk runs that tile its groups.
+fn suits(op: &Op, module: &Module, layout: &VectorLayout, len: u64) -> bool {
+    let segs = &layout.segments;
+    match op {
+        Op::Rope { head_dim, .. } => {
+            let hd = *head_dim as u64;
+            segs.iter().all(|s| s.elements.start % hd == 0 && s.elements.end % hd == 0)
+        }
+        Op::RmsNorm { weight, .. } => {
+            let g = module.weights[*weight].ty.shape[0];
+            let whole_groups =
+                segs.iter().all(|s| s.elements.start % g == 0 && (s.elements.end % g == 0 || s.elements.end == len));
+            let run = segs.first().map_or(0, |s| s.elements.end - s.elements.start);
+            let runs = run % CHUNK == 0
+                && (run / CHUNK).is_power_of_two()
+                && segs[..segs.len().saturating_sub(1)].iter().all(|s| s.elements.end - s.elements.start == run)
+                && (g == len || g % run == 0);
+            whole_groups || runs
+        }
+        _ => true,
+    }
+}
+
+fn kind_name(kind: &RouteKind) -> &'static str {
+    match kind {
+        RouteKind::Operand { .. } => "delivery",
+        RouteKind::Collect { .. } => "collect",
+        RouteKind::Reduce { .. } => "reduction",
+        RouteKind::Statistic { .. } => "broadcast",
+        RouteKind::Routing => "routing",
     }
 }
 
