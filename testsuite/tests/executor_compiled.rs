@@ -1,0 +1,83 @@
+//! The executor on programs compiled by `passes::wafer::compile`: bit-identical to the reference
+//! decoder on dense and MoE modules, the same bits on every grid, and failures that name the
+//! route, PE and layer at fault.
+
+mod executor_common;
+
+use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
+use waferc_ir::wafer::Plan;
+use waferc_passes::wafer::CompileOptions;
+use waferc_runtime::executor::{validate, ExecOptions, Executor, ValidationOptions};
+
+fn greedy(tokens: usize) -> ValidationOptions {
+    ValidationOptions { max_new_tokens: tokens, ..ValidationOptions::default() }
+}
+
+#[test]
+fn dense_module_matches_the_reference_bit_for_bit() {
+    let module = build(&Shape::dense(), 1);
+    let program = compile_for(&module, "grid:8x8", 64);
+    let blob = pack_tile_blob(&program, &module);
+    let validation =
+        validate(&program, &module, Some(&blob), &[3, 17, 5], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(validation.steps, 3 + 4);
+    assert_eq!(validation.tokens.len(), 5);
+}
+
+#[test]
+fn moe_module_matches_the_reference_bit_for_bit() {
+    let module = build(&Shape::moe(), 2);
+    let program = compile_for(&module, "grid:12x12", 64);
+    let blob = pack_tile_blob(&program, &module);
+    let validation = validate(&program, &module, Some(&blob), &[4, 9], &greedy(6)).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(validation.steps, 2 + 5);
+}
+
+#[test]
+fn quantised_module_with_biases_matches_the_reference() {
+    let shape = Shape { dtype: waferc_ir::DType::Q8_0, bias: true, ..Shape::dense() };
+    let module = build(&shape, 3);
+    let program = compile_for(&module, "grid:8x8", 64);
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[1, 2, 3], &greedy(3)).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The logits' bits for `tokens` fed in turn on `target` with `plan`, and the program's PE and
+/// matvec tile counts.
+fn logits_on(module: &waferc_ir::Module, target: &str, plan: Plan, tokens: &[u32]) -> (Vec<Vec<u32>>, usize, usize) {
+    let program = compile_with(module, target, CompileOptions { max_context: 64, plan });
+    let blob = pack_tile_blob(&program, module);
+    let mut executor = Executor::new(&program, module, Some(&blob), ExecOptions::default()).unwrap();
+    let bits = tokens
+        .iter()
+        .map(|&t| executor.step(t).unwrap().logits.unwrap().iter().map(|v| v.to_bits()).collect())
+        .collect();
+    let tiles = program
+        .instrs
+        .iter()
+        .map(|p| match &p.work {
+            waferc_ir::wafer::Work::MatVec(m) => m.tiles.len(),
+            _ => 0,
+        })
+        .sum();
+    (bits, program.pes.len(), tiles)
+}
+
+#[test]
+fn every_grid_gives_the_same_logit_bits() {
+    for shape in [Shape::dense(), Shape::moe()] {
+        let module = build(&shape, 4);
+        let tokens = [7, 1, 30, 2, 11];
+        let (reference, pes, tiles) = logits_on(&module, "grid:12x12", Plan::Tiled, &tokens);
+        let mesh = Plan::MeshGemv { p: 4, group_num: 2 };
+        for (target, plan) in
+            [("grid:8x20", Plan::Tiled), ("grid:16x16", Plan::Tiled), ("grid:40x4", Plan::Tiled), ("grid:32x32", mesh)]
+        {
+            let (bits, other_pes, other_tiles) = logits_on(&module, target, plan, &tokens);
+            assert_eq!(
+                bits, reference,
+                "{target} {plan:?} vs grid:12x12 ({other_pes} vs {pes} PEs, {other_tiles} vs {tiles} tiles)"
+            );
+        }
+    }
+}
