@@ -2,4 +2,5 @@
 
 pub mod commands;
 pub mod frontend;
+pub mod inspect;
 pub mod synth;
