@@ -1,6 +1,6 @@
 //! The [`Pass`] trait and the [`PassManager`] that runs a pipeline of passes.
 //!
-//! The manager verifies the input module, then after every pass runs [`waferc_ir::verify`],
+//! The manager verifies the input module, then after every pass runs [`waferc_ir::verify()`],
 //! so a pass that breaks the IR is named at once rather than by a confusing failure three
 //! passes later (Cranelift and MLIR do the same in their debug pipelines). For each pass it
 //! records the wall time of the pass and of its verification, and the process's peak memory,

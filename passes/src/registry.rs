@@ -9,13 +9,16 @@ use crate::error::PassError;
 use crate::manager::Pass;
 use crate::quantize::{QuantFormat, Quantize};
 
+/// Builds a pass from its arguments (the words after its name in a pipeline).
+pub type BuildPass = fn(args: &[&str]) -> Result<Box<dyn Pass>, PassError>;
+
 /// How to build one pass from its arguments.
 pub struct PassInfo {
     pub name: &'static str,
     /// The pass with its arguments, as a pipeline spells it.
     pub usage: &'static str,
     pub summary: &'static str,
-    pub build: fn(args: &[&str]) -> Result<Box<dyn Pass>, PassError>,
+    pub build: BuildPass,
 }
 
 pub const PASSES: &[PassInfo] = &[

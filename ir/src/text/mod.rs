@@ -1,5 +1,5 @@
 //! The IR's text form: stable, line-oriented and diff-friendly, in the spirit of Cranelift's
-//! CLIF and MLIR's generic form. [`print`] and [`parse`] round-trip every module exactly,
+//! CLIF and MLIR's generic form. [`print()`] and [`parse()`] round-trip every module exactly,
 //! except weight bytes, which the text names but does not carry (a parsed weight is
 //! [`WeightBytes::Absent`](crate::WeightBytes::Absent)).
 //!
@@ -35,7 +35,7 @@
 //! module prints densely; the parser accepts any labels and numbers in definition order.
 //!
 //! The parser checks syntax and that every name is declared before use; the result type of
-//! each instruction is kept as written, so [`verify`](crate::verify) reports a wrong one.
+//! each instruction is kept as written, so [`verify()`](crate::verify()) reports a wrong one.
 
 mod lexer;
 mod parse;

@@ -13,7 +13,7 @@ use crate::types::{DType, TensorType, ValueType};
 use crate::weights::WeightBytes;
 
 /// Parses a module from its text form. Weights get [`WeightBytes::Absent`]. The result is
-/// not verified: call [`verify`](crate::verify) to check types and shapes.
+/// not verified: call [`verify()`](crate::verify()) to check types and shapes.
 pub fn parse(text: &str) -> Result<Module, IrError> {
     let tokens = tokenize(text)?;
     let mut parser = Parser {
