@@ -1,7 +1,7 @@
 //! Decode throughput of the reference decoder on a SmolLM2-135M-shaped module with random
 //! weights in memory (Q4_1 layers, Q8_0 tied embedding / head, as the GGUF ships them).
 //!
-//! cargo run --release -p waferc-runtime --example bench_reference -- [steps] [threads]
+//! cargo run --release -p waferc-runtime --example bench_smollm2_shaped -- [steps] [threads]
 
 use std::time::Instant;
 

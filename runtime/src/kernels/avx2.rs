@@ -158,15 +158,16 @@ unsafe fn scale(bytes: &[u8], at: usize) -> __m256 {
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn nibbles(bytes: &[u8]) -> [__m256i; 4] {
-    let packed = _mm_loadu_si128(bytes.as_ptr() as *const __m128i);
-    let mask = _mm_set1_epi8(0x0F);
-    let low = _mm_and_si128(packed, mask);
-    let high = _mm_and_si128(_mm_srli_epi16::<4>(packed), mask);
+    // Widen bytes 0..8 and 8..16 to i32 first: then a byte's low nibble is `& 15` and its high
+    // nibble `>> 4`, with no byte shuffling.
+    let first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.as_ptr() as *const __m128i));
+    let second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.as_ptr().add(8) as *const __m128i));
+    let mask = _mm256_set1_epi32(0x0F);
     [
-        _mm256_cvtepu8_epi32(low),
-        _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(low)),
-        _mm256_cvtepu8_epi32(high),
-        _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(high)),
+        _mm256_and_si256(first, mask),
+        _mm256_and_si256(second, mask),
+        _mm256_srli_epi32::<4>(first),
+        _mm256_srli_epi32::<4>(second),
     ]
 }
 
