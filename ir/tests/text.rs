@@ -289,3 +289,16 @@ fn parser_never_panics_on_truncated_or_garbled_text() {
         check_variant(&garbled.iter().collect::<String>());
     }
 }
+
+#[test]
+fn a_broken_module_still_prints_and_the_text_names_the_problem() {
+    let mut m = tiny("llama", "norm", 1e-6);
+    m.body[waferc_ir::Handle::new(0)].op = Op::Embed { table: waferc_ir::Handle::new(42) };
+    let text = print(&m);
+    assert!(text.contains("%0 = embed @\"<missing weight #42>\" : f32[8]\n"), "{text}");
+    let (line, _, message) = parse_error(&text);
+    assert_eq!(
+        (line, message.as_str()),
+        (7, "weight @\"<missing weight #42>\" is not declared (declare it with `weight @name : type`)")
+    );
+}
