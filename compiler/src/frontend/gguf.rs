@@ -199,6 +199,7 @@ fn hf_tensors(
 ) -> BTreeMap<String, TensorEntry> {
     let mut tensors = BTreeMap::new();
     let mut unsupported = Vec::new();
+    let shared_path = Arc::new(path.to_owned());
     for info in &file.tensors {
         if info.name == "rope_freqs.weight" {
             problems
@@ -214,7 +215,6 @@ fn hf_tensors(
             continue;
         };
         let ty = TensorType::new(dtype, info.hf_shape());
-        let mapped = WeightBytes::Mapped { map: Arc::clone(&file.map), range, file: Arc::new(path.to_owned()) };
         let rotary_heads = if name.ends_with("q_proj.weight") {
             Some(config.num_heads)
         } else if name.ends_with("k_proj.weight") {
@@ -223,9 +223,9 @@ fn hf_tensors(
             None
         };
         let data = match rotary_heads {
-            None => mapped,
-            Some(heads) => match unpermute_rotary_rows(&mapped, info, heads) {
-                Ok(data) => data,
+            None => WeightBytes::Mapped { map: Arc::clone(&file.map), range, file: Arc::clone(&shared_path) },
+            Some(heads) => match unpermute_rotary_rows(&file.map[range], info, heads) {
+                Ok(rows) => WeightBytes::owned(rows),
                 Err(problem) => {
                     problems.push(problem);
                     continue;
@@ -248,7 +248,7 @@ fn hf_tensors(
 /// Undoes llama.cpp's q/k permutation (`convert_hf_to_gguf.py`'s `permute`), as transformers'
 /// `_reverse_permute_weights` does: within each head of `2 * half` rows, GGUF row `2 * i + j`
 /// is Hugging Face row `j * half + i`.
-fn unpermute_rotary_rows(bytes: &WeightBytes, info: &TensorInfo, heads: u32) -> Result<WeightBytes, String> {
+fn unpermute_rotary_rows(src: &[u8], info: &TensorInfo, heads: u32) -> Result<Vec<u8>, String> {
     let shape = info.hf_shape();
     let rows = shape[0] as usize;
     let heads = heads as usize;
@@ -258,7 +258,6 @@ fn unpermute_rotary_rows(bytes: &WeightBytes, info: &TensorInfo, heads: u32) -> 
             info.name
         ));
     }
-    let src = bytes.bytes().unwrap_or_default();
     let row_bytes = src.len() / rows;
     let half = rows / heads / 2;
     let mut out = vec![0u8; src.len()];
@@ -272,7 +271,7 @@ fn unpermute_rotary_rows(bytes: &WeightBytes, info: &TensorInfo, heads: u32) -> 
             }
         }
     }
-    Ok(WeightBytes::owned(out))
+    Ok(out)
 }
 
 /// The tokenizer: `tokenizer.json` beside the file, else one built from GGUF metadata, else none.
