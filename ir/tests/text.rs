@@ -18,7 +18,9 @@ fn assert_round_trip(module: &Module) -> String {
 fn dense_and_moe_models_round_trip() {
     for module in [common::dense(), common::moe()] {
         verify(&module).unwrap();
-        assert_round_trip(&module);
+        let text = assert_round_trip(&module);
+        let from_crlf = parse(&text.replace('\n', "\r\n")).expect("CRLF line endings parse");
+        assert_eq!(print(&from_crlf), text);
     }
 }
 
