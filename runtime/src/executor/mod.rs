@@ -1189,9 +1189,13 @@ impl<'p> Executor<'p> {
             let (root, total) = totals.remove(&routes.group).expect("reduced above");
             let r = self.compute_data(1, || vec![kernels::rms_inverse(total.values()[0], g as usize, eps)]);
             run.compute(root, self.costs.flops(timing::RMS_INVERSE_FLOPS));
-            self.send(state, run, routes.broadcast, root, Payload::Data(r))?;
+            self.send(state, run, routes.broadcast, root, Payload::Data(r.clone()))?;
             for s in segments_of(routes.group) {
-                let r = self.receive_data(state, run, routes.broadcast, root, segments[s].pe, 1)?;
+                // The root computed the statistic; the other segments receive it.
+                let r = match segments[s].pe == root {
+                    true => r.clone(),
+                    false => self.receive_data(state, run, routes.broadcast, root, segments[s].pe, 1)?,
+                };
                 inverse.insert((s, routes.group), r);
             }
         }
@@ -1346,8 +1350,14 @@ impl<'p> Executor<'p> {
                     (None, None) if blocks.len() == 1 => Ok(leaves),
                     (Some(reduce), Some(broadcast)) => {
                         let (root, total) = self.reduce(state, run, reduce, leaves)?;
-                        self.send(state, run, broadcast, root, Payload::Data(total))?;
-                        blocks.iter().map(|b| self.receive_data(state, run, broadcast, root, b.pe, group)).collect()
+                        self.send(state, run, broadcast, root, Payload::Data(total.clone()))?;
+                        blocks
+                            .iter()
+                            .map(|b| match b.pe == root {
+                                true => Ok(total.clone()),
+                                false => self.receive_data(state, run, broadcast, root, b.pe, group),
+                            })
+                            .collect()
                     }
                     _ => Err(ExecError::Malformed {
                         site: run.site.clone(),

@@ -1,0 +1,120 @@
+//! The executor's timing model on compiled programs: deterministic, the same whether values are
+//! computed or not, monotone in the target's costs, and fast enough for full-size shape-only
+//! programs.
+
+mod executor_common;
+
+use executor_common::{build, compile_for, pack_tile_blob, Shape};
+use waferc_runtime::executor::{ExecOptions, Executor, StepTiming};
+
+fn timings(
+    program: &waferc_ir::wafer::WaferProgram,
+    module: &waferc_ir::Module,
+    blob: Option<&[u8]>,
+    steps: usize,
+) -> Vec<StepTiming> {
+    let options = ExecOptions { timing_only: blob.is_none(), ..ExecOptions::default() };
+    let mut executor = Executor::new(program, module, blob, options).unwrap();
+    (0..steps).map(|i| executor.step(i as u32 + 1).unwrap().timing).collect()
+}
+
+#[test]
+fn timing_is_deterministic_and_the_same_without_values() {
+    let module = build(&Shape::dense(), 5);
+    let program = compile_for(&module, "grid:8x8", 64);
+    let blob = pack_tile_blob(&program, &module);
+    let first = timings(&program, &module, Some(&blob), 4);
+    assert_eq!(first, timings(&program, &module, Some(&blob), 4));
+    assert_eq!(first, timings(&program, &module, None, 4), "timing only walks the same steps and routes");
+    let shape_only = build(&Shape { bytes: false, ..Shape::dense() }, 5);
+    let shape_program = compile_for(&shape_only, "grid:8x8", 64);
+    assert_eq!(first, timings(&shape_program, &shape_only, None, 4), "a shape-only compile times the same");
+    for timing in &first {
+        assert!(timing.cycles > 0);
+        assert_eq!(timing.spans.len(), program.schedule.len());
+        let last_end = timing.spans.iter().map(|s| s.start_cycle + s.duration_cycles).max().unwrap();
+        assert_eq!(timing.cycles, last_end);
+    }
+    // Attention reads one more position each step; nothing else changes.
+    assert!(
+        first.windows(2).all(|w| w[0].cycles <= w[1].cycles),
+        "{:?}",
+        first.iter().map(|t| t.cycles).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn slower_hops_links_and_arithmetic_cost_more_cycles() {
+    let module = build(&Shape { bytes: false, ..Shape::dense() }, 6);
+    let program = compile_for(&module, "grid:8x8", 64);
+    let cycles = |program: &waferc_ir::wafer::WaferProgram| timings(program, &module, None, 2)[1].cycles;
+    let base = cycles(&program);
+    let mut slower = program.clone();
+    slower.target.hop_latency_cycles *= 4;
+    assert!(cycles(&slower) > base, "4x hop latency");
+    let mut narrower = program.clone();
+    narrower.target.link_bytes_per_cycle = 1;
+    assert!(cycles(&narrower) > base, "quarter link bandwidth");
+    let mut weaker = program.clone();
+    weaker.target.f32_fma_per_cycle /= 2.0;
+    assert!(cycles(&weaker) > base, "half the arithmetic rate");
+}
+
+#[test]
+fn report_derives_throughput_and_time_to_first_token_from_the_steps() {
+    let module = build(&Shape::moe(), 7);
+    let program = compile_for(&module, "grid:12x12", 64);
+    let blob = pack_tile_blob(&program, &module);
+    let mut executor = Executor::new(&program, &module, Some(&blob), ExecOptions::default()).unwrap();
+    assert!(executor.timing_report(1).is_none(), "no report before a step");
+    let cycles: Vec<u64> = [5, 6, 7, 8, 9].iter().map(|&t| executor.step(t).unwrap().timing.cycles).collect();
+    let report = executor.timing_report(3).unwrap();
+    assert_eq!(report.cycles_per_token, ((cycles[3] + cycles[4]) as f64 / 2.0).round() as u64);
+    assert_eq!(report.modeled_decode_tok_s, report.clock_hz / report.cycles_per_token as f64);
+    let ttft_cycles: u64 = cycles[..3].iter().sum();
+    assert!((report.modeled_ttft_us - ttft_cycles as f64 / report.clock_hz * 1e6).abs() < 1e-9);
+    assert_eq!(report.pes_used, program.pes.len());
+    assert!(!report.busiest_pes.is_empty() && !report.busiest_links.is_empty());
+    assert!(report.busiest_pes.windows(2).all(|w| w[0].cycles >= w[1].cycles));
+    assert!(report.busiest_links.iter().all(|l| l.utilisation > 0.0 && l.utilisation <= 1.0 + 1e-9));
+    // Only the chosen experts worked: top 2 of 4, so some expert steps took no time.
+    let idle = report.steps.iter().filter(|s| s.expert.is_some() && s.duration_cycles == 0).count();
+    let busy = report.steps.iter().filter(|s| s.expert.is_some() && s.duration_cycles > 0).count();
+    assert!(idle > 0 && busy > 0, "{idle} idle and {busy} busy expert steps");
+    let json = serde_json::to_value(&report).unwrap();
+    for key in [
+        "modeled_decode_tok_s",
+        "modeled_ttft_us",
+        "cycles_per_token",
+        "pes_used",
+        "busiest_links",
+        "busiest_pes",
+        "steps",
+    ] {
+        assert!(json.get(key).is_some(), "--json has {key}");
+    }
+}
+
+/// A full-size Llama-3.1-8B-shaped program on WSE-3, timed without values. Run in release:
+/// `cargo test --release -p waferc-testsuite --test executor_timing -- --ignored`.
+#[test]
+#[ignore = "compiles a full-size program; run in release"]
+fn llama8b_on_wse3_times_a_token_quickly() {
+    let module = build(&Shape::llama8b(), 8);
+    let start = std::time::Instant::now();
+    let program = compile_for(&module, "wse3", 4096);
+    let compiled = start.elapsed();
+    let start = std::time::Instant::now();
+    let mut executor =
+        Executor::new(&program, &module, None, ExecOptions { timing_only: true, ..ExecOptions::default() }).unwrap();
+    let prepared = start.elapsed();
+    let start = std::time::Instant::now();
+    let timing = executor.step(1).unwrap().timing;
+    let stepped = start.elapsed();
+    let report = executor.timing_report(1).unwrap();
+    eprintln!(
+        "8B on wse3: compile {compiled:?}, executor setup {prepared:?}, one token {stepped:?}; {} PEs, {} cycles/token, {:.0} tok/s modeled",
+        report.pes_used, timing.cycles, report.modeled_decode_tok_s
+    );
+    assert!(prepared + stepped < std::time::Duration::from_secs(30));
+}
