@@ -28,33 +28,25 @@ struct CacheState {
     values: Vec<f32>,
 }
 
-/// An SSA value during a step.
-#[derive(Clone, Debug)]
-enum Slot {
+/// An instruction's value during a step, and after it as [`ReferenceDecoder::last_values`]
+/// records it (the wafer executor reports the same, so the two can be compared instruction by
+/// instruction).
+#[derive(Clone, Debug, PartialEq)]
+pub enum InstrValue {
     Tensor(Vec<f32>),
     Routing(Routing),
     /// Computed from an expert the routing did not choose: skipped, costs nothing.
     Absent,
 }
 
-impl Slot {
+impl InstrValue {
     fn kind(&self) -> &'static str {
         match self {
-            Slot::Tensor(_) => "a tensor",
-            Slot::Routing(_) => "a routing",
-            Slot::Absent => "absent",
+            InstrValue::Tensor(_) => "a tensor",
+            InstrValue::Routing(_) => "a routing",
+            InstrValue::Absent => "absent",
         }
     }
-}
-
-/// An instruction's value after a step, as [`ReferenceDecoder::last_values`] records it (the
-/// wafer executor reports the same, so the two can be compared instruction by instruction).
-#[derive(Clone, Debug, PartialEq)]
-pub enum InstrValue {
-    Tensor(Vec<f32>),
-    Routing(Routing),
-    /// Computed from an expert the routing did not choose.
-    Absent,
 }
 
 #[derive(Clone, Debug)]
@@ -167,7 +159,7 @@ impl ReferenceDecoder {
     fn run(&mut self, token: u32) -> Result<Vec<f32>, RuntimeError> {
         let angles: Vec<RopeAngles> =
             self.rope_tables.iter().map(|freqs| RopeAngles::new(freqs, self.position)).collect();
-        let mut slots: Vec<Slot> = Vec::with_capacity(self.module.body.len());
+        let mut slots: Vec<InstrValue> = Vec::with_capacity(self.module.body.len());
         for (handle, instr) in self.module.body.iter() {
             let mut step = Step {
                 module: &self.module,
@@ -182,22 +174,13 @@ impl ReferenceDecoder {
             slots.push(slot);
         }
         if self.record_values {
-            self.last_values = Some(
-                slots
-                    .iter()
-                    .map(|slot| match slot {
-                        Slot::Tensor(t) => InstrValue::Tensor(t.clone()),
-                        Slot::Routing(r) => InstrValue::Routing(r.clone()),
-                        Slot::Absent => InstrValue::Absent,
-                    })
-                    .collect(),
-            );
+            self.last_values = Some(slots.clone());
         }
         let output = self.module.output.ok_or(waferc_ir::IrError::NoOutput)?;
-        match std::mem::replace(&mut slots[output.index()], Slot::Absent) {
-            Slot::Tensor(logits) => Ok(logits),
-            Slot::Absent => Err(RuntimeError::AbsentOutput { value: output.index() }),
-            Slot::Routing(_) => Err(RuntimeError::OperandKind {
+        match std::mem::replace(&mut slots[output.index()], InstrValue::Absent) {
+            InstrValue::Tensor(logits) => Ok(logits),
+            InstrValue::Absent => Err(RuntimeError::AbsentOutput { value: output.index() }),
+            InstrValue::Routing(_) => Err(RuntimeError::OperandKind {
                 site: Site { value: output.index(), op: "output", layer: None },
                 operand: output.index(),
                 expected: "a tensor",
@@ -225,7 +208,7 @@ struct Step<'a> {
     caches: &'a mut [CacheState],
     position: usize,
     token: u32,
-    slots: &'a [Slot],
+    slots: &'a [InstrValue],
     site: Site,
 }
 
@@ -237,24 +220,24 @@ fn present(operand: Option<&[f32]>) -> &[f32] {
 impl<'a> Step<'a> {
     /// A tensor operand, `None` if it is absent.
     fn tensor(&self, value: Value) -> Result<Option<&'a [f32]>, RuntimeError> {
-        let slots: &'a [Slot] = self.slots;
+        let slots: &'a [InstrValue] = self.slots;
         match &slots[value.index()] {
-            Slot::Tensor(t) => Ok(Some(t)),
-            Slot::Absent => Ok(None),
+            InstrValue::Tensor(t) => Ok(Some(t)),
+            InstrValue::Absent => Ok(None),
             other => Err(self.kind_error(value, "a tensor", other)),
         }
     }
 
     fn routing(&self, value: Value) -> Result<Option<&'a Routing>, RuntimeError> {
-        let slots: &'a [Slot] = self.slots;
+        let slots: &'a [InstrValue] = self.slots;
         match &slots[value.index()] {
-            Slot::Routing(r) => Ok(Some(r)),
-            Slot::Absent => Ok(None),
+            InstrValue::Routing(r) => Ok(Some(r)),
+            InstrValue::Absent => Ok(None),
             other => Err(self.kind_error(value, "a routing", other)),
         }
     }
 
-    fn kind_error(&self, value: Value, expected: &'static str, found: &Slot) -> RuntimeError {
+    fn kind_error(&self, value: Value, expected: &'static str, found: &InstrValue) -> RuntimeError {
         RuntimeError::OperandKind { site: self.site.clone(), operand: value.index(), expected, found: found.kind() }
     }
 
@@ -262,16 +245,16 @@ impl<'a> Step<'a> {
         WeightView::new(&self.module.weights[handle])
     }
 
-    fn eval(&mut self, instr: &Instr, angles: Option<&RopeAngles>) -> Result<Slot, RuntimeError> {
+    fn eval(&mut self, instr: &Instr, angles: Option<&RopeAngles>) -> Result<InstrValue, RuntimeError> {
         // Absent in, absent out: an unchosen expert's ops are skipped. Attention cannot skip
         // (it must append to its cache every step); expert_combine reads absence as "not chosen".
         if !matches!(instr.op, Op::ExpertCombine { .. }) {
             for operand in instr.op.operands() {
-                if matches!(self.slots[operand.index()], Slot::Absent) {
+                if matches!(self.slots[operand.index()], InstrValue::Absent) {
                     if matches!(instr.op, Op::Attention { .. }) {
                         return Err(RuntimeError::AbsentOperand { site: self.site.clone(), operand: operand.index() });
                     }
-                    return Ok(Slot::Absent);
+                    return Ok(InstrValue::Absent);
                 }
             }
         }
@@ -291,14 +274,14 @@ impl<'a> Step<'a> {
                         rows: view.rows(),
                     });
                 }
-                Slot::Tensor(view.row(token).widen())
+                InstrValue::Tensor(view.row(token).widen())
             }
             Op::RmsNorm { x, weight, eps } => {
                 let x = present(self.tensor(*x)?);
                 let scale = self.weight(*weight)?.widen_vector();
                 let mut out = vec![0.0; out_len];
                 kernels::rms_norm(x, &scale, *eps, &mut out);
-                Slot::Tensor(out)
+                InstrValue::Tensor(out)
             }
             Op::MatVec { x, weight, bias } => {
                 let x = present(self.tensor(*x)?);
@@ -306,14 +289,14 @@ impl<'a> Step<'a> {
                 let bias = bias.map(|b| self.weight(b).map(|v| v.widen_vector())).transpose()?;
                 let mut out = vec![0.0; out_len];
                 kernels::matvec(x, &view, bias.as_deref(), &mut out);
-                Slot::Tensor(out)
+                InstrValue::Tensor(out)
             }
             Op::Rope { x, .. } => {
                 let x = present(self.tensor(*x)?);
                 let angles = angles.expect("every rope instruction has a frequency table");
                 let mut out = vec![0.0; out_len];
                 kernels::rope(x, angles, &mut out);
-                Slot::Tensor(out)
+                InstrValue::Tensor(out)
             }
             Op::Attention { q, k, v, cache, heads, scale } => {
                 let (q, k, v) = (present(self.tensor(*q)?), present(self.tensor(*k)?), present(self.tensor(*v)?));
@@ -337,23 +320,23 @@ impl<'a> Step<'a> {
                 state.values.extend_from_slice(v);
                 let mut out = vec![0.0; out_len];
                 kernels::attention(q, &state.keys, &state.values, shape, *scale, &mut out);
-                Slot::Tensor(out)
+                InstrValue::Tensor(out)
             }
-            Op::Silu { x } => Slot::Tensor(kernels::silu(present(self.tensor(*x)?))),
-            Op::Mul { a, b } => Slot::Tensor(kernels::mul(present(self.tensor(*a)?), present(self.tensor(*b)?))),
-            Op::Add { a, b } => Slot::Tensor(kernels::add(present(self.tensor(*a)?), present(self.tensor(*b)?))),
+            Op::Silu { x } => InstrValue::Tensor(kernels::silu(present(self.tensor(*x)?))),
+            Op::Mul { a, b } => InstrValue::Tensor(kernels::mul(present(self.tensor(*a)?), present(self.tensor(*b)?))),
+            Op::Add { a, b } => InstrValue::Tensor(kernels::add(present(self.tensor(*a)?), present(self.tensor(*b)?))),
             Op::RouterTopK { logits, top_k, normalize } => {
-                Slot::Routing(kernels::router_topk(present(self.tensor(*logits)?), *top_k as usize, *normalize))
+                InstrValue::Routing(kernels::router_topk(present(self.tensor(*logits)?), *top_k as usize, *normalize))
             }
             Op::ExpertDispatch { x, routing, expert } => {
                 let routing = self.routing(*routing)?.expect("absent operands were handled before evaluation");
                 match routing.weight_of(*expert) {
-                    Some(_) => Slot::Tensor(present(self.tensor(*x)?).to_vec()),
-                    None => Slot::Absent,
+                    Some(_) => InstrValue::Tensor(present(self.tensor(*x)?).to_vec()),
+                    None => InstrValue::Absent,
                 }
             }
             Op::ExpertCombine { routing, experts } => {
-                let Some(routing) = self.routing(*routing)? else { return Ok(Slot::Absent) };
+                let Some(routing) = self.routing(*routing)? else { return Ok(InstrValue::Absent) };
                 let mut weighted = Vec::with_capacity(routing.chosen.len());
                 for &(expert, weight) in &routing.chosen {
                     let operand = experts[expert as usize];
@@ -366,7 +349,7 @@ impl<'a> Step<'a> {
                 }
                 let mut out = vec![0.0; out_len];
                 kernels::expert_combine(&weighted, &mut out);
-                Slot::Tensor(out)
+                InstrValue::Tensor(out)
             }
         };
         Ok(slot)
