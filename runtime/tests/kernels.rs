@@ -113,6 +113,7 @@ fn tree_sum_follows_the_rule_bit_for_bit() {
         assert_eq!(kernels::tree_sum(&terms).to_bits(), expected.to_bits(), "n = {n}");
         let ones = vec![1.0; n];
         assert_eq!(kernels::dot_f32(&terms, &ones).to_bits(), expected.to_bits(), "dot_f32, n = {n}");
+        assert_eq!(kernels::tree_sum_with(n, |i| terms[i]).to_bits(), expected.to_bits(), "on the fly, n = {n}");
     }
 }
 

@@ -15,7 +15,7 @@ pub use ops::{
     AttentionShape, RopeAngles, Routing,
 };
 pub use tree::{
-    chunk_sum, combine_lanes, dot, dot_f32, dot_portable, dot_run, sum_squares, tree_combine, tree_sum, TreeSum,
-    VectorTreeSum, LANES,
+    chunk_sum, combine_lanes, dot, dot_f32, dot_portable, dot_run, sum_squares, tree_combine, tree_sum, tree_sum_with,
+    TreeSum, VectorTreeSum, LANES,
 };
 pub use weights::{widen_q4_0, widen_q4_1, widen_q8_0, RowView, WeightView};

@@ -145,6 +145,21 @@ pub fn tree_sum(terms: &[f32]) -> f32 {
     tree.finish()
 }
 
+/// `tree_sum` of `n` terms computed on the fly, `term(i)` for `i` in `0..n`, in order (an
+/// attention sum over positions, say), without storing them.
+pub fn tree_sum_with(n: usize, mut term: impl FnMut(usize) -> f32) -> f32 {
+    let mut tree = TreeSum::new();
+    let mut chunk = [0.0f32; BLOCK];
+    for start in (0..n).step_by(BLOCK) {
+        let len = (n - start).min(BLOCK);
+        for (i, t) in chunk[..len].iter_mut().enumerate() {
+            *t = term(start + i);
+        }
+        tree.push(chunk_sum(&chunk[..len]));
+    }
+    tree.finish()
+}
+
 /// `tree_sum(a[i] * b[i])` over two f32 vectors of equal length (attention scores).
 #[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
