@@ -584,6 +584,15 @@ impl<'p> Executor<'p> {
         }
         if covered < elements.end {
             let gap = covered..elements.end;
+            if matches!(state.held[source as usize], Held::Pending) {
+                return Err(ExecError::MissingOperand {
+                    site: run.site.clone(),
+                    pe,
+                    value: source,
+                    elements: gap,
+                    problem: format!("%{source} has not been computed yet: the schedule runs it later"),
+                });
+            }
             // Name the route that carries the missing elements but does not reach this PE.
             for &id in &self.program.instrs[run.instr as usize].operand_routes {
                 let route = self.route(run, id)?;
