@@ -911,14 +911,15 @@ fn large_grids_are_drawn_in_blocks_and_mapped_in_100_columns() {
     let svg = placement_svg(&program, None, &all(), ColourBy::Layer);
     let doc = parse(&svg);
     let elements = doc.descendants().filter(|n| n.is_element()).count();
-    assert!(elements <= 60_000, "{elements} elements");
+    assert!(elements <= 50_000, "{elements} elements");
     assert!(with_class(&doc, "pe").is_empty());
     let blocks = with_class(&doc, "block");
-    assert_eq!(blocks.len(), 151 * 80, "5 x 5 blocks: 151 columns, 400 rows in 80 block rows");
+    assert_eq!(blocks.len(), 108 * 58, "7 x 7 blocks: 755 columns in 108, 400 rows in 58");
+    assert_eq!(blocks[0].attribute("data-block"), Some("0,0,0,7,7"));
     let keys = with_class(&doc, "legend-entry");
     assert_eq!(keys.len(), 32);
     let heat = with_class(&doc, "heat-block");
-    assert_eq!(heat.len(), 151 * 80);
+    assert_eq!(heat.len(), 108 * 58);
 
     let mut out = Vec::new();
     write_placement_json(&program, None, &all(), &mut out, false).unwrap();

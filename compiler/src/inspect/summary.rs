@@ -119,7 +119,12 @@ fn sram(view: &Analysis, out: &mut String) {
         }
     }
     let capacity = view.program.target.sram_bytes_per_pe as u64;
-    let _ = writeln!(out, "\nSRAM per PE (bytes, over the {} PEs above; capacity {}):", all.len(), thousands(capacity));
+    let _ = writeln!(
+        out,
+        "\nSRAM per PE (bytes, over the {} PEs above; capacity {}):",
+        thousands(all.len() as u64),
+        thousands(capacity)
+    );
     let _ = writeln!(out, "  {:<9} {:>10} {:>10} {:>10} {:>12}", "", "min", "median", "max", "total");
     let mut row = |name: &str, values: &mut Vec<u64>| {
         let min = values.iter().min().copied().unwrap_or(0);
@@ -264,7 +269,8 @@ fn footprints(view: &Analysis, out: &mut String) {
 }
 
 fn spans(bbox: &BBox) -> String {
-    format!("{:<11} {}", format!("{}-{}", bbox.x0, bbox.x1), format!("{}-{}", bbox.y0, bbox.y1))
+    let columns = format!("{}-{}", bbox.x0, bbox.x1);
+    format!("{columns:<11} {}-{}", bbox.y0, bbox.y1)
 }
 
 /// Block size of the map: 1 x 1 on small grids, else `b x 2b` to fit the width and height limits.
@@ -388,14 +394,9 @@ fn plural(n: u64) -> &'static str {
 /// `1234567` as `1,234,567`.
 pub(super) fn thousands(n: u64) -> String {
     let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
+    let groups: Vec<&str> =
+        digits.as_bytes().rchunks(3).rev().map(|group| std::str::from_utf8(group).unwrap_or_default()).collect();
+    groups.join(",")
 }
 
 /// Bytes in binary units: `512 B`, `1.50 KiB`, `3.25 GiB`.

@@ -6,14 +6,15 @@ use std::fmt::Write;
 use waferc_ir::wafer::{Pe, WaferProgram};
 use waferc_ir::Module;
 
-use super::analysis::{Analysis, CellGrid, LinkLoads, Part, EAST, NORTH, SOUTH, WEST};
+use super::analysis::{Analysis, Cell, CellGrid, LinkLoads, Part, EAST, NORTH, SOUTH, WEST};
 use super::summary::thousands;
 use super::{ColourBy, Filter};
 
 /// Grids with at most this many PEs in view are drawn PE by PE, links included.
 const MAX_PE_CELLS: u64 = 10_000;
-/// Larger grids are drawn in square blocks of PEs, at most this many blocks over all panels.
-const MAX_BLOCK_CELLS: u64 = 40_000;
+/// Larger grids are drawn in square blocks of PEs, at most this many blocks over all panels
+/// (and as many heat blocks), so that a WSE-3 picture stays under 50,000 elements.
+const MAX_BLOCK_CELLS: u64 = 20_000;
 /// Target size of a panel's longer side, in pixels.
 const PANEL_PIXELS: u32 = 720;
 const MARGIN: u32 = 16;
@@ -28,22 +29,27 @@ const HIDDEN_FILL: &str = "#dcdcdc";
 const OUTSIDE_EXPERTS_FILL: &str = "#c4c4c4";
 const EMBEDDING_FILL: &str = "#707070";
 const HEAD_FILL: &str = "#303030";
+/// Used PEs under the links of a heat panel.
+const SHADOW_FILL: &str = "#e2e2e2";
 
-/// An SVG picture of the placement (`waferc inspect --svg`): one panel per wafer shown, side by
-/// side; each PE (grids up to 10,000 PEs in view) or each square block of PEs (larger grids, at
-/// most 40,000 blocks in all, e.g. 5 x 5 PEs on a WSE-3) filled with the colour of the layer (or
-/// expert) holding most of it; link load per token as heat, relative to the busiest link shown
-/// (on PE grids, a line over each used link; on block grids, a second row of panels colouring
-/// each block by the busiest link leaving it); a legend with every layer (or expert) present and
-/// the heat scale; a title with the model and target. The [`Filter`] restricts what is coloured
-/// and which routes load the links, and a rectangle zooms the panels to it.
+/// An SVG picture of the placement (`waferc inspect --svg`). Per wafer shown, side by side: a
+/// panel of PEs, each PE (grids up to 10,000 PEs in view) or each square block of PEs (larger
+/// grids, at most 20,000 blocks in all, e.g. 7 x 7 PEs on a WSE-3) filled with the colour of the
+/// layer (or expert) holding most of it; and a heat panel of link load per token relative to the
+/// busiest link shown (on PE grids a line per used link over the used PEs, on block grids each
+/// block coloured by the busiest link leaving it), beside the PE panel for tall grids and below
+/// it for wide ones. Links between wafers are dashed lines between heat panels. A legend lists
+/// every layer (or expert) shown and the heat scale; the title names the model and target. The
+/// [`Filter`] restricts what is coloured and which routes load the links, and a rectangle zooms
+/// the panels to it.
 ///
-/// Structure, for tools and tests: `<g id="wafer-W">` per panel holding `<rect class="pe">`
-/// (attribute `data-pe="W,X,Y"`, with a `<title>`) or `<rect class="block">` (`data-block="W,X,Y,
-/// WIDTH,HEIGHT"`) per PE or block holding anything; `<g id="heat">` with `class="link"` lines
-/// or `class="heat-block"` rects (`data-bytes` = bytes per token) and `class="inter-wafer"`
-/// lines; `<g id="legend">` with one `<g class="legend-entry" data-key="...">` per layer
-/// (`layer N`, `embedding`, `head`) or expert (`expert N`, `outside experts`) shown.
+/// Structure, for tools and tests: `<g id="wafer-W">` per wafer holding `<rect class="pe">`
+/// (`data-pe="W,X,Y"`, with a `<title>`) or `<rect class="block">` (`data-block="W,X,Y,WIDTH,
+/// HEIGHT"`) per PE or block holding anything; `<g id="heat">` with `class="link"` lines or
+/// `class="heat-block"` rects (`data-bytes` = bytes per token) and `class="inter-wafer"` lines;
+/// `<g id="legend">` with one `<g class="legend-entry" data-key="...">` per layer (`embedding`,
+/// `layer N`, `head`) or expert (`expert N`, `outside experts`) shown, plus `other layers
+/// (filtered out)` under a layer filter.
 pub fn placement_svg(program: &WaferProgram, module: Option<&Module>, filter: &Filter, colour_by: ColourBy) -> String {
     let view = Analysis::new(program, module, filter);
     Picture::new(&view, colour_by).draw()
@@ -91,7 +97,9 @@ struct Picture<'v, 'a> {
     per_pe: bool,
     panel_w: u32,
     panel_h: u32,
-    /// The busiest link drawn (the heat scale's top).
+    /// Heat panels beside the PE panels (tall grids) rather than below them (wide grids).
+    heat_beside: bool,
+    /// The busiest link drawn, inter-wafer links included (the heat scale's top).
     max_load: u64,
 }
 
@@ -99,21 +107,15 @@ impl<'v, 'a> Picture<'v, 'a> {
     fn new(view: &'v Analysis<'a>, colour_by: ColourBy) -> Self {
         let wafers = view.wafers();
         let extent = view.extent();
-        let in_view = extent.cols as u64 * extent.rows as u64 * wafers.len().max(1) as u64;
-        let per_pe = in_view <= MAX_PE_CELLS;
-        let block = if per_pe {
-            1
-        } else {
-            let mut b = 2u16;
-            while (extent.cols as u64).div_ceil(b as u64)
-                * (extent.rows as u64).div_ceil(b as u64)
-                * wafers.len().max(1) as u64
+        let panels = wafers.len().max(1) as u64;
+        let per_pe = extent.cols as u64 * extent.rows as u64 * panels <= MAX_PE_CELLS;
+        let mut block = 1u16;
+        while !per_pe
+            && (extent.cols as u64).div_ceil(block as u64) * (extent.rows as u64).div_ceil(block as u64) * panels
                 > MAX_BLOCK_CELLS
-            {
-                b += 1;
-            }
-            b
-        };
+        {
+            block += 1;
+        }
         let grids: Vec<CellGrid> = wafers.iter().map(|&w| view.cell_grid(w, block, block)).collect();
         let (cols, rows) = grids.first().map_or((1, 1), |g| (g.cols.max(1), g.rows.max(1)));
         let cell_px = (PANEL_PIXELS / cols.max(rows)).clamp(2, 28);
@@ -128,13 +130,16 @@ impl<'v, 'a> Picture<'v, 'a> {
             per_pe,
             panel_w: cols * cell_px,
             panel_h: rows * cell_px,
+            heat_beside: rows > cols,
             max_load: 0,
         };
-        picture.max_load = picture.heat_values().map(|(_, _, load)| load).max().unwrap_or(0);
+        let on_wafer = picture.heat_values().map(|(_, _, load)| load).max().unwrap_or(0);
+        let between = view.inter_wafer_loads().values().copied().max().unwrap_or(0);
+        picture.max_load = on_wafer.max(between);
         picture
     }
 
-    fn key(&self, cell: &super::analysis::Cell) -> Option<Key> {
+    fn key(&self, cell: &Cell) -> Option<Key> {
         match self.colour_by {
             ColourBy::Layer => cell.part.map(Key::Part),
             ColourBy::Expert => cell.expert.map(|e| e.map_or(Key::OutsideExperts, Key::Expert)),
@@ -142,30 +147,37 @@ impl<'v, 'a> Picture<'v, 'a> {
         .or((cell.hidden > 0).then_some(Key::Hidden))
     }
 
-    fn panel_x(&self, index: usize) -> u32 {
-        MARGIN + index as u32 * (self.panel_w + PANEL_GAP)
+    /// Top left corner of wafer panel `index`.
+    fn pe_panel(&self, index: usize) -> (u32, u32) {
+        let stride = if self.heat_beside { 2 * self.panel_w + PANEL_GAP } else { self.panel_w };
+        (MARGIN + index as u32 * (stride + PANEL_GAP), TITLE_HEIGHT + PANEL_LABEL)
     }
 
-    fn panel_y(&self) -> u32 {
-        TITLE_HEIGHT + PANEL_LABEL
-    }
-
-    /// Top of the heat panels (block grids only).
-    fn heat_panel_y(&self) -> u32 {
-        self.panel_y() + self.panel_h + PANEL_GAP + PANEL_LABEL
+    /// Top left corner of the heat panel of wafer `index`.
+    fn heat_panel(&self, index: usize) -> (u32, u32) {
+        let (x, y) = self.pe_panel(index);
+        if self.heat_beside {
+            (x + self.panel_w + PANEL_GAP, y)
+        } else {
+            (x, y + self.panel_h + PANEL_GAP + PANEL_LABEL)
+        }
     }
 
     fn draw(&self) -> String {
-        let panels_w = self.panel_x(self.grids.len()).saturating_sub(PANEL_GAP).max(MARGIN + 200);
-        let panels_bottom =
-            if self.per_pe { self.panel_y() + self.panel_h } else { self.heat_panel_y() + self.panel_h };
+        let panels = self.grids.len().max(1);
+        let (last_x, last_y) = self.heat_panel(panels - 1);
+        let panels_right = last_x + self.panel_w;
+        let panels_bottom = last_y + self.panel_h;
         let keys = self.keys();
-        let legend_rows = (keys.len() as u32 + 1).max(1);
-        let rows_per_column = ((panels_bottom - self.panel_y()) / LEGEND_ROW).max(8);
-        let legend_columns = legend_rows.div_ceil(rows_per_column);
-        let legend_x = panels_w + 2 * MARGIN;
-        let width = legend_x + legend_columns.max(1) * LEGEND_COLUMN + MARGIN;
-        let legend_bottom = self.panel_y() + rows_per_column.min(legend_rows) * LEGEND_ROW + 90;
+        let top = self.pe_panel(0).1;
+        let rows_per_column = ((panels_bottom - top) / LEGEND_ROW).max(12);
+        let legend_columns = (keys.len() as u32).div_ceil(rows_per_column).max(1);
+        let legend_x = panels_right + 2 * MARGIN;
+        let legend_bottom = top + rows_per_column.min(keys.len() as u32) * LEGEND_ROW + 60;
+        let (title, subtitle) = self.titles();
+        // Bold 18 px text is about 11 px a character, 12 px text about 7.
+        let text_width = (title.chars().count() as u32 * 11).max(subtitle.chars().count() as u32 * 7);
+        let width = (legend_x + legend_columns * LEGEND_COLUMN).max(MARGIN + text_width) + MARGIN;
         let height = panels_bottom.max(legend_bottom) + MARGIN;
 
         let mut svg = String::new();
@@ -173,17 +185,18 @@ impl<'v, 'a> Picture<'v, 'a> {
             svg,
             r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">"#
         );
-        svg.push_str(&format!(
-            "<defs><linearGradient id=\"heat-scale\" x1=\"0\" x2=\"1\" y1=\"0\" y2=\"0\">{}</linearGradient></defs>\n",
-            HEAT_STOPS
-                .iter()
-                .map(|(at, colour)| format!("<stop offset=\"{at}\" stop-color=\"{colour}\"/>"))
-                .collect::<String>()
-        ));
+        let stops: String =
+            HEAT_STOPS.iter().map(|(at, colour)| format!(r#"<stop offset="{at}" stop-color="{colour}"/>"#)).collect();
+        let _ = writeln!(
+            svg,
+            r#"<defs><linearGradient id="heat-scale" x1="0" x2="1" y1="0" y2="0">{stops}</linearGradient></defs>"#
+        );
         let _ = writeln!(svg, r#"<rect width="{width}" height="{height}" fill="white"/>"#);
-        self.title(&mut svg);
+        let _ =
+            writeln!(svg, r#"<text x="{MARGIN}" y="24" font-size="18" font-weight="bold">{}</text>"#, escape(&title));
+        let _ = writeln!(svg, r##"<text x="{MARGIN}" y="44" fill="#444">{}</text>"##, escape(&subtitle));
         for (index, grid) in self.grids.iter().enumerate() {
-            self.panel(index, grid, &mut svg);
+            self.pe_panel_svg(index, grid, &mut svg);
         }
         self.heat(&mut svg);
         self.legend(&keys, legend_x, rows_per_column, &mut svg);
@@ -191,22 +204,21 @@ impl<'v, 'a> Picture<'v, 'a> {
         svg
     }
 
-    fn title(&self, svg: &mut String) {
-        let program = self.view.program;
-        let t = &program.target;
+    fn titles(&self) -> (String, String) {
+        let t = &self.view.program.target;
         let model = self.view.model_name().unwrap_or_else(|| "placement".to_string());
         let by = match self.colour_by {
             ColourBy::Layer => "layer",
             ColourBy::Expert => "expert",
         };
         let title = format!("{model} on {}: PEs coloured by {by}", t.name);
-        let used = self.grids.iter().flat_map(|g| &g.cells).map(|c| c.shown as u64).sum::<u64>();
+        let shown = self.grids.iter().flat_map(|g| &g.cells).map(|c| c.shown as u64).sum::<u64>();
         let mut subtitle = format!(
             "{} x {} PEs (columns x rows) x {} wafer(s); {} PEs shown",
             t.grid_cols,
             t.grid_rows,
             t.wafers,
-            thousands(used)
+            thousands(shown)
         );
         if let Some(g) = self.grids.first().filter(|_| !self.per_pe) {
             let _ = write!(subtitle, "; each cell {} x {} PEs", g.block_w, g.block_h);
@@ -214,13 +226,11 @@ impl<'v, 'a> Picture<'v, 'a> {
         if !self.view.filter.is_all() {
             let _ = write!(subtitle, "; filter: {}", self.view.filter.describe());
         }
-        let _ =
-            writeln!(svg, r#"<text x="{MARGIN}" y="24" font-size="18" font-weight="bold">{}</text>"#, escape(&title));
-        let _ = writeln!(svg, r##"<text x="{MARGIN}" y="44" fill="#444">{}</text>"##, escape(&subtitle));
+        (title, subtitle)
     }
 
-    fn panel(&self, index: usize, grid: &CellGrid, svg: &mut String) {
-        let (x0, y0) = (self.panel_x(index), self.panel_y());
+    fn pe_panel_svg(&self, index: usize, grid: &CellGrid, svg: &mut String) {
+        let (x0, y0) = self.pe_panel(index);
         let e = grid.extent;
         let label = format!(
             "wafer {}: x {}..{}, y {}..{}",
@@ -245,13 +255,12 @@ impl<'v, 'a> Picture<'v, 'a> {
                 let (x, y) = (x0 + cx * px, y0 + cy * px);
                 let (bx, by, bw, bh) = grid.cell_box(cx, cy);
                 if self.per_pe {
-                    let pe = Pe::new(grid.wafer, bx, by);
                     let _ = writeln!(
                         svg,
                         r#"<rect class="pe" data-pe="{},{bx},{by}" x="{x}" y="{y}" width="{px}" height="{px}" fill="{}" stroke="white" stroke-width="0.5"><title>{}</title></rect>"#,
                         grid.wafer,
                         key.fill(),
-                        escape(&self.pe_tooltip(pe, key))
+                        escape(&self.pe_tooltip(Pe::new(grid.wafer, bx, by), key))
                     );
                 } else {
                     let _ = writeln!(
@@ -311,55 +320,62 @@ impl<'v, 'a> Picture<'v, 'a> {
         })
     }
 
+    /// The heat panels: on PE grids, the PEs in light grey and a line per used link; on block
+    /// grids, each block coloured by the busiest link leaving it. Then the links between wafers.
     fn heat(&self, svg: &mut String) {
-        let inter = self.view.inter_wafer_loads();
-        let max = self.max_load.max(inter.values().copied().max().unwrap_or(0)).max(1);
+        let max = self.max_load.max(1);
         let px = self.cell_px;
         svg.push_str("<g id=\"heat\">\n");
-        if !self.per_pe {
-            for (index, grid) in self.grids.iter().enumerate() {
-                let (x0, y0) = (self.panel_x(index), self.heat_panel_y());
-                let _ = writeln!(
-                    svg,
-                    r#"<text x="{x0}" y="{}">wafer {}: busiest link leaving each cell, bytes per token</text>"#,
-                    y0 - 5,
-                    grid.wafer
-                );
-                let _ = writeln!(
-                    svg,
-                    r##"<rect class="panel" x="{x0}" y="{y0}" width="{}" height="{}" fill="white" stroke="#999"/>"##,
-                    self.panel_w, self.panel_h
-                );
+        for (index, grid) in self.grids.iter().enumerate() {
+            let (x0, y0) = self.heat_panel(index);
+            let _ = writeln!(svg, r#"<text x="{x0}" y="{}">wafer {}: link bytes per token</text>"#, y0 - 5, grid.wafer);
+            let _ = writeln!(
+                svg,
+                r##"<rect class="panel" x="{x0}" y="{y0}" width="{}" height="{}" fill="white" stroke="#999"/>"##,
+                self.panel_w, self.panel_h
+            );
+            if self.per_pe {
+                for (i, cell) in grid.cells.iter().enumerate().filter(|(_, c)| c.shown + c.hidden > 0) {
+                    let (cx, cy) = (i as u32 % grid.cols, i as u32 / grid.cols);
+                    let _ = writeln!(
+                        svg,
+                        r#"<rect x="{}" y="{}" width="{px}" height="{px}" fill="{}" stroke="white" stroke-width="0.5"/>"#,
+                        x0 + cx * px,
+                        y0 + cy * px,
+                        if cell.shown > 0 { SHADOW_FILL } else { EMPTY_FILL }
+                    );
+                }
             }
         }
         for (index, (from, to), load) in self.heat_values() {
             let colour = heat_colour(load as f64 / max as f64);
             let grid = &self.grids[index];
             if self.per_pe {
-                let (x1, y1) = self.pe_centre(index, grid, from);
-                let (x2, y2) = self.pe_centre(index, grid, to);
-                let width = (px as f64 * (0.15 + 0.35 * load as f64 / max as f64)).max(1.0);
+                let (x1, y1) = self.heat_centre(index, grid, from);
+                let (x2, y2) = self.heat_centre(index, grid, to);
+                let width = px as f64 * (0.12 + 0.3 * load as f64 / max as f64);
                 let _ = writeln!(
                     svg,
-                    r#"<line class="link" data-bytes="{load}" x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{colour}" stroke-width="{width:.1}" stroke-linecap="round" opacity="0.85"><title>{}</title></line>"#,
+                    r#"<line class="link" data-bytes="{load}" x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{colour}" stroke-width="{width:.1}" stroke-linecap="round"><title>{}</title></line>"#,
                     escape(&format!("{from} - {to}: {} bytes per token (busier direction)", thousands(load)))
                 );
             } else {
                 let Some(cell) = grid.cell_of(from.x, from.y) else { continue };
                 let (cx, cy) = (cell as u32 % grid.cols, cell as u32 / grid.cols);
-                let (x, y) = (self.panel_x(index) + cx * px, self.heat_panel_y() + cy * px);
+                let (x0, y0) = self.heat_panel(index);
+                let (x, y) = (x0 + cx * px, y0 + cy * px);
                 let _ = writeln!(
                     svg,
                     r#"<rect class="heat-block" data-bytes="{load}" x="{x}" y="{y}" width="{px}" height="{px}" fill="{colour}"/>"#
                 );
             }
         }
-        for ((from, to), load) in &inter {
+        for ((from, to), load) in &self.view.inter_wafer_loads() {
             let ends = [from, to].map(|pe| {
                 let index = self.wafers.iter().position(|w| *w == pe.wafer)?;
                 let grid = &self.grids[index];
                 grid.cell_of(pe.x, pe.y)?;
-                Some(self.pe_centre(index, grid, *pe))
+                Some(self.heat_centre(index, grid, *pe))
             });
             if let [Some((x1, y1)), Some((x2, y2))] = ends {
                 let _ = writeln!(
@@ -373,14 +389,13 @@ impl<'v, 'a> Picture<'v, 'a> {
         svg.push_str("</g>\n");
     }
 
-    /// The centre of `pe`'s cell in the panel that shows the heat (the PE panel on PE grids,
-    /// the heat panel on block grids).
-    fn pe_centre(&self, index: usize, grid: &CellGrid, pe: Pe) -> (f64, f64) {
+    /// The centre of `pe` in the heat panel of wafer panel `index`.
+    fn heat_centre(&self, index: usize, grid: &CellGrid, pe: Pe) -> (f64, f64) {
         let e = grid.extent;
-        let top = if self.per_pe { self.panel_y() } else { self.heat_panel_y() };
+        let (x0, y0) = self.heat_panel(index);
         let scale = self.cell_px as f64 / grid.block_w as f64;
-        let x = self.panel_x(index) as f64 + (pe.x - e.x0) as f64 * scale + scale / 2.0;
-        let y = top as f64 + (pe.y - e.y0) as f64 * scale + scale / 2.0;
+        let x = x0 as f64 + (pe.x - e.x0) as f64 * scale + scale / 2.0;
+        let y = y0 as f64 + (pe.y - e.y0) as f64 * scale + scale / 2.0;
         (x, y)
     }
 
@@ -391,25 +406,22 @@ impl<'v, 'a> Picture<'v, 'a> {
     }
 
     fn legend(&self, keys: &[Key], x0: u32, rows_per_column: u32, svg: &mut String) {
-        let top = self.panel_y();
+        let top = self.pe_panel(0).1;
         svg.push_str("<g id=\"legend\">\n");
         let _ = writeln!(svg, r#"<text x="{x0}" y="{}" font-weight="bold">legend</text>"#, top - 5);
         for (i, key) in keys.iter().enumerate() {
             let (column, row) = (i as u32 / rows_per_column, i as u32 % rows_per_column);
             let (x, y) = (x0 + column * LEGEND_COLUMN, top + row * LEGEND_ROW);
-            let label = key.label();
+            let label = escape(&key.label());
             let _ = writeln!(
                 svg,
-                r##"<g class="legend-entry" data-key="{}"><rect x="{x}" y="{y}" width="12" height="12" fill="{}" stroke="#666" stroke-width="0.5"/><text x="{}" y="{}">{}</text></g>"##,
-                escape(&label),
+                r##"<g class="legend-entry" data-key="{label}"><rect x="{x}" y="{y}" width="12" height="12" fill="{}" stroke="#666" stroke-width="0.5"/><text x="{}" y="{}">{label}</text></g>"##,
                 key.fill(),
                 x + 16,
-                y + 10,
-                escape(&label)
+                y + 10
             );
         }
-        let rows = (keys.len() as u32).min(rows_per_column);
-        let y = top + rows * LEGEND_ROW + 16;
+        let y = top + (keys.len() as u32).min(rows_per_column) * LEGEND_ROW + 16;
         let _ = writeln!(
             svg,
             r##"<g id="heat-legend"><text x="{x0}" y="{y}">link bytes per token</text><rect x="{x0}" y="{}" width="120" height="10" fill="url(#heat-scale)" stroke="#666" stroke-width="0.5"/><text x="{x0}" y="{}">0</text><text x="{}" y="{}" text-anchor="end">{}</text></g>"##,
@@ -417,7 +429,7 @@ impl<'v, 'a> Picture<'v, 'a> {
             y + 30,
             x0 + 120,
             y + 30,
-            thousands(self.max_load.max(self.view.inter_wafer_loads().values().copied().max().unwrap_or(0)))
+            thousands(self.max_load)
         );
         svg.push_str("</g>\n");
     }
@@ -448,7 +460,7 @@ fn rgb(hex: &str) -> [u8; 3] {
 /// alternating lightness.
 fn distinct_colour(index: u32, hue_offset: f64) -> String {
     let hue = (index as f64 * 137.507_764 + hue_offset) % 360.0;
-    let lightness = if index % 2 == 0 { 0.48 } else { 0.64 };
+    let lightness = [0.48, 0.64][index as usize & 1];
     let [r, g, b] = hsl_to_rgb(hue, 0.68, lightness);
     format!("#{r:02x}{g:02x}{b:02x}")
 }
