@@ -35,3 +35,34 @@ fn llama8b_shape_compiles_for_wse3() {
     );
     assert!(!program.weights_present);
 }
+
+#[test]
+fn llama70b_shape_compiles_for_wse3x4() {
+    let module = build(&Shape::llama70b());
+    let target = Target::resolve("wse3x4").unwrap();
+    let start = std::time::Instant::now();
+    let program = compile(&module, &target, &CompileOptions::new(2048)).unwrap();
+    eprintln!("70B: compile {:?}, {} PEs, {} routes", start.elapsed(), program.pes.len(), program.routes.len());
+    let wafers: std::collections::BTreeSet<u16> = program.pes.iter().map(|p| p.pe.wafer).collect();
+    assert_eq!(wafers.len(), 4, "layers spread over all four wafers");
+    assert!(program.routes.iter().any(|r| r.path.iter().any(|run| run.is_inter_wafer())));
+    check(&program, &module).unwrap();
+}
+
+#[test]
+fn moe_qwen_style_and_mesh_plans_compile_and_check() {
+    let target = Target::resolve("grid:48x48").unwrap();
+    let shapes = [
+        Shape { moe: Some((8, 2)), ..Shape::tiny() },
+        Shape { bias: true, qk_norm: true, ..Shape::tiny() },
+        Shape { dtype: waferc_ir::DType::Q8_0, ..Shape::tiny() },
+    ];
+    for shape in shapes {
+        let module = build(&shape);
+        for plan in [Plan::Tiled, Plan::MeshGemv { p: 4, group_num: 2 }] {
+            let options = CompileOptions { max_context: 100, plan };
+            let program = compile(&module, &target, &options).unwrap_or_else(|e| panic!("{shape:?} {plan:?}: {e}"));
+            check(&program, &module).unwrap_or_else(|e| panic!("{shape:?} {plan:?}: {e}"));
+        }
+    }
+}

@@ -422,7 +422,11 @@ impl<'a> Checker<'a> {
             let Work::Attention(att) = &p.work else { continue };
             for head in &att.kv_heads_placed {
                 let mut next = 0u32;
-                let run = head.blocks.first().map_or(0, |b| b.positions.end - b.positions.start);
+                // The run every block has (a lone block may be cut short by max_context).
+                let run = match head.blocks.as_slice() {
+                    [only] => 32 * (only.positions.end - only.positions.start).div_ceil(32).next_power_of_two(),
+                    blocks => blocks.first().map_or(0, |b| b.positions.end - b.positions.start),
+                };
                 for b in &head.blocks {
                     let len = b.positions.end - b.positions.start;
                     let aligned = run % 32 == 0 && (run / 32).is_power_of_two() && b.positions.start % run == 0;

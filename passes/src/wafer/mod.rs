@@ -67,7 +67,7 @@ pub enum WaferError {
     Unsupported { instr: u32, op: &'static str, layer: Option<u32>, message: String },
     #[error(
         "{pe}: route {route} of %{instr} = {op}{} needs a colour, but all {limit} colours of the PE's router \
-         are taken by other routes through it ({holders})",
+         are taken by routes sharing its PEs ({holders})",
         layer_suffix(*layer)
     )]
     Colours { pe: Pe, route: u32, instr: u32, op: &'static str, layer: Option<u32>, limit: u8, holders: String },
@@ -165,5 +165,12 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
             would_fit,
         }))
     })?;
-    place::place(module, &analysis, &sizes, &wafer_of, &params, options)
+    place::place(module, &analysis, &sizes, &wafer_of, &params, options).map_err(|e| match e {
+        WaferError::DoesNotFit(mut not_fit) => {
+            not_fit.needed_pes = not_fit.needed_pes.max(sizes.total_pes());
+            not_fit.would_fit = size::what_would_fit(module, target, options);
+            WaferError::DoesNotFit(not_fit)
+        }
+        other => other,
+    })
 }

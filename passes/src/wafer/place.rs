@@ -17,13 +17,74 @@ use super::{CompileOptions, WaferError};
 const CHUNK: u64 = BLOCK as u64;
 const F32: u64 = 4;
 
-/// The `index`-th PE of a wafer in snake order: row 0 left to right, row 1 right to left, ...
-fn snake(params: &TargetParams, wafer: u16, index: u64) -> Pe {
-    let cols = params.grid_cols as u64;
-    let y = index / cols;
-    let along = index % cols;
-    let x = if y % 2 == 0 { along } else { cols - 1 - along };
-    Pe::new(wafer, x as u16, y as u16)
+/// PEs are handed out in shelves: bands of `shelf` rows across a wafer, each filled column by
+/// column (down a column, then the next column to the right), so consecutive allocations are
+/// neighbours. A matvec takes whole columns instead: a stripe of `C` columns holds `shelf`
+/// consecutive tile rows, so each tile row is a straight run along a PE row (its reduction) and
+/// each tile column a straight run down a PE column (where its operand slice arrives).
+struct Cells {
+    cols: u64,
+    shelf: u64,
+    capacity: u64,
+    /// The next free cell, per wafer.
+    next: Vec<u64>,
+}
+
+impl Cells {
+    fn new(params: &TargetParams) -> Cells {
+        let shelf = shelf_height(params.grid_rows as u64);
+        Cells {
+            cols: params.grid_cols as u64,
+            shelf,
+            capacity: params.grid_cols as u64 * params.grid_rows as u64,
+            next: vec![0; params.wafers as usize],
+        }
+    }
+
+    fn pe(&self, wafer: u16, cell: u64) -> Pe {
+        let per_shelf = self.cols * self.shelf;
+        let within = cell % per_shelf;
+        Pe::new(wafer, (within / self.shelf) as u16, ((cell / per_shelf) * self.shelf + within % self.shelf) as u16)
+    }
+
+    /// `count` consecutive cells; `None` when the wafer is full.
+    fn take(&mut self, wafer: u16, count: u64) -> Option<u64> {
+        let base = self.next[wafer as usize];
+        (base + count <= self.capacity).then(|| {
+            self.next[wafer as usize] = base + count;
+            base
+        })
+    }
+
+    /// One cell at `row` of the current column if that is still free, else the next cell.
+    fn take_at_row(&mut self, wafer: u16, row: u64) -> Option<u64> {
+        let next = self.next[wafer as usize];
+        let wanted = next - next % self.shelf + row;
+        let cell = wanted.max(next);
+        (cell < self.capacity).then(|| {
+            self.next[wafer as usize] = cell + 1;
+            cell
+        })
+    }
+
+    /// A stripe `width` columns wide starting at the next free column (in the next shelf if this
+    /// one has too few columns left): its top-left PE.
+    fn take_stripe(&mut self, wafer: u16, width: u64) -> Option<Pe> {
+        let per_shelf = self.cols * self.shelf;
+        let mut cell = self.next[wafer as usize].next_multiple_of(self.shelf);
+        if (cell % per_shelf) / self.shelf + width > self.cols {
+            cell = cell.next_multiple_of(per_shelf);
+        }
+        (width <= self.cols && cell + width * self.shelf <= self.capacity).then(|| {
+            self.next[wafer as usize] = cell + width * self.shelf;
+            self.pe(wafer, cell)
+        })
+    }
+}
+
+/// Rows per shelf: the largest divisor of the grid's rows up to 16 (so shelves tile the wafer).
+pub(super) fn shelf_height(grid_rows: u64) -> u64 {
+    (1..=grid_rows.min(16)).rev().find(|h| grid_rows % h == 0).unwrap_or(1)
 }
 
 struct Placer<'a> {
@@ -31,12 +92,12 @@ struct Placer<'a> {
     analysis: &'a Analysis,
     params: &'a TargetParams,
     options: &'a CompileOptions,
-    /// Next free snake index, per wafer.
-    cursor: Vec<u64>,
+    cells: Cells,
     images: Vec<PeImage>,
     placements: Vec<InstrPlacement>,
-    /// Snake base of each expert interleave group, once allocated.
-    group_base: Vec<Option<u64>>,
+    /// Per expert interleave group, once allocated: the first PE of each combined tile row
+    /// (row `r` of member `m` is combined row `r * members + m`).
+    group_rows: Vec<Option<Vec<Pe>>>,
     /// Index in `images` of each PE's image.
     image_of: HashMap<Pe, usize>,
     routes: Vec<Route>,
@@ -55,10 +116,10 @@ pub(super) fn place(
         analysis,
         params,
         options,
-        cursor: vec![0; params.wafers as usize],
+        cells: Cells::new(params),
         images: Vec::new(),
         placements: Vec::with_capacity(module.body.len()),
-        group_base: vec![None; analysis.groups.len()],
+        group_rows: vec![None; analysis.groups.len()],
         image_of: HashMap::new(),
         routes: Vec::new(),
     };
@@ -76,12 +137,16 @@ pub(super) fn place(
     if let Err(clash) = assign_colours(&mut placer.routes, params) {
         let route = &placer.routes[clash.route];
         let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
-        // Name the routes already holding the PE's colours, grouped by instruction and kind.
+        // Name the routes that took the colours: every route sharing a PE with the failed one.
+        let mut mine = std::collections::HashSet::new();
+        route::for_each_pe(&placer.routes[clash.route], |pe| {
+            mine.insert(pe);
+        });
         let mut holders: std::collections::BTreeMap<(u32, &'static str), u32> = std::collections::BTreeMap::new();
-        for r in &placer.routes[..clash.route] {
+        for (j, r) in placer.routes.iter().enumerate() {
             let mut touches = false;
-            route::for_each_pe(r, |pe| touches |= pe == clash.pe);
-            if touches {
+            route::for_each_pe(r, |pe| touches |= mine.contains(&pe));
+            if touches && j != clash.route {
                 *holders.entry((r.instr, kind_name(&r.kind))).or_default() += 1;
             }
         }
@@ -131,10 +196,26 @@ pub(super) fn place(
 type Request = (RegionKind, u64);
 
 impl Placer<'_> {
-    fn take(&mut self, wafer: u16, count: u64) -> u64 {
-        let base = self.cursor[wafer as usize];
-        self.cursor[wafer as usize] += count;
-        base
+    /// `count` consecutive PEs of `wafer`.
+    fn take(&mut self, wafer: u16, count: u64) -> Result<Vec<Pe>, WaferError> {
+        let base = self.cells.take(wafer, count).ok_or_else(|| self.full(wafer, count))?;
+        Ok((base..base + count).map(|cell| self.cells.pe(wafer, cell)).collect())
+    }
+
+    fn stripe(&mut self, wafer: u16, width: u64) -> Result<Pe, WaferError> {
+        self.cells.take_stripe(wafer, width).ok_or_else(|| self.full(wafer, width * self.cells.shelf))
+    }
+
+    /// The wafer ran out of PEs (sizing's estimate of the shelf layout's waste was short).
+    fn full(&self, wafer: u16, wanted: u64) -> WaferError {
+        WaferError::DoesNotFit(Box::new(super::NotFit {
+            target: self.params.name.clone(),
+            needed_pes: self.cells.next[wafer as usize] + wanted,
+            available_pes: self.cells.capacity,
+            sram_bytes_per_pe: self.params.sram_bytes_per_pe,
+            wafer: Some((wafer, self.cells.next[wafer as usize] + wanted)),
+            would_fit: Vec::new(),
+        }))
     }
 
     /// Gives `pe` its image: the code reserve, then `requests` in order. Returns the regions'
@@ -267,7 +348,7 @@ impl Placer<'_> {
         seg: &Range<u64>,
         extra: Vec<Request>,
     ) -> Result<Segment, WaferError> {
-        let pe = snake(self.params, wafer, self.take(wafer, 1));
+        let pe = self.take(wafer, 1)?[0];
         let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
         requests.extend(extra);
         self.fill(pe, instr, requests)?;
@@ -308,9 +389,7 @@ impl Placer<'_> {
                     let width = seg.end - seg.start;
                     let row_bytes = w.ty.dtype.row_bytes(width).expect("sizing checked the cut");
                     let count = rows.div_ceil(*per);
-                    let base = self.take(wafer, count);
-                    for b in 0..count {
-                        let pe = snake(self.params, wafer, base + b);
+                    for (b, pe) in (0..count).zip(self.take(wafer, count)?) {
                         let block_rows = b * per..((b + 1) * per).min(rows);
                         let weight = RegionKind::Weight {
                             weight: table.index() as u32,
@@ -333,37 +412,59 @@ impl Placer<'_> {
                 let w = &module.weights[*weight];
                 let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
                 let (r_count, c_count) = (*row_blocks as u64, *col_blocks as u64);
-                // Interleaved experts: tile (r, c) of member m of a group of M sits at snake index
-                // base + (r * M + m) * C + c, so each expert's rows spread over the group's region.
-                // Otherwise tile rows are taken in order, each result segment's PE right after
-                // the last tile row it collects from, so collects stay local.
-                let interleave = match self.analysis.group[i] {
+                // Interleaved experts: row r of member m of a group of M is the group's combined
+                // tile row r * M + m, so each expert's rows spread over the group's region.
+                // Otherwise each result segment's PE comes right after the stripe holding the
+                // last tile row it collects from, so collects stay local.
+                let shelf = self.cells.shelf;
+                // A grid shorter than a shelf is packed into cells instead, tile column by tile
+                // column (tile (r, c) at cell base + c * R + r).
+                let packed = match self.analysis.group[i] {
+                    None if r_count < shelf => Some(self.take(wafer, r_count * c_count)?),
+                    _ => None,
+                };
+                let interleaved = match self.analysis.group[i] {
                     Some((g, member)) => {
                         let members = self.analysis.groups[g].len() as u64;
-                        let base = match self.group_base[g] {
-                            Some(base) => base,
-                            None => {
-                                let base = self.take(wafer, members * r_count * c_count);
-                                self.group_base[g] = Some(base);
-                                base
+                        if self.group_rows[g].is_none() {
+                            let mut starts = Vec::with_capacity((members * r_count) as usize);
+                            for combined in 0..members * r_count {
+                                if combined % shelf == 0 {
+                                    starts.push(self.stripe(wafer, c_count)?);
+                                } else {
+                                    let top = starts[(combined - combined % shelf) as usize];
+                                    starts.push(Pe::new(wafer, top.x, top.y + (combined % shelf) as u16));
+                                }
                             }
-                        };
-                        Some((base + member as u64 * c_count, members * c_count))
+                            self.group_rows[g] = Some(starts);
+                        }
+                        Some((member as u64, members))
                     }
                     None => None,
                 };
                 let mut layout = VectorLayout::default();
                 let width_of = |c: u64| (c * chunks_per_tile * CHUNK)..((c + 1) * chunks_per_tile * CHUNK).min(cols);
-                let mut tiles = Vec::with_capacity((r_count * c_count) as usize);
+                let mut tiles: Vec<Tile> = Vec::with_capacity((r_count * c_count) as usize);
                 for r in 0..r_count {
                     let tile_rows = r * rows_per_tile..((r + 1) * rows_per_tile).min(rows);
                     let n_rows = tile_rows.end - tile_rows.start;
-                    let row_base = match interleave {
-                        Some((base, stride)) => base + r * stride,
-                        None => self.take(wafer, c_count),
+                    let row_start = match interleaved {
+                        _ if packed.is_some() => Pe::new(wafer, 0, 0),
+                        Some((member, members)) => {
+                            let g = self.analysis.group[i].expect("interleaved").0;
+                            self.group_rows[g].as_ref().expect("allocated above")[(r * members + member) as usize]
+                        }
+                        None if r % shelf == 0 => self.stripe(wafer, c_count)?,
+                        None => {
+                            let top = tiles[((r - r % shelf) * c_count) as usize].pe;
+                            Pe::new(wafer, top.x, top.y + (r % shelf) as u16)
+                        }
                     };
                     for c in 0..c_count {
-                        let pe = snake(self.params, wafer, row_base + c);
+                        let pe = match &packed {
+                            Some(cells) => cells[(c * r_count + r) as usize],
+                            None => Pe::new(wafer, row_start.x + c as u16, row_start.y),
+                        };
                         let tile_cols = width_of(c);
                         let width = tile_cols.end - tile_cols.start;
                         let mut requests = vec![
@@ -405,13 +506,21 @@ impl Placer<'_> {
                             region,
                         });
                     }
-                    if interleave.is_none() {
+                    if interleaved.is_none() {
+                        // Beside the tile row that completes it: the collect stays short, and
+                        // segments sit on different rows, so their deliveries do not share one.
+                        let row = (tiles.last().expect("a row was placed").pe.y as u64) % shelf;
                         while let Some(seg) = segments.get(layout.segments.len()).filter(|s| s.end <= tile_rows.end) {
-                            layout.segments.push(self.segment_pe(wafer, instr, seg, Vec::new())?);
+                            let pe = self.cells.take_at_row(wafer, row).ok_or_else(|| self.full(wafer, 1))?;
+                            let pe = self.cells.pe(wafer, pe);
+                            let requests =
+                                vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
+                            self.fill(pe, instr, requests)?;
+                            layout.segments.push(Segment { pe, elements: seg.clone() });
                         }
                     }
                 }
-                if interleave.is_some() {
+                if interleaved.is_some() {
                     layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
                 }
                 let placement = MatVecPlacement {
@@ -471,24 +580,23 @@ impl Placer<'_> {
                 let per = *positions_per_block as u64;
                 let mut placed = Vec::with_capacity(kv_heads as usize);
                 for h in 0..kv_heads as u64 {
-                    let base = self.take(wafer, *blocks_per_head as u64);
                     let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
-                    for b in 0..*blocks_per_head as u64 {
-                        let pe = snake(self.params, wafer, base + b);
+                    for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
                         let positions = (b * per) as u32..((b + 1) * per).min(self.options.max_context as u64) as u32;
                         let n = (positions.end - positions.start) as u64;
                         let q_range = h * q_per_kv * hd..(h + 1) * q_per_kv * hd;
                         let kv_range = h * hd..(h + 1) * hd;
                         let requests = vec![
                             (RegionKind::KvCache { kv_head: h as u32, positions: positions.clone() }, n * hd * 2 * F32),
-                            (RegionKind::Operand { value: q.index() as u32, elements: q_range }, q_per_kv * hd * F32),
+                            // The query heads; after the scores, the same buffer receives partials.
+                            (
+                                RegionKind::Operand { value: q.index() as u32, elements: q_range },
+                                q_per_kv * (hd + 2) * F32,
+                            ),
                             (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
                             (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),
                             (RegionKind::Scratch, q_per_kv * n * F32),
-                            (
-                                RegionKind::Partial { elements: (q_per_kv * (hd + 2)) as u32 },
-                                2 * q_per_kv * (hd + 2) * F32,
-                            ),
+                            (RegionKind::Partial { elements: (q_per_kv * (hd + 2)) as u32 }, q_per_kv * (hd + 2) * F32),
                         ];
                         let region = self.fill(pe, instr, requests)?[0];
                         blocks.push(KvBlock { pe, positions, region });
@@ -521,7 +629,7 @@ impl Placer<'_> {
                     ValueType::Tensor(t) => t.elements(),
                     ValueType::Routing { .. } => 0,
                 };
-                let pe = snake(self.params, wafer, self.take(wafer, 1));
+                let pe = self.take(wafer, 1)?[0];
                 let requests = vec![
                     (RegionKind::Operand { value: logits.index() as u32, elements: 0..experts }, experts * F32),
                     (RegionKind::Output { elements: 0..*top_k as u64 }, *top_k as u64 * 8),
@@ -585,7 +693,7 @@ impl Placer<'_> {
     }
 
     fn statistic_route(&mut self, instr: usize, elements: u64, source: Pe, destinations: Vec<Pe>) -> RouteId {
-        let path = route::multicast(source, &destinations);
+        let path = route::multicast(source, &destinations, self.cells.shelf as u16);
         self.add_route(
             instr,
             RouteKind::Statistic { elements: elements as u32 },
@@ -612,7 +720,7 @@ impl Placer<'_> {
                     largest = largest.max(overlap.end - overlap.start);
                 }
             }
-            let path = route::gather(&sources, seg.pe);
+            let path = route::gather(&sources, seg.pe, self.cells.shelf as u16);
             ids.push(self.add_route(
                 instr,
                 RouteKind::Collect { elements: seg.elements.clone() },
@@ -687,7 +795,7 @@ impl Placer<'_> {
                     ValueType::Routing { top_k, .. } => top_k as u64,
                     _ => 0,
                 };
-                let path = route::multicast(pe, &destinations);
+                let path = route::multicast(pe, &destinations, self.cells.shelf as u16);
                 *routing = self.add_route(i, RouteKind::Routing, vec![pe], destinations, vec![path], top_k * 8);
             }
             Work::Dispatch { routing } | Work::Combine { routing, .. } => {
@@ -789,7 +897,7 @@ impl Placer<'_> {
             if destinations.is_empty() {
                 continue;
             }
-            let path = route::multicast(seg.pe, &destinations);
+            let path = route::multicast(seg.pe, &destinations, self.cells.shelf as u16);
             let id = self.add_route(
                 i,
                 RouteKind::Operand { value: i as u32, elements: seg.elements.clone() },

@@ -164,14 +164,15 @@ pub(super) fn tile_bytes(dtype: DType, bias: Option<DType>, rows: u64, width: u6
     Some(weight + width * F32 + 2 * rows * F32 + bias)
 }
 
-/// SRAM of one KV block of `positions` positions: keys and values, the query heads, the new key
-/// and value, scores, and partials (own and received) of the maximum, sum and weighted values.
+/// SRAM of one KV block of `positions` positions: keys and values; the query heads (the same
+/// buffer later receives the partials of the reductions, so it is sized for the larger); the new
+/// key and value; the scores; and the block's own partial maximum, sum and weighted values.
 pub(super) fn kv_block_bytes(positions: u64, head_dim: u64, q_per_kv: u64) -> u64 {
     positions * head_dim * 2 * F32
-        + q_per_kv * head_dim * F32
+        + q_per_kv * (head_dim + 2) * F32
         + 2 * head_dim * F32
         + q_per_kv * positions * F32
-        + 2 * q_per_kv * (head_dim + 2) * F32
+        + q_per_kv * (head_dim + 2) * F32
 }
 
 /// SRAM of one vector-op segment PE holding `len` result elements.
@@ -353,7 +354,15 @@ pub(super) fn size_module(
                 segments.len() as u64 + rows_per_block.iter().map(|per| rows.div_ceil(*per)).sum::<u64>()
             }
             (Shape::MatVec { row_blocks, col_blocks, segments, .. }, _) => {
-                *row_blocks as u64 * *col_blocks as u64 + segments.len() as u64
+                // Whole stripes of `shelf` tile rows (grids shorter than a shelf are packed), a
+                // column's slack for alignment, and a column per result segment at worst.
+                let shelf = super::place::shelf_height(params.grid_rows as u64);
+                let (rows, cols) = (*row_blocks as u64, *col_blocks as u64);
+                if rows < shelf {
+                    rows * cols + segments.len() as u64
+                } else {
+                    rows.div_ceil(shelf) * shelf * cols + (segments.len() as u64 + 1) * shelf
+                }
             }
             (Shape::Vector { segments }, _) => segments.len() as u64,
             (Shape::Router, _) => 1,
