@@ -1,9 +1,10 @@
 //! `waferc::inspect` on programs compiled by `passes::wafer::compile`: the Mixtral-tiny fixture
-//! on a 16 x 16 grid (every tile in the JSON once, every PE and layer in the SVG, every expert in
+//! on a 24 x 24 grid (every tile in the JSON once, every PE and layer in the SVG, every expert in
 //! the summary), and a Llama-8B-shaped program on a WSE-3 (about a million PEs: the views stay
 //! small and fast).
 //!
-//! `WAFERC_DOCS_DIR=docs cargo test -p waferc-testsuite --test inspect_compiled` also writes the
+//! `WAFERC_DOCS_DIR=$PWD/docs cargo test -p waferc-testsuite --test inspect_compiled` (from the
+//! repository root; tests run in `testsuite/`, so give an absolute path) also writes the
 //! README's picture, `placement-mixtral-tiny.svg`, into that directory.
 
 mod executor_common;
@@ -18,10 +19,14 @@ use waferc_ir::{Module, Op};
 use waferc_passes::wafer::{compile, CompileOptions};
 use waferc_targets::Target;
 
+/// Roomy enough that placement changes do not push the fixture off the grid, small enough for
+/// one SVG element and one map character per PE.
+const GRID: &str = "grid:24x24";
+
 fn mixtral_tiny() -> (Module, WaferProgram) {
     let path = waferc_testsuite::fixtures_dir().join("hf/mixtral-tiny");
     let loaded = waferc::frontend::load(&path).unwrap_or_else(|e| panic!("{e}"));
-    let target = Target::resolve("grid:16x16").unwrap();
+    let target = Target::resolve(GRID).unwrap();
     let program = compile(&loaded.module, &target, &CompileOptions::new(64)).unwrap_or_else(|e| panic!("{e}"));
     (loaded.module, program)
 }
@@ -88,8 +93,8 @@ fn mixtral_tiny_summary_places_every_layer_and_expert() {
     let (module, program) = mixtral_tiny();
     let text = summary_text(&program, Some(&module), &Filter::all(), None);
     let used = program.pes.iter().filter(|p| p.regions.iter().any(|r| r.instr.is_some())).count();
-    let percent = 100.0 * used as f64 / 256.0;
-    assert!(text.contains(&format!("PEs used: {used} of 256 ({percent:.2}%)")), "{text}");
+    let percent = 100.0 * used as f64 / 576.0;
+    assert!(text.contains(&format!("PEs used: {used} of 576 ({percent:.2}%)")), "{text}");
     let rows: Vec<Vec<&str>> = text.lines().map(|l| l.split_whitespace().collect()).collect();
     for part in [vec!["embedding"], vec!["layer", "0"], vec!["layer", "1"], vec!["head"]] {
         assert!(rows.iter().any(|r| r.starts_with(&part) && r.len() == part.len() + 4), "no row for {part:?}:\n{text}");
@@ -105,8 +110,8 @@ fn mixtral_tiny_summary_places_every_layer_and_expert() {
     }
     let map: Vec<&str> = text.lines().skip_while(|l| !l.starts_with("map of wafer 0")).collect();
     assert!(map[0].contains("one character per PE"));
-    assert_eq!(map.len(), 1 + 1 + 16 + 1, "{text}");
-    assert!(map[2..18].iter().all(|l| l.len() == 6 + 16));
+    assert_eq!(map.len(), 1 + 1 + 24 + 1, "{text}");
+    assert!(map[2..26].iter().all(|l| l.len() == 6 + 24));
 }
 
 #[test]
@@ -125,7 +130,7 @@ fn mixtral_tiny_svg_shows_every_pe_layer_and_expert() {
     assert_eq!(keys, ["embedding", "layer 0", "layer 1", "head"]);
     assert!(class("link") > 0);
     let title = doc.descendants().find(|n| n.has_tag_name("text")).unwrap().text().unwrap();
-    assert_eq!(title, "mixtral, 2 layers on grid:16x16: PEs coloured by layer");
+    assert_eq!(title, "mixtral, 2 layers on grid:24x24: PEs coloured by layer");
 
     let by_expert = placement_svg(&program, Some(&module), &Filter::all(), ColourBy::Expert);
     let doc = roxmltree::Document::parse(&by_expert).unwrap();

@@ -37,7 +37,7 @@ const SHADOW_FILL: &str = "#e2e2e2";
 /// grids, at most 20,000 blocks in all, e.g. 7 x 7 PEs on a WSE-3) filled with the colour of the
 /// layer (or expert) holding most of it; and a heat panel of link load per token relative to the
 /// busiest link shown (on PE grids a line per used link over the used PEs, on block grids each
-/// block coloured by the busiest link leaving it), beside the PE panel for tall grids and below
+/// block coloured by the busiest link leaving it), beside the PE panel for tall or square grids and below
 /// it for wide ones. Links between wafers are dashed lines between heat panels. A legend lists
 /// every layer (or expert) shown and the heat scale; the title names the model and target. The
 /// [`Filter`] restricts what is coloured and which routes load the links, and a rectangle zooms
@@ -97,7 +97,7 @@ struct Picture<'v, 'a> {
     per_pe: bool,
     panel_w: u32,
     panel_h: u32,
-    /// Heat panels beside the PE panels (tall grids) rather than below them (wide grids).
+    /// Heat panels beside the PE panels (tall or square grids) rather than below them (wide grids).
     heat_beside: bool,
     /// The busiest link drawn, inter-wafer links included (the heat scale's top).
     max_load: u64,
@@ -130,7 +130,7 @@ impl<'v, 'a> Picture<'v, 'a> {
             per_pe,
             panel_w: cols * cell_px,
             panel_h: rows * cell_px,
-            heat_beside: rows > cols,
+            heat_beside: rows >= cols,
             max_load: 0,
         };
         let on_wafer = picture.heat_values().map(|(_, _, load)| load).max().unwrap_or(0);
