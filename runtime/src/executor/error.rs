@@ -70,22 +70,33 @@ pub enum ExecError {
     NoWeights,
     #[error("the tile blob has {found} bytes, the program expects {expected}")]
     TileBlobLength { expected: u64, found: u64 },
-    #[error("{site} on {pe}: weight region {region} ({weight}, rows {rows:?}, cols {cols:?}): {problem}")]
-    WeightRegion {
-        site: InstrSite,
-        pe: Pe,
-        region: usize,
-        weight: String,
-        rows: Range<u64>,
-        cols: Range<u64>,
-        problem: String,
-    },
+    #[error("{0}")]
+    WeightRegion(Box<WeightRegionError>),
     #[error("{site}: token {token} is outside the embedding table of {rows} rows")]
     TokenOutOfRange { site: InstrSite, token: u32, rows: u64 },
     #[error("position {position} is past the program's KV capacity of {max_context}")]
     ContextFull { position: u32, max_context: u32 },
     #[error("the reference decoder: {0}")]
-    Reference(#[from] RuntimeError),
+    Reference(Box<RuntimeError>),
     #[error("{0}")]
     Mismatch(Box<super::validate::Mismatch>),
+}
+
+impl From<RuntimeError> for ExecError {
+    fn from(error: RuntimeError) -> Self {
+        ExecError::Reference(Box::new(error))
+    }
+}
+
+/// A weight region whose description or bytes do not fit what the instruction needs.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+#[error("{site} on {pe}: weight region {region} ({weight}, rows {rows:?}, cols {cols:?}): {problem}")]
+pub struct WeightRegionError {
+    pub site: InstrSite,
+    pub pe: Pe,
+    pub region: usize,
+    pub weight: String,
+    pub rows: Range<u64>,
+    pub cols: Range<u64>,
+    pub problem: String,
 }

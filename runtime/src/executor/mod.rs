@@ -35,7 +35,7 @@ use waferc_ir::{DType, Module, Op, ValueType, BLOCK};
 use crate::kernels::{self, RopeAngles, Routing, RowView, VectorTreeSum};
 use crate::reference::InstrValue;
 
-pub use error::{ExecError, InstrSite};
+pub use error::{ExecError, InstrSite, WeightRegionError};
 pub use timing::{LinkLoad, PeLoad, StepSpan, StepTiming, TimingReport};
 pub use validate::{validate, Mismatch, Validation, ValidationOptions};
 
@@ -563,7 +563,7 @@ impl<'p> Executor<'p> {
                 sender,
                 pe,
                 self.message(state, run, id, sender, pe)?,
-                span(&carried_elements) as usize,
+                span(carried_elements) as usize,
             )?;
             pieces.push((overlap.clone(), data.slice(relative(&overlap, carried_elements.start))));
         }
@@ -719,7 +719,7 @@ impl<'p> Executor<'p> {
             if range.start != covered {
                 break;
             }
-            let data = self.receive_data(state, run, id, *sender, segment.pe, span(&range) as usize)?;
+            let data = self.receive_data(state, run, id, *sender, segment.pe, span(range) as usize)?;
             out.extend_from_slice(data.values());
             covered = range.end;
         }
@@ -739,12 +739,7 @@ impl<'p> Executor<'p> {
     // Weights in SRAM
 
     /// The bytes of weight region `region` of `pe`'s image, with its description.
-    fn weight_region(
-        &self,
-        run: &InstrRun,
-        pe: Pe,
-        region: usize,
-    ) -> Result<(u32, Range<u64>, Range<u64>, &[u8]), ExecError> {
+    fn weight_region(&self, run: &InstrRun, pe: Pe, region: usize) -> Result<HeldWeight<'_>, ExecError> {
         let (index, image) = pe_image(self.program, pe).ok_or_else(|| ExecError::MalformedOnPe {
             site: run.site.clone(),
             pe,
@@ -836,7 +831,7 @@ impl<'p> Executor<'p> {
 
     fn region_error(&self, run: &InstrRun, pe: Pe, region: usize, problem: &str) -> ExecError {
         match self.weight_region(run, pe, region) {
-            Ok((weight, rows, cols, _)) => ExecError::WeightRegion {
+            Ok((weight, rows, cols, _)) => ExecError::WeightRegion(Box::new(WeightRegionError {
                 site: run.site.clone(),
                 pe,
                 region,
@@ -844,7 +839,7 @@ impl<'p> Executor<'p> {
                 rows,
                 cols,
                 problem: problem.to_string(),
-            },
+            })),
             Err(error) => error,
         }
     }
@@ -944,7 +939,7 @@ impl<'p> Executor<'p> {
                     let region = self.find_weight_region(run, block.pe, table, token, &block.elements)?;
                     Data::Values(self.widen_from_region(run, block.pe, region, token, overlap.clone())?)
                 };
-                run.compute(block.pe, self.costs.flops(span(&overlap) as u64));
+                run.compute(block.pe, self.costs.flops(span(&overlap)));
                 self.send(state, run, id, block.pe, Payload::Data(data))?;
                 parts.push((block.pe, overlap));
             }
@@ -1001,7 +996,7 @@ impl<'p> Executor<'p> {
                 }
                 Data::Values(out)
             };
-            run.compute(tile.pe, self.costs.fma(rows * span(&cols) as u64));
+            run.compute(tile.pe, self.costs.fma(rows * span(&cols)));
             partials.push(partial);
         }
 
@@ -1067,7 +1062,7 @@ impl<'p> Executor<'p> {
                     _ => total,
                 };
                 if bias.is_some() {
-                    run.compute(tile.pe, self.costs.flops(span(&overlap) as u64));
+                    run.compute(tile.pe, self.costs.flops(span(&overlap)));
                 }
                 self.send(state, run, id, tile.pe, Payload::Data(data))?;
                 parts.push((tile.pe, overlap));
@@ -1158,7 +1153,7 @@ impl<'p> Executor<'p> {
                 let range = intersect(&(group * g..(group + 1) * g), &segment.elements).expect("the group overlaps");
                 let part = x_seg.slice(relative(&range, segment.elements.start));
                 let partial = self.compute_data(1, || vec![kernels::sum_squares(part.values())]);
-                run.compute(segment.pe, self.costs.fma(span(&range) as u64));
+                run.compute(segment.pe, self.costs.fma(span(&range)));
                 seg_parts.push((group, range, partial));
             }
             xs.push(x_seg);
@@ -1231,7 +1226,7 @@ impl<'p> Executor<'p> {
                     }
                 };
                 let cols = range.start - group * g..range.end - group * g;
-                run.compute(segment.pe, self.costs.flops(2 * span(&range) as u64));
+                run.compute(segment.pe, self.costs.flops(2 * span(range)));
                 if self.options.timing_only {
                     continue;
                 }
@@ -1578,6 +1573,9 @@ impl<'p> Executor<'p> {
     }
 }
 
+/// A weight region as a PE holds it: (weight index, rows, elements of each row, bytes).
+type HeldWeight<'a> = (u32, Range<u64>, Range<u64>, &'a [u8]);
+
 /// Per-step state: what each instruction holds, the messages in flight, the timeline.
 struct StepState {
     held: Vec<Held>,
@@ -1734,17 +1732,19 @@ fn load_sram(program: &WaferProgram, module: &Module, tile_blob: Option<&[u8]>) 
         for (index, region) in image.regions.iter().enumerate() {
             let RegionKind::Weight { weight, rows, cols, blob: range } = &region.kind else { continue };
             let site = site_of(program, region.instr.unwrap_or(0));
-            let error = |problem: String| ExecError::WeightRegion {
-                site: site.clone(),
-                pe: image.pe,
-                region: index,
-                weight: module
-                    .weights
-                    .get(waferc_ir::Handle::new(*weight as usize))
-                    .map_or_else(|| format!("#{weight}"), |w| w.name.clone()),
-                rows: rows.clone(),
-                cols: cols.clone(),
-                problem,
+            let error = |problem: String| {
+                ExecError::WeightRegion(Box::new(WeightRegionError {
+                    site: site.clone(),
+                    pe: image.pe,
+                    region: index,
+                    weight: module
+                        .weights
+                        .get(waferc_ir::Handle::new(*weight as usize))
+                        .map_or_else(|| format!("#{weight}"), |w| w.name.clone()),
+                    rows: rows.clone(),
+                    cols: cols.clone(),
+                    problem,
+                }))
             };
             let Some(spec) = module.weights.get(waferc_ir::Handle::new(*weight as usize)) else {
                 return Err(error("the module has no such weight".into()));

@@ -118,7 +118,7 @@ pub fn validate(
     options: &ValidationOptions,
 ) -> Result<Validation, ExecError> {
     if prompt.is_empty() {
-        return Err(ExecError::Reference(crate::RuntimeError::EmptyPrompt));
+        return Err(crate::RuntimeError::EmptyPrompt.into());
     }
     let mut executor =
         Executor::new(program, module, tile_blob, ExecOptions { timing_only: false, record_values: true })?;
