@@ -23,12 +23,13 @@ pub const PLACEMENT_SCHEMA: &str = "waferc.placement.v1";
 /// Conventions: a PE is `[wafer, x, y]` (`x` the column, `y` the row); a range is `[start, end]`,
 /// end exclusive; indices of instructions are IR value indices (`%N` in the IR text); sizes are
 /// bytes; loads are per decode step (one token). Keys are sorted; arrays are in program order
-/// (instructions, then each one's tiles in row-major tile order), route id order, or PE order
-/// (wafer, then `x`, then `y`), so the same program and filter always give the same text. Fields
-/// marked *if* are absent otherwise. The [`Filter`] applies: with a layer, only that layer's
-/// instructions, tiles, KV blocks, segments and routes (those it computes or receives) and the
-/// PEs holding any of its regions; with a rectangle or wafer, only what lies there (routes with
-/// any PE there).
+/// (instructions; then each one's tiles in row-major tile order, KV blocks by KV head and
+/// position, segments in element order), route id order, or PE order (wafer, then `x`, then
+/// `y`), so the same program and filter always give the same text. Fields marked *if* are absent
+/// otherwise. The [`Filter`] applies: with a layer, only that layer's instructions, tiles, KV
+/// blocks, segments and routes (those it computes or receives) and the PEs holding any of its
+/// regions; with a rectangle or wafer, only the tiles, KV blocks, segments and PEs there and the
+/// routes with any PE there (`instructions` are restricted by the layer alone).
 ///
 /// Top level:
 /// * `schema`: [`PLACEMENT_SCHEMA`].
