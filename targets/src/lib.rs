@@ -88,7 +88,10 @@ impl Target {
             grid_rows: rows,
             wafers,
             sram_bytes_per_pe: Param::assumed(48 * 1024, "48 KiB, assumed the same as WSE-2 (wafer-facts.md)"),
-            code_reserve_bytes: Param::assumed(4096, "4 KiB for program text and runtime state; no public figure"),
+            code_reserve_bytes: Param::assumed(
+                2048,
+                "2 KiB for program text and runtime state (decode kernels are a few hundred instructions); no public figure",
+            ),
             clock_hz: Param::assumed(1.1e9, "1.1 GHz, assumed the same as WSE-2 (wafer-facts.md)"),
             link_bytes_per_cycle: Param::sourced(4, "one 32-bit wavelet per cycle per direction (Cerebras SDK)"),
             hop_latency_cycles: Param::assumed(1, "about 1 cycle per hop (SDK; assumed for WSE-3)"),

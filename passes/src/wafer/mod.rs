@@ -154,11 +154,17 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
     let params = target.params();
     let analysis = size::Analysis::new(module);
     let sizes = size::size_module(module, &params, options, None)?;
-    let wafer_of = size::assign_wafers(module, &sizes, &params).map_err(|overflow| {
+    // A pipeline is balanced on what each instruction really takes once laid out.
+    let loads = if params.wafers > 1 {
+        place::measure(module, &analysis, &sizes, &params, options)?
+    } else {
+        sizes.pes.clone()
+    };
+    let wafer_of = size::assign_wafers(module, &loads, &params).map_err(|overflow| {
         let would_fit = size::what_would_fit(module, target, options);
         WaferError::DoesNotFit(Box::new(NotFit {
             target: target.name.clone(),
-            needed_pes: sizes.total_pes(),
+            needed_pes: loads.iter().sum(),
             available_pes: overflow.available,
             sram_bytes_per_pe: params.sram_bytes_per_pe,
             wafer: overflow.wafer,

@@ -82,9 +82,10 @@ impl Cells {
     }
 }
 
-/// Rows per shelf: the largest divisor of the grid's rows up to 16 (so shelves tile the wafer).
+/// Rows per shelf: the largest divisor of the grid's rows up to 8 (so shelves tile the wafer;
+/// short shelves waste fewer PEs in the last, partly filled stripe of each matvec).
 pub(super) fn shelf_height(grid_rows: u64) -> u64 {
-    (1..=grid_rows.min(16)).rev().find(|h| grid_rows % h == 0).unwrap_or(1)
+    (1..=grid_rows.min(8)).rev().find(|h| grid_rows % h == 0).unwrap_or(1)
 }
 
 struct Placer<'a> {
@@ -103,6 +104,29 @@ struct Placer<'a> {
     routes: Vec<Route>,
 }
 
+/// PEs each instruction takes when the whole module is laid out on one unbounded wafer, alignment
+/// and stripe waste included: the loads a pipeline split balances.
+pub(super) fn measure(
+    module: &Module,
+    analysis: &Analysis,
+    sizes: &Sizes,
+    params: &TargetParams,
+    options: &CompileOptions,
+) -> Result<Vec<u64>, WaferError> {
+    let mut cells = Cells::new(params);
+    cells.capacity = u64::MAX;
+    let mut placer = Placer::new(module, analysis, params, options, cells);
+    let mut used = Vec::with_capacity(module.body.len());
+    for (handle, _) in module.body.iter() {
+        let i = handle.index();
+        let before = placer.cells.next[0];
+        let placement = placer.place_instr(i, &sizes.shapes[i], 0)?;
+        placer.placements.push(placement);
+        used.push(placer.cells.next[0] - before);
+    }
+    Ok(used)
+}
+
 pub(super) fn place(
     module: &Module,
     analysis: &Analysis,
@@ -111,18 +135,7 @@ pub(super) fn place(
     params: &TargetParams,
     options: &CompileOptions,
 ) -> Result<WaferProgram, WaferError> {
-    let mut placer = Placer {
-        module,
-        analysis,
-        params,
-        options,
-        cells: Cells::new(params),
-        images: Vec::new(),
-        placements: Vec::with_capacity(module.body.len()),
-        group_rows: vec![None; analysis.groups.len()],
-        image_of: HashMap::new(),
-        routes: Vec::new(),
-    };
+    let mut placer = Placer::new(module, analysis, params, options, Cells::new(params));
     for (handle, _) in module.body.iter() {
         let i = handle.index();
         let placement = placer.place_instr(i, &sizes.shapes[i], wafer_of[i])?;
@@ -195,7 +208,28 @@ pub(super) fn place(
 /// A region request: the instruction it serves, its kind, its bytes.
 type Request = (RegionKind, u64);
 
-impl Placer<'_> {
+impl<'a> Placer<'a> {
+    fn new(
+        module: &'a Module,
+        analysis: &'a Analysis,
+        params: &'a TargetParams,
+        options: &'a CompileOptions,
+        cells: Cells,
+    ) -> Placer<'a> {
+        Placer {
+            module,
+            analysis,
+            params,
+            options,
+            cells,
+            images: Vec::new(),
+            placements: Vec::with_capacity(module.body.len()),
+            group_rows: vec![None; analysis.groups.len()],
+            image_of: HashMap::new(),
+            routes: Vec::new(),
+        }
+    }
+
     /// `count` consecutive PEs of `wafer`.
     fn take(&mut self, wafer: u16, count: u64) -> Result<Vec<Pe>, WaferError> {
         let base = self.cells.take(wafer, count).ok_or_else(|| self.full(wafer, count))?;

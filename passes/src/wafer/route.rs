@@ -81,7 +81,12 @@ pub(super) fn multicast(source: Pe, destinations: &[Pe], shelf: u16) -> Vec<Run>
             from
         } else {
             let nearest = dests.iter().min_by_key(|d| (d.distance(from), **d)).copied().expect("groups are non-empty");
-            xy(from, nearest, 1, &mut runs);
+            // Down the column first: the trunk crosses other shelves along one column only.
+            let corner = Pe::new(from.wafer, from.x, nearest.y);
+            runs.push(run(from, corner, 1));
+            if corner != nearest {
+                runs.push(run(corner, nearest, 1));
+            }
             nearest
         };
         row_then_columns(entry, dests, &mut runs);

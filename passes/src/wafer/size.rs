@@ -436,15 +436,15 @@ pub(super) struct Overflow {
 /// The wafer of every instruction: the prologue (before the first layer) on wafer 0, the
 /// epilogue on the last used wafer, whole layers in between, balanced by PE count; if the
 /// balanced split overflows a wafer, wafers are filled in order instead.
-pub(super) fn assign_wafers(module: &Module, sizes: &Sizes, params: &TargetParams) -> Result<Vec<u16>, Overflow> {
+pub(super) fn assign_wafers(module: &Module, pes: &[u64], params: &TargetParams) -> Result<Vec<u16>, Overflow> {
     let per_wafer = params.grid_cols as u64 * params.grid_rows as u64;
     let wafers = params.wafers as u64;
-    let total = sizes.total_pes();
+    let total: u64 = pes.iter().sum();
     if total > per_wafer * wafers {
         return Err(Overflow { wafer: None, available: per_wafer * wafers });
     }
     let units = units(module);
-    let loads: Vec<u64> = units.iter().map(|u| sizes.pes[u.clone()].iter().sum()).collect();
+    let loads: Vec<u64> = units.iter().map(|u| pes[u.clone()].iter().sum()).collect();
     let balanced: Vec<u64> = {
         let mut prefix = 0;
         loads
@@ -483,7 +483,7 @@ pub(super) fn assign_wafers(module: &Module, sizes: &Sizes, params: &TargetParam
             filled
         }
     };
-    let mut wafer_of = vec![0u16; sizes.pes.len()];
+    let mut wafer_of = vec![0u16; pes.len()];
     for (unit, range) in units.iter().enumerate() {
         for w in &mut wafer_of[range.clone()] {
             *w = chosen[unit] as u16;
@@ -527,7 +527,7 @@ pub(super) fn what_would_fit(module: &Module, target: &Target, options: &Compile
         }
         let params = other.params();
         if let Ok(sizes) = size_module(module, &params, options, None) {
-            if assign_wafers(module, &sizes, &params).is_ok() {
+            if assign_wafers(module, &sizes.pes, &params).is_ok() {
                 fits.push(other.name.clone());
             }
         }
@@ -535,7 +535,7 @@ pub(super) fn what_would_fit(module: &Module, target: &Target, options: &Compile
     let params = target.params();
     for quant in [DType::Q8_0, DType::Q4_0] {
         if let Ok(sizes) = size_module(module, &params, options, Some(quant)) {
-            if assign_wafers(module, &sizes, &params).is_ok() {
+            if assign_wafers(module, &sizes.pes, &params).is_ok() {
                 fits.push(format!("{quant} on {}", target.name));
             }
         }
