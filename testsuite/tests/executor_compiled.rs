@@ -16,7 +16,7 @@ fn greedy(tokens: usize) -> ValidationOptions {
 #[test]
 fn dense_module_matches_the_reference_bit_for_bit() {
     let module = build(&Shape::dense(), 1);
-    let program = compile_for(&module, "grid:8x8", 64);
+    let program = compile_for(&module, "grid:12x12", 64);
     let blob = pack_tile_blob(&program, &module);
     let validation =
         validate(&program, &module, Some(&blob), &[3, 17, 5], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
@@ -37,7 +37,7 @@ fn moe_module_matches_the_reference_bit_for_bit() {
 fn quantised_module_with_biases_matches_the_reference() {
     let shape = Shape { dtype: waferc_ir::DType::Q8_0, bias: true, ..Shape::dense() };
     let module = build(&shape, 3);
-    let program = compile_for(&module, "grid:8x8", 64);
+    let program = compile_for(&module, "grid:12x12", 64);
     let blob = pack_tile_blob(&program, &module);
     validate(&program, &module, Some(&blob), &[1, 2, 3], &greedy(3)).unwrap_or_else(|e| panic!("{e}"));
 }
@@ -71,7 +71,7 @@ fn every_grid_gives_the_same_logit_bits() {
         let (reference, pes, tiles) = logits_on(&module, "grid:12x12", Plan::Tiled, &tokens);
         let mesh = Plan::MeshGemv { p: 4, group_num: 2 };
         for (target, plan) in
-            [("grid:8x20", Plan::Tiled), ("grid:16x16", Plan::Tiled), ("grid:40x4", Plan::Tiled), ("grid:32x32", mesh)]
+            [("grid:10x20", Plan::Tiled), ("grid:16x16", Plan::Tiled), ("grid:50x4", Plan::Tiled), ("grid:32x32", mesh)]
         {
             let (bits, other_pes, other_tiles) = logits_on(&module, target, plan, &tokens);
             assert_eq!(

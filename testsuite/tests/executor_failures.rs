@@ -10,7 +10,7 @@ use waferc_runtime::executor::{validate, ExecError, ExecOptions, Executor, Valid
 
 fn dense() -> (Module, WaferProgram) {
     let module = build(&Shape::dense(), 11);
-    let program = compile_for(&module, "grid:8x8", 64);
+    let program = compile_for(&module, "grid:12x12", 64);
     (module, program)
 }
 

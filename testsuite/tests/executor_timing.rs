@@ -21,13 +21,13 @@ fn timings(
 #[test]
 fn timing_is_deterministic_and_the_same_without_values() {
     let module = build(&Shape::dense(), 5);
-    let program = compile_for(&module, "grid:8x8", 64);
+    let program = compile_for(&module, "grid:12x12", 64);
     let blob = pack_tile_blob(&program, &module);
     let first = timings(&program, &module, Some(&blob), 4);
     assert_eq!(first, timings(&program, &module, Some(&blob), 4));
     assert_eq!(first, timings(&program, &module, None, 4), "timing only walks the same steps and routes");
     let shape_only = build(&Shape { bytes: false, ..Shape::dense() }, 5);
-    let shape_program = compile_for(&shape_only, "grid:8x8", 64);
+    let shape_program = compile_for(&shape_only, "grid:12x12", 64);
     assert_eq!(first, timings(&shape_program, &shape_only, None, 4), "a shape-only compile times the same");
     for timing in &first {
         assert!(timing.cycles > 0);
@@ -46,7 +46,7 @@ fn timing_is_deterministic_and_the_same_without_values() {
 #[test]
 fn slower_hops_links_and_arithmetic_cost_more_cycles() {
     let module = build(&Shape { bytes: false, ..Shape::dense() }, 6);
-    let program = compile_for(&module, "grid:8x8", 64);
+    let program = compile_for(&module, "grid:12x12", 64);
     let cycles = |program: &waferc_ir::wafer::WaferProgram| timings(program, &module, None, 2)[1].cycles;
     let base = cycles(&program);
     let mut slower = program.clone();

@@ -1593,8 +1593,9 @@ pub(crate) struct InstrRun {
     pub(crate) steps: Vec<(usize, Step)>,
     phase: Phase,
     current: Option<usize>,
-    /// Per step: compute cycles per PE, routes sent (in first-send order).
-    pub(crate) work: Vec<(HashMap<Pe, u64>, Vec<RouteId>)>,
+    /// Per step: compute cycles per PE, routes sent on (in first-send order) with their
+    /// message counts.
+    pub(crate) work: Vec<(HashMap<Pe, u64>, Vec<(RouteId, u32)>)>,
     /// Compute in a phase the schedule has no step for, charged to the next step.
     orphan: HashMap<Pe, u64>,
 }
@@ -1639,8 +1640,9 @@ impl InstrRun {
     fn sent(&mut self, route: RouteId) {
         if let Some(c) = self.current {
             let routes = &mut self.work[c].1;
-            if !routes.contains(&route) {
-                routes.push(route);
+            match routes.iter_mut().find(|(id, _)| *id == route) {
+                Some((_, messages)) => *messages += 1,
+                None => routes.push((route, 1)),
             }
         }
     }

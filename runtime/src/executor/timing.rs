@@ -114,9 +114,9 @@ pub struct StepTiming {
     /// Compute cycles of each PE that worked in the step.
     #[serde(skip)]
     pub(crate) pe_cycles: HashMap<Pe, u64>,
-    /// Routes that carried messages in the step.
+    /// Routes that carried messages in the step, and how many messages each.
     #[serde(skip)]
-    pub(crate) active_routes: Vec<RouteId>,
+    pub(crate) active_routes: Vec<(RouteId, u32)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -158,16 +158,28 @@ pub struct TimingReport {
 #[derive(Clone, Debug)]
 pub(crate) struct CostModel {
     params: TargetParams,
-    route_cycles: Vec<u64>,
-    /// Per schedule step: the busiest link's serialisation over all routes the step lists.
+    routes: Vec<RouteCost>,
+    /// Per schedule step: the busiest link's serialisation over the routes the step lists
+    /// (collects excepted: how many of their sources send is only known when they run).
     step_link_cycles: Vec<u64>,
+}
+
+/// A route's cost when all its sources send.
+#[derive(Clone, Copy, Debug)]
+struct RouteCost {
+    /// Hops to the farthest PE reached (a reduction: its whole tree, messages and adds included).
+    latency: u64,
+    /// The busiest link's bytes over its bandwidth.
+    serial: u64,
+    /// The slowest link's bytes per cycle (for a collect whose sources do not all send).
+    bytes_per_cycle: f64,
 }
 
 impl CostModel {
     pub(crate) fn new(program: &WaferProgram) -> Result<Self, ExecError> {
         let params = program.target.clone();
-        let route_cycles =
-            program.routes.iter().map(|route| route_cycles(program, &params, route)).collect::<Result<_, _>>()?;
+        let routes =
+            program.routes.iter().map(|route| route_cost(program, &params, route)).collect::<Result<_, _>>()?;
         let mut step_link_cycles = Vec::with_capacity(program.schedule.len());
         let mut load: HashMap<(Pe, Pe), u64> = HashMap::new();
         for step in &program.schedule {
@@ -179,6 +191,9 @@ impl CostModel {
             load.clear();
             for &id in &step.routes {
                 let route = route_of(program, &site_of(program, step.instr), id)?;
+                if matches!(route.kind, RouteKind::Collect { .. }) {
+                    continue;
+                }
                 for run in &route.path {
                     for hop in run.hops() {
                         *load.entry(hop).or_insert(0) += route.message_bytes as u64 * run.messages as u64;
@@ -188,7 +203,7 @@ impl CostModel {
             let busiest = load.iter().map(|(&(from, to), &bytes)| serialise(&params, from, to, bytes)).max();
             step_link_cycles.push(busiest.unwrap_or(0));
         }
-        Ok(CostModel { params, route_cycles, step_link_cycles })
+        Ok(CostModel { params, routes, step_link_cycles })
     }
 
     /// Cycles of `n` fused multiply-adds on one PE.
@@ -201,16 +216,32 @@ impl CostModel {
         self.fma(n)
     }
 
+    /// Cycles of route `id` carrying `messages` messages: a collect whose sources do not all
+    /// send (the embedding: one table block; an MoE combine: the chosen experts) serialises only
+    /// the messages sent.
+    fn route_cycles(&self, route: &Route, messages: u32) -> u64 {
+        let cost = self.routes[route.id as usize];
+        let serial = match route.kind {
+            RouteKind::Collect { .. } => {
+                let sent = (messages as u64 * route.message_bytes as u64) as f64 / cost.bytes_per_cycle;
+                cost.serial.min(sent.ceil() as u64)
+            }
+            _ => cost.serial,
+        };
+        cost.latency + serial
+    }
+
     /// Communication cycles of schedule step `step` that sent on `routes` (in send order).
-    fn comm_cycles(&self, program: &WaferProgram, step: usize, routes: &[RouteId]) -> u64 {
+    fn comm_cycles(&self, program: &WaferProgram, step: usize, routes: &[(RouteId, u32)]) -> u64 {
         if routes.is_empty() {
             return 0;
         }
         // (destination, end) of the reductions and broadcasts so far: later ones may wait on them.
         let mut collective_ends: Vec<(Pe, u64)> = Vec::new();
         let mut end = 0;
-        for &id in routes {
+        for &(id, messages) in routes {
             let route = &program.routes[id as usize];
+            let cycles = self.route_cycles(route, messages);
             let start = match route.kind {
                 RouteKind::Reduce { .. } | RouteKind::Statistic { .. } => {
                     let start = collective_ends
@@ -219,13 +250,12 @@ impl CostModel {
                         .map(|(_, e)| *e)
                         .max()
                         .unwrap_or(0);
-                    let finish = start + self.route_cycles[id as usize];
-                    collective_ends.extend(route.destinations.iter().map(|&pe| (pe, finish)));
+                    collective_ends.extend(route.destinations.iter().map(|&pe| (pe, start + cycles)));
                     start
                 }
                 _ => 0,
             };
-            end = end.max(start + self.route_cycles[id as usize]);
+            end = end.max(start + cycles);
         }
         end.max(self.step_link_cycles[step])
     }
@@ -252,8 +282,12 @@ fn path_error(program: &WaferProgram, route: &Route, problem: String) -> ExecErr
     ExecError::RoutePath { site: site_of(program, route.instr), route: route.id, problem }
 }
 
-/// A route's cycles from its path (see the module documentation).
-fn route_cycles(program: &WaferProgram, params: &TargetParams, route: &Route) -> Result<u64, ExecError> {
+/// A route's cost from its path (see the module documentation).
+fn route_cost(program: &WaferProgram, params: &TargetParams, route: &Route) -> Result<RouteCost, ExecError> {
+    let bytes_per_cycle = match route.path.iter().any(Run::is_inter_wafer) {
+        true => params.inter_wafer_bytes_per_cycle.min(params.link_bytes_per_cycle as f64),
+        false => params.link_bytes_per_cycle as f64,
+    };
     let bytes = route.message_bytes as u64;
     if let RouteKind::Reduce { elements, .. } = route.kind {
         let Some(&root) = route.sources.first() else {
@@ -294,7 +328,7 @@ fn route_cycles(program: &WaferProgram, params: &TargetParams, route: &Route) ->
         if let Some((index, _)) = runs.next() {
             return Err(path_error(program, route, format!("run {index} is not on any edge of the tree")));
         }
-        return Ok(total);
+        return Ok(RouteCost { latency: total, serial: 0, bytes_per_cycle });
     }
     // Depth (cycles from a source) of every PE the runs reach so far.
     let mut depth: HashMap<Pe, u64> = route.sources.iter().map(|&pe| (pe, 0)).collect();
@@ -320,7 +354,7 @@ fn route_cycles(program: &WaferProgram, params: &TargetParams, route: &Route) ->
         }
         serial = serial.max(serialise(params, run.from, run.to, bytes * run.messages as u64));
     }
-    Ok(latency + serial)
+    Ok(RouteCost { latency, serial, bytes_per_cycle })
 }
 
 /// The decode step's schedule as it runs: when each instruction ends, when each PE is free.
@@ -329,7 +363,7 @@ pub(crate) struct Timeline {
     pe_free: HashMap<Pe, u64>,
     spans: Vec<StepSpan>,
     pe_cycles: HashMap<Pe, u64>,
-    active_routes: Vec<RouteId>,
+    active_routes: Vec<(RouteId, u32)>,
     end: u64,
 }
 
@@ -438,14 +472,16 @@ pub(crate) fn report(program: &WaferProgram, history: &[u64], last: &StepTiming,
     busiest_pes.truncate(BUSIEST);
 
     let mut link_bytes: HashMap<(Pe, Pe), u64> = HashMap::new();
-    let mut routes = last.active_routes.clone();
-    routes.sort_unstable();
-    routes.dedup();
-    for id in routes {
+    for &(id, sent) in &last.active_routes {
         let route = &program.routes[id as usize];
         for run in &route.path {
+            // A collect's run carries at most the messages its senders sent.
+            let messages = match route.kind {
+                RouteKind::Collect { .. } => (run.messages as u32).min(sent),
+                _ => run.messages as u32,
+            };
             for hop in run.hops() {
-                *link_bytes.entry(hop).or_insert(0) += route.message_bytes as u64 * run.messages as u64;
+                *link_bytes.entry(hop).or_insert(0) += route.message_bytes as u64 * messages as u64;
             }
         }
     }
