@@ -1,6 +1,7 @@
 //! The subcommands of `waferc`, one module each. Every command reports failures as errors that
 //! name the file, tensor or field involved; `main` prints them and exits non-zero.
 
+mod compile;
 mod output;
 mod reference;
 mod session;
@@ -20,6 +21,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Compile a checkpoint for a wafer target into an artifact.
+    Compile(compile::CompileArgs),
     /// Greedy decoding on the reference CPU decoder (the oracle the executor is checked against).
     Reference(reference::ReferenceArgs),
     /// Write a checkpoint directory of a known shape in the Hugging Face layout.
@@ -30,6 +33,7 @@ pub enum Command {
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Compile(args) => compile::run(args),
         Command::Reference(args) => reference::run(args),
         Command::Synth(args) => synth::run(args),
         Command::Targets(args) => targets::run(args),

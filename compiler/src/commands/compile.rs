@@ -1,0 +1,208 @@
+//! `waferc compile MODEL --target T [--max-context N] -o OUT [--passes P] [--plan PLAN]
+//! [--dump-ir DIR] [--print-after PASS] [--time-passes] [--json]`
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::json;
+use waferc_ir::wafer::{artifact, Plan, WaferProgram};
+use waferc_passes::wafer::{self as lowering, CompileOptions};
+use waferc_passes::{registry, PassManager, PassRecord, PassReport};
+use waferc_targets::Target;
+
+use super::session;
+
+#[derive(clap::Args, Debug)]
+pub struct CompileArgs {
+    /// A Hugging Face checkpoint directory or a .gguf file.
+    pub model: PathBuf,
+    /// A built-in target (`waferc targets`), grid:RxC, or a .toml target file.
+    #[arg(long)]
+    pub target: String,
+    /// KV cache capacity in positions: the longest prompt plus generated tokens a run may use.
+    #[arg(long, default_value_t = 4096)]
+    pub max_context: u32,
+    /// The artifact file to write.
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// IR passes to run before lowering, comma-separated with their arguments
+    /// (e.g. "quantize q8_0, dce"). Known passes: see --list-passes.
+    #[arg(long, default_value = "")]
+    pub passes: String,
+    /// The matvec plan: `tiled` (default: each matrix on its own tile grid sized to SRAM), or
+    /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups).
+    #[arg(long, default_value = "tiled")]
+    pub plan: String,
+    /// Write the IR after every pass into DIR (00-frontend.ir, 01-<pass>.ir, ...).
+    #[arg(long)]
+    pub dump_ir: Option<PathBuf>,
+    /// Print the IR after this pass (or `frontend`) to stdout; repeatable.
+    #[arg(long)]
+    pub print_after: Vec<String>,
+    /// Print wall time and peak memory of every pass and lowering stage to stderr.
+    #[arg(long)]
+    pub time_passes: bool,
+    /// Print one JSON object on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses `--plan`.
+pub fn parse_plan(text: &str) -> anyhow::Result<Plan> {
+    if text == "tiled" {
+        return Ok(Plan::Tiled);
+    }
+    let Some(args) = text.strip_prefix("meshgemv:") else {
+        bail!("--plan {text:?}: expected `tiled` or `meshgemv:P,G` (e.g. meshgemv:660,22)")
+    };
+    let parsed = args.split_once(',').and_then(|(p, g)| Some((p.trim().parse().ok()?, g.trim().parse().ok()?)));
+    match parsed {
+        Some((p, group_num)) => Ok(Plan::MeshGemv { p, group_num }),
+        None => bail!("--plan {text:?}: P and G must be whole numbers, as in meshgemv:660,22"),
+    }
+}
+
+pub fn run(args: CompileArgs) -> anyhow::Result<()> {
+    let start = Instant::now();
+    let target = Target::resolve(&args.target)?;
+    let plan = parse_plan(&args.plan)?;
+    let passes = registry::parse_pipeline(&args.passes)?;
+    for name in &args.print_after {
+        let known = name == waferc_passes::INPUT_LABEL || passes.iter().any(|p| p.name() == name);
+        if !known {
+            bail!("--print-after {name}: no such pass in this pipeline (passes: frontend{})", pipeline_names(&passes));
+        }
+    }
+
+    let loaded = session::load_model(&args.model)?;
+    let mut manager = PassManager::new(passes).with_print_after(args.print_after.clone());
+    manager = manager.with_print_sink(std::io::stdout());
+    if let Some(dir) = &args.dump_ir {
+        manager = manager.with_dump_dir(dir);
+    }
+    let (module, mut report) = manager.run(loaded.module)?;
+
+    let options = CompileOptions { max_context: args.max_context, plan };
+    let bar = session::spinner(format!("lowering onto {}", target.name));
+    let (program, record) = timed("wafer-lowering", || lowering::compile(&module, &target, &options));
+    bar.finish_and_clear();
+    let program = program?;
+    report.records.push(record);
+
+    let (checked, record) = timed("check", || lowering::check(&program, &module));
+    checked.with_context(|| format!("the placement checker rejected the compiled program for {}", target.name))?;
+    report.records.push(record);
+
+    let compiled = artifact::Artifact::new(program, module);
+    let (written, record) = timed("write-artifact", || artifact::write(&args.output, &compiled));
+    written?;
+    report.records.push(record);
+
+    if args.time_passes {
+        eprint!("{}", report.time_table());
+    }
+    let summary = Summary::of(&compiled.program, &args, &report, start.elapsed());
+    if args.json {
+        println!("{}", summary.json());
+    } else {
+        println!("{}", summary.text());
+    }
+    Ok(())
+}
+
+fn pipeline_names(passes: &[Box<dyn waferc_passes::Pass>]) -> String {
+    passes.iter().map(|p| format!(", {}", p.name())).collect()
+}
+
+/// Runs one lowering stage and measures it like a pass, so `--time-passes` shows it too.
+fn timed<T>(name: &str, stage: impl FnOnce() -> T) -> (T, PassRecord) {
+    let before = waferc_passes::peak_rss();
+    let start = Instant::now();
+    let result = stage();
+    let wall = start.elapsed();
+    let after = waferc_passes::peak_rss();
+    let growth = before.zip(after).map(|(b, a)| a.saturating_sub(b));
+    (
+        result,
+        PassRecord {
+            name: name.into(),
+            wall,
+            verify_wall: Duration::ZERO,
+            peak_rss: after,
+            peak_rss_growth: growth,
+            text: None,
+        },
+    )
+}
+
+/// What `compile` tells the user.
+struct Summary {
+    output: PathBuf,
+    target: String,
+    plan: String,
+    max_context: u32,
+    pes_used: usize,
+    grid_pes: u64,
+    routes: usize,
+    tile_bytes: u64,
+    artifact_bytes: u64,
+    seconds: f64,
+    passes: Vec<serde_json::Value>,
+}
+
+impl Summary {
+    fn of(program: &WaferProgram, args: &CompileArgs, report: &PassReport, elapsed: Duration) -> Summary {
+        let t = &program.target;
+        Summary {
+            output: args.output.clone(),
+            target: t.name.clone(),
+            plan: args.plan.clone(),
+            max_context: program.max_context,
+            pes_used: program.pes.len(),
+            grid_pes: t.grid_cols as u64 * t.grid_rows as u64 * t.wafers as u64,
+            routes: program.routes.len(),
+            tile_bytes: program.tile_blob_len,
+            artifact_bytes: std::fs::metadata(&args.output).map(|m| m.len()).unwrap_or(0),
+            seconds: elapsed.as_secs_f64(),
+            passes: report
+                .records
+                .iter()
+                .map(|r| json!({ "name": r.name, "wall_seconds": (r.wall + r.verify_wall).as_secs_f64(), "peak_rss_bytes": r.peak_rss }))
+                .collect(),
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "artifact": self.output,
+            "target": self.target,
+            "plan": self.plan,
+            "max_context": self.max_context,
+            "pes_used": self.pes_used,
+            "grid_pes": self.grid_pes,
+            "routes": self.routes,
+            "tile_bytes": self.tile_bytes,
+            "artifact_bytes": self.artifact_bytes,
+            "compile_seconds": self.seconds,
+            "passes": self.passes,
+        })
+    }
+
+    fn text(&self) -> String {
+        format!(
+            "compiled for {} ({} plan, KV capacity {} positions): {} of {} PEs ({:.1}%), {} routes, {:.2} MB of weight tiles\nwrote {} ({:.2} MB) in {:.2} s",
+            self.target,
+            self.plan,
+            self.max_context,
+            self.pes_used,
+            self.grid_pes,
+            100.0 * self.pes_used as f64 / self.grid_pes.max(1) as f64,
+            self.routes,
+            self.tile_bytes as f64 / 1e6,
+            self.output.display(),
+            self.artifact_bytes as f64 / 1e6,
+            self.seconds
+        )
+    }
+}
