@@ -37,10 +37,15 @@
 //! ([`reduce_tree`]). Rows of a matvec, heads of attention and elements of elementwise ops are
 //! independent outputs and are cut anywhere.
 
+pub mod artifact;
+
 use std::fmt;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
+
+use crate::arena::Handle;
+use crate::module::Module;
 
 /// Index of an IR instruction (`Handle<Instr>::index()`), which is also its value.
 pub type InstrIndex = u32;
@@ -591,4 +596,23 @@ pub enum Phase {
     Collect,
     /// Send the result along its deliveries (the router: the routing along its route).
     Deliver,
+}
+
+/// The storage bytes of a weight region, cut from the module's weights: each row's `cols` slice,
+/// rows in order (the layout the tile blob holds). `None` for another region kind, an absent
+/// weight, or a range the weight does not have.
+pub fn region_bytes(module: &Module, kind: &RegionKind) -> Option<Vec<u8>> {
+    let RegionKind::Weight { weight, rows, cols, .. } = kind else { return None };
+    let w = module.weights.get(Handle::new(*weight as usize))?;
+    let data = w.data.bytes()?;
+    let dtype = w.ty.dtype;
+    let row_bytes = dtype.row_bytes(*w.ty.shape.last()?)? as usize;
+    let start = dtype.row_bytes(cols.start)? as usize;
+    let len = dtype.row_bytes(cols.end.checked_sub(cols.start)?)? as usize;
+    let mut out = Vec::with_capacity(len * (rows.end - rows.start) as usize);
+    for row in rows.clone() {
+        let base = row as usize * row_bytes + start;
+        out.extend_from_slice(data.get(base..base + len)?);
+    }
+    Some(out)
 }
