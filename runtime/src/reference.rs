@@ -125,7 +125,10 @@ impl ReferenceDecoder {
         if self.position >= self.max_context {
             return Err(RuntimeError::ContextFull { position: self.position, max_context: self.max_context });
         }
-        match self.run(token) {
+        // The whole step runs on a rayon worker (`scope` moves it there when called from outside
+        // the pool), so each kernel's parallel loop forks within the pool instead of handing
+        // every op to it from this thread and sleeping until it is done.
+        match rayon::scope(|_| self.run(token)) {
             Ok(logits) => {
                 self.position += 1;
                 Ok(logits)
