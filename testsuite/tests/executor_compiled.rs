@@ -81,3 +81,25 @@ fn every_grid_gives_the_same_logit_bits() {
         }
     }
 }
+
+#[test]
+fn a_two_wafer_pipeline_matches_the_reference_and_waits_for_the_wafer_hop() {
+    let toml = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 12\ngrid_rows = 12\nwafers = 2\n";
+    let two = waferc_targets::Target::from_toml(toml, "two-grids.toml").unwrap();
+    let module = build(&Shape::dense(), 12);
+    let program = waferc_passes::wafer::compile(&module, &two, &CompileOptions::new(64)).unwrap();
+    assert!(program.routes.iter().any(|r| r.path.iter().any(|run| run.is_inter_wafer())), "some route crosses wafers");
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[2, 8], &greedy(3)).unwrap_or_else(|e| panic!("{e}"));
+
+    let cycles = |program: &waferc_ir::wafer::WaferProgram| {
+        let blob = pack_tile_blob(program, &module);
+        let mut executor = Executor::new(program, &module, Some(&blob), ExecOptions::default()).unwrap();
+        executor.step(2).unwrap().timing.cycles
+    };
+    // The hop between the wafers is on the critical path: every later layer waits for it.
+    let hop = program.target.inter_wafer_latency_cycles;
+    let mut slower = program.clone();
+    slower.target.inter_wafer_latency_cycles *= 10;
+    assert!(cycles(&slower) >= cycles(&program) + 9 * hop, "ten times the wafer hop latency costs 9 more hops");
+}
