@@ -1,0 +1,202 @@
+mod wafer_common;
+
+use wafer_common::{build, Shape};
+use waferc_ir::wafer::{Pe, Region, RegionKind, WaferProgram, Work};
+use waferc_ir::Module;
+use waferc_passes::wafer::{check, compile, CheckError, CompileOptions, WaferError};
+use waferc_targets::Target;
+
+fn compiled() -> (Module, WaferProgram) {
+    let module = build(&Shape::tiny());
+    let program = compile(&module, &Target::resolve("grid:8x8").unwrap(), &CompileOptions::new(64)).unwrap();
+    check(&program, &module).unwrap();
+    (module, program)
+}
+
+fn problems(program: &WaferProgram, module: &Module) -> CheckError {
+    check(program, module).expect_err("the checker must reject the fault")
+}
+
+#[test]
+fn a_deleted_route_is_named() {
+    let (module, mut program) = compiled();
+    // Delete a matvec's collect: the step using it and the placement naming it must complain.
+    let victim = program
+        .instrs
+        .iter()
+        .find_map(|p| match &p.work {
+            Work::MatVec(mv) => mv.collects.first().copied(),
+            _ => None,
+        })
+        .expect("some matvec collects");
+    program.routes.remove(victim as usize);
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.route == Some(victim) && p.message.contains("does not exist")), "{err}");
+    assert!(err.to_string().contains(&format!("route {victim}")));
+}
+
+#[test]
+fn a_deleted_delivery_leaves_an_operand_without_a_route() {
+    let (module, mut program) = compiled();
+    let victim = program.instrs.iter().find_map(|p| p.deliveries.first().copied()).unwrap();
+    let pe_fed = program.routes[victim as usize].destinations[0];
+    // Keep ids consistent (replace by a route to nowhere useful) so only reachability fails.
+    let route = &mut program.routes[victim as usize];
+    route.destinations.clear();
+    route.destinations.push(route.sources[0]);
+    let err = problems(&program, &module);
+    assert!(
+        err.problems.iter().any(|p| p.pe == Some(pe_fed) && p.message.contains("no route from its producer")),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_over_full_pe_is_named() {
+    let (module, mut program) = compiled();
+    let image = &mut program.pes[3];
+    let pe = image.pe;
+    let end = image.regions.last().map(|r| r.offset + r.bytes).unwrap();
+    image.regions.push(Region { offset: end, bytes: 48 * 1024, instr: Some(0), kind: RegionKind::Scratch });
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.pe == Some(pe) && p.message.contains("over the")), "{err}");
+}
+
+#[test]
+fn a_doubly_placed_tile_is_caught() {
+    let (module, mut program) = compiled();
+    // Copy one matvec tile's weight region onto a second PE.
+    let (pe, region) = program
+        .pes
+        .iter()
+        .find_map(|image| {
+            image
+                .regions
+                .iter()
+                .find(|r| matches!(r.kind, RegionKind::Weight { .. }) && r.bytes > 64)
+                .map(|r| (image.pe, r.clone()))
+        })
+        .unwrap();
+    let other = program.pes.iter_mut().find(|image| image.pe != pe).unwrap();
+    let end = other.regions.last().map(|r| r.offset + r.bytes).unwrap();
+    other.regions.push(Region { offset: end, ..region.clone() });
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.message.contains("held twice")), "{err}");
+
+    // Listing the same tile twice in a placement is caught too.
+    let (module, mut program) = compiled();
+    let mv = program
+        .instrs
+        .iter_mut()
+        .find_map(|p| match &mut p.work {
+            Work::MatVec(mv) => Some(mv),
+            _ => None,
+        })
+        .unwrap();
+    let first = mv.tiles[0].clone();
+    mv.tiles.push(first);
+    let err = problems(&program, &module);
+    assert!(
+        err.problems.iter().any(|p| p.message.contains("placed twice") || p.message.contains("tiles for a")),
+        "{err}"
+    );
+}
+
+#[test]
+fn shared_colours_and_broken_paths_are_caught() {
+    let (module, mut program) = compiled();
+    // Two routes that share a PE given the same colour.
+    let (a, b) = {
+        let touched = |r: &waferc_ir::wafer::Route| -> Vec<Pe> {
+            let mut pes: Vec<Pe> = r.sources.iter().chain(&r.destinations).copied().collect();
+            pes.extend(r.path.iter().flat_map(|run| run.pes()));
+            pes
+        };
+        let mut found = None;
+        'outer: for (i, r) in program.routes.iter().enumerate() {
+            for (j, s) in program.routes.iter().enumerate().skip(i + 1) {
+                if touched(r).iter().any(|pe| touched(s).contains(pe)) {
+                    found = Some((i, j));
+                    break 'outer;
+                }
+            }
+        }
+        found.unwrap()
+    };
+    program.routes[b].colour = program.routes[a].colour;
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.message.contains("already used at this PE")), "{err}");
+
+    let (module, mut program) = compiled();
+    let route = program.routes.iter_mut().find(|r| !r.path.is_empty()).unwrap();
+    let id = route.id;
+    route.path[0].from = Pe::new(0, 7, 7);
+    route.path[0].to = Pe::new(0, 7, 6);
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.route == Some(id)), "{err}");
+
+    let (module, mut program) = compiled();
+    program.routes[0].colour = 30;
+    assert!(problems(&program, &module).problems.iter().any(|p| p.message.contains("over the limit")));
+}
+
+#[test]
+fn a_module_that_does_not_fit_says_by_how_much_and_what_would() {
+    let module = build(&Shape {
+        layers: 4,
+        hidden: 512,
+        ffn: 2048,
+        vocab: 4096,
+        heads: 8,
+        kv_heads: 4,
+        head_dim: 64,
+        bytes: false,
+        ..Shape::tiny()
+    });
+    let target = Target::resolve("grid:16x16").unwrap();
+    match compile(&module, &target, &CompileOptions::new(256)) {
+        Err(WaferError::DoesNotFit(report)) => {
+            assert_eq!(report.available_pes, 256);
+            assert!(report.needed_pes > 256);
+            assert_eq!(report.short_pes(), report.needed_pes - 256);
+            assert_eq!(report.short_bytes(), report.short_pes() * 49152);
+            assert!(report.would_fit.contains(&"wse3".to_string()), "{report}");
+            let text = report.to_string();
+            assert!(text.contains("grid:16x16") && text.contains("short by") && text.contains("wse3"), "{text}");
+        }
+        other => panic!("expected does-not-fit, got {other:?}"),
+    }
+}
+
+#[test]
+fn quantisation_is_suggested_when_it_would_fit() {
+    // bf16 weights just over a grid; q8_0/q4_0 halve or quarter them.
+    let module = build(&Shape {
+        layers: 2,
+        hidden: 1024,
+        ffn: 2048,
+        vocab: 2048,
+        heads: 8,
+        kv_heads: 4,
+        head_dim: 128,
+        bytes: false,
+        ..Shape::tiny()
+    });
+    let target = Target::resolve("grid:30x36").unwrap();
+    match compile(&module, &target, &CompileOptions::new(64)) {
+        Err(WaferError::DoesNotFit(report)) => {
+            assert!(report.would_fit.iter().any(|s| s == "q8_0 on grid:30x36"), "{report}");
+            assert!(report.would_fit.iter().any(|s| s == "q4_0 on grid:30x36"), "{report}");
+        }
+        other => panic!("expected does-not-fit, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_options_are_refused() {
+    let module = build(&Shape::tiny());
+    let target = Target::resolve("grid:8x8").unwrap();
+    assert!(matches!(compile(&module, &target, &CompileOptions::new(0)), Err(WaferError::Options(_))));
+    let mesh = CompileOptions { max_context: 64, plan: waferc_ir::wafer::Plan::MeshGemv { p: 0, group_num: 1 } };
+    assert!(matches!(compile(&module, &target, &mesh), Err(WaferError::Options(_))));
+}
