@@ -367,7 +367,10 @@ impl<'a> Checker<'a> {
                     return;
                 }
                 let aligned = cols.start % run == 0 && (cols.end - cols.start == run || cols.end == n_cols);
+                // A tile holding whole rows computes the entire chunk tree itself, whatever its length.
+                let whole_rows = cols.start == 0 && cols.end == n_cols;
                 if chunk_runs
+                    && !whole_rows
                     && (run % 32 != 0 && cols.end != n_cols || !(run / 32).max(1).is_power_of_two() || !aligned)
                 {
                     self.report(
