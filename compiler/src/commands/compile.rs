@@ -76,6 +76,7 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     }
 
     let loaded = session::load_model(&args.model)?;
+    let tokenizer_json = loaded.tokenizer.as_ref().map(|t| t.to_json()).transpose()?;
     let mut manager = PassManager::new(passes).with_print_after(args.print_after.clone());
     manager = manager.with_print_sink(std::io::stdout());
     if let Some(dir) = &args.dump_ir {
@@ -94,7 +95,7 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     checked.with_context(|| format!("the placement checker rejected the compiled program for {}", target.name))?;
     report.records.push(record);
 
-    let compiled = artifact::Artifact::new(program, module);
+    let compiled = artifact::Artifact::new(program, module).with_tokenizer(tokenizer_json);
     let (written, record) = timed("write-artifact", || artifact::write(&args.output, &compiled));
     written?;
     report.records.push(record);

@@ -4,9 +4,11 @@
 mod compile;
 mod output;
 mod reference;
+mod run;
 mod session;
 mod synth;
 mod targets;
+mod trace;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +27,8 @@ pub enum Command {
     Compile(compile::CompileArgs),
     /// Greedy decoding on the reference CPU decoder (the oracle the executor is checked against).
     Reference(reference::ReferenceArgs),
+    /// Run a compiled artifact on the bundled wafer executor (optionally validated bit for bit).
+    Run(run::RunArgs),
     /// Write a checkpoint directory of a known shape in the Hugging Face layout.
     Synth(synth::SynthArgs),
     /// List the built-in wafer targets, or describe one, with every parameter's source.
@@ -35,6 +39,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Compile(args) => compile::run(args),
         Command::Reference(args) => reference::run(args),
+        Command::Run(args) => run::run(args),
         Command::Synth(args) => synth::run(args),
         Command::Targets(args) => targets::run(args),
     }

@@ -28,6 +28,20 @@ impl Tokenizer {
         Ok(Tokenizer::new(inner, path.to_path_buf()))
     }
 
+    /// Reads a tokenizer from `tokenizer.json` text; `source` names where the text came from.
+    pub fn from_json(text: &str, source: &Path) -> Result<Self, FrontendError> {
+        let inner = tokenizers::Tokenizer::from_bytes(text.as_bytes()).map_err(|e| FrontendError::Format {
+            file: source.to_path_buf(),
+            message: format!("the stored tokenizer cannot be loaded: {e}"),
+        })?;
+        Ok(Tokenizer::new(inner, source.to_path_buf()))
+    }
+
+    /// The tokenizer as `tokenizer.json` text, to store beside a compiled program.
+    pub fn to_json(&self) -> Result<String, FrontendError> {
+        self.inner.to_string(false).map_err(|e| self.error(format!("cannot serialise the tokenizer: {e}")))
+    }
+
     /// Token ids of `text`, with no special tokens added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, FrontendError> {
         let encoding =

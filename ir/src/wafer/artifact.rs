@@ -47,12 +47,20 @@ pub struct Artifact {
     /// The tile blob (offsets in `RegionKind::Weight::blob`). After [`read`], a view of the file;
     /// for a freshly compiled program, `Absent` (the writer cuts tiles from the module's weights).
     pub tiles: WeightBytes,
+    /// The checkpoint's tokenizer as Hugging Face `tokenizer.json` text, so `waferc run --prompt`
+    /// needs nothing but the artifact.
+    pub tokenizer_json: Option<String>,
 }
 
 impl Artifact {
     /// A freshly compiled program and its module.
     pub fn new(program: WaferProgram, module: Module) -> Artifact {
-        Artifact { program, module, tiles: WeightBytes::Absent }
+        Artifact { program, module, tiles: WeightBytes::Absent, tokenizer_json: None }
+    }
+
+    /// The same artifact carrying the checkpoint's tokenizer (`tokenizer.json` text).
+    pub fn with_tokenizer(self, tokenizer_json: Option<String>) -> Artifact {
+        Artifact { tokenizer_json, ..self }
     }
 
     /// The initial bytes of a weight region: from the tile blob if the artifact has one, else cut
@@ -76,6 +84,7 @@ struct Header {
     module_text: String,
     /// Per IR weight, in module order: its byte range in the IR blob (`None` when absent).
     ir_weights: Vec<Option<Range<u64>>>,
+    tokenizer_json: Option<String>,
 }
 
 /// Why an artifact could not be written or read. Each variant names the file.
@@ -114,7 +123,12 @@ pub fn write(path: &Path, artifact: &Artifact) -> Result<(), ArtifactError> {
         }));
     }
     let tile_len = if program.weights_present { program.tile_blob_len } else { 0 };
-    let header = Header { program: program.clone(), module_text: crate::text::print(module), ir_weights };
+    let header = Header {
+        program: program.clone(),
+        module_text: crate::text::print(module),
+        ir_weights,
+        tokenizer_json: artifact.tokenizer_json.clone(),
+    };
     let header = bincode::serde::encode_to_vec(&header, bincode::config::standard())
         .map_err(|e| ArtifactError::Header { path: path.to_path_buf(), message: e.to_string() })?;
 
@@ -256,7 +270,7 @@ pub fn read(path: &Path) -> Result<Artifact, ArtifactError> {
     } else {
         WeightBytes::Absent
     };
-    Ok(Artifact { program: header.program, module, tiles })
+    Ok(Artifact { program: header.program, module, tiles, tokenizer_json: header.tokenizer_json })
 }
 
 /// A 64-bit checksum over a byte stream fed in arbitrary pieces: four multiply-rotate lanes over
