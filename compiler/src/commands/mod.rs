@@ -2,6 +2,7 @@
 //! name the file, tensor or field involved; `main` prints them and exits non-zero.
 
 mod compile;
+mod inspect;
 mod output;
 mod reference;
 mod run;
@@ -27,6 +28,8 @@ pub enum Command {
     Compile(compile::CompileArgs),
     /// Greedy decoding on the reference CPU decoder (the oracle the executor is checked against).
     Reference(reference::ReferenceArgs),
+    /// Show a compiled placement: summary and map, full JSON, or an SVG picture.
+    Inspect(inspect::InspectArgs),
     /// Run a compiled artifact on the bundled wafer executor (optionally validated bit for bit).
     Run(run::RunArgs),
     /// Write a checkpoint directory of a known shape in the Hugging Face layout.
@@ -39,6 +42,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Compile(args) => compile::run(args),
         Command::Reference(args) => reference::run(args),
+        Command::Inspect(args) => inspect::run(args),
         Command::Run(args) => run::run(args),
         Command::Synth(args) => synth::run(args),
         Command::Targets(args) => targets::run(args),
