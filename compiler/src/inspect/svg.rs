@@ -7,7 +7,7 @@ use waferc_ir::wafer::{Pe, WaferProgram};
 use waferc_ir::Module;
 
 use super::analysis::{Analysis, Cell, CellGrid, LinkLoads, Part, EAST, NORTH, SOUTH, WEST};
-use super::summary::thousands;
+use super::summary::{human_bytes, thousands};
 use super::{ColourBy, Filter};
 
 /// Grids with at most this many PEs in view are drawn PE by PE, links included.
@@ -22,7 +22,7 @@ const TITLE_HEIGHT: u32 = 64;
 const PANEL_LABEL: u32 = 18;
 const PANEL_GAP: u32 = 28;
 const LEGEND_ROW: u32 = 16;
-const LEGEND_COLUMN: u32 = 150;
+const LEGEND_COLUMN: u32 = 210;
 
 const EMPTY_FILL: &str = "#f4f4f4";
 const HIDDEN_FILL: &str = "#dcdcdc";
@@ -35,10 +35,10 @@ const SHADOW_FILL: &str = "#e2e2e2";
 /// An SVG picture of the placement (`waferc inspect --svg`). Per wafer shown, side by side: a
 /// panel of PEs, each PE (grids up to 10,000 PEs in view) or each square block of PEs (larger
 /// grids, at most 20,000 blocks in all, e.g. 7 x 7 PEs on a WSE-3) filled with the colour of the
-/// layer (or expert) holding most of it; and a heat panel of link load per token relative to the
-/// busiest link shown (on PE grids a line per used link over the used PEs, on block grids each
-/// block coloured by the busiest link leaving it), beside the PE panel for tall or square grids and below
-/// it for wide ones. Links between wafers are dashed lines between heat panels. A legend lists
+/// layer (or expert) holding most of it; and a heat panel of link load per token, coloured on a
+/// log scale from the least to the most loaded link shown (on PE grids a line per used link over the used PEs, on block
+/// grids each block coloured by the busiest link leaving it), beside the PE panel for tall or
+/// square grids and below it for wide ones. Links between wafers are dashed lines between heat panels. A legend lists
 /// every layer (or expert) shown and the heat scale; the title names the model and target. The
 /// [`Filter`] restricts what is coloured and which routes load the links, and a rectangle zooms
 /// the panels to it.
@@ -99,7 +99,8 @@ struct Picture<'v, 'a> {
     panel_h: u32,
     /// Heat panels beside the PE panels (tall or square grids) rather than below them (wide grids).
     heat_beside: bool,
-    /// The busiest link drawn, inter-wafer links included (the heat scale's top).
+    /// The least and most loaded links drawn, inter-wafer links included: the heat scale's ends.
+    min_load: u64,
     max_load: u64,
 }
 
@@ -131,11 +132,13 @@ impl<'v, 'a> Picture<'v, 'a> {
             panel_w: cols * cell_px,
             panel_h: rows * cell_px,
             heat_beside: rows >= cols,
+            min_load: 0,
             max_load: 0,
         };
-        let on_wafer = picture.heat_values().map(|(_, _, load)| load).max().unwrap_or(0);
-        let between = view.inter_wafer_loads().values().copied().max().unwrap_or(0);
-        picture.max_load = on_wafer.max(between);
+        let inter_wafer = view.inter_wafer_loads();
+        let loads = picture.heat_values().map(|(_, _, load)| load).chain(inter_wafer.values().copied());
+        let (min, max) = loads.fold((u64::MAX, 0), |(min, max), load| (min.min(load), max.max(load)));
+        (picture.min_load, picture.max_load) = (min.min(max), max);
         picture
     }
 
@@ -323,7 +326,6 @@ impl<'v, 'a> Picture<'v, 'a> {
     /// The heat panels: on PE grids, the PEs in light grey and a line per used link; on block
     /// grids, each block coloured by the busiest link leaving it. Then the links between wafers.
     fn heat(&self, svg: &mut String) {
-        let max = self.max_load.max(1);
         let px = self.cell_px;
         svg.push_str("<g id=\"heat\">\n");
         for (index, grid) in self.grids.iter().enumerate() {
@@ -348,12 +350,13 @@ impl<'v, 'a> Picture<'v, 'a> {
             }
         }
         for (index, (from, to), load) in self.heat_values() {
-            let colour = heat_colour(load as f64 / max as f64);
+            let colour = heat_colour(self.heat_level(load));
             let grid = &self.grids[index];
             if self.per_pe {
                 let (x1, y1) = self.heat_centre(index, grid, from);
                 let (x2, y2) = self.heat_centre(index, grid, to);
-                let width = px as f64 * (0.12 + 0.3 * load as f64 / max as f64);
+                // Colour on the log scale, width linear: both the spread and the hot spots show.
+                let width = px as f64 * (0.12 + 0.3 * load as f64 / self.max_load.max(1) as f64);
                 let _ = writeln!(
                     svg,
                     r#"<line class="link" data-bytes="{load}" x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{colour}" stroke-width="{width:.1}" stroke-linecap="round"><title>{}</title></line>"#,
@@ -381,12 +384,23 @@ impl<'v, 'a> Picture<'v, 'a> {
                 let _ = writeln!(
                     svg,
                     r#"<line class="inter-wafer" data-bytes="{load}" x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{}" stroke-width="2" stroke-dasharray="6 3"><title>{}</title></line>"#,
-                    heat_colour(*load as f64 / max as f64),
+                    heat_colour(self.heat_level(*load)),
                     escape(&format!("{from} -> {to}: {} bytes per token", thousands(*load)))
                 );
             }
         }
         svg.push_str("</g>\n");
+    }
+
+    /// Where `load` sits on the heat scale from the least to the most loaded link, 0 to 1:
+    /// logarithmic, because link loads span orders of magnitude (an embedding gather beside a
+    /// norm's statistic) and a linear scale would show only the busiest few links.
+    fn heat_level(&self, load: u64) -> f64 {
+        if self.max_load <= self.min_load {
+            return 1.0;
+        }
+        let span = (self.max_load as f64 / self.min_load.max(1) as f64).ln();
+        ((load.max(1) as f64 / self.min_load.max(1) as f64).ln() / span).clamp(0.0, 1.0)
     }
 
     /// The centre of `pe` in the heat panel of wafer panel `index`.
@@ -422,14 +436,20 @@ impl<'v, 'a> Picture<'v, 'a> {
             );
         }
         let y = top + (keys.len() as u32).min(rows_per_column) * LEGEND_ROW + 16;
+        // The scale's middle: the load at level 0.5 of the logarithmic scale.
+        let middle = (self.min_load.max(1) as f64 * self.max_load as f64).sqrt().round() as u64;
         let _ = writeln!(
             svg,
-            r##"<g id="heat-legend"><text x="{x0}" y="{y}">link bytes per token</text><rect x="{x0}" y="{}" width="120" height="10" fill="url(#heat-scale)" stroke="#666" stroke-width="0.5"/><text x="{x0}" y="{}">0</text><text x="{}" y="{}" text-anchor="end">{}</text></g>"##,
+            r##"<g id="heat-legend"><text x="{x0}" y="{y}">link bytes per token (log scale)</text><rect x="{x0}" y="{}" width="200" height="10" fill="url(#heat-scale)" stroke="#666" stroke-width="0.5"/><text x="{x0}" y="{}">{}</text><text x="{}" y="{}" text-anchor="middle">{}</text><text x="{}" y="{}" text-anchor="end">{}</text></g>"##,
             y + 6,
             y + 30,
-            x0 + 120,
+            human_bytes(self.min_load),
+            x0 + 100,
             y + 30,
-            thousands(self.max_load)
+            human_bytes(middle),
+            x0 + 200,
+            y + 30,
+            human_bytes(self.max_load)
         );
         svg.push_str("</g>\n");
     }
