@@ -32,16 +32,16 @@ const HEAD_FILL: &str = "#303030";
 /// Used PEs under the links of a heat panel.
 const SHADOW_FILL: &str = "#e2e2e2";
 
-/// An SVG picture of the placement (`waferc inspect --svg`). Per wafer shown, side by side: a
-/// panel of PEs, each PE (grids up to 10,000 PEs in view) or each square block of PEs (larger
-/// grids, at most 20,000 blocks in all, e.g. 7 x 7 PEs on a WSE-3) filled with the colour of the
-/// layer (or expert) holding most of it; and a heat panel of link load per token, coloured on a
-/// log scale from the least to the most loaded link shown (on PE grids a line per used link over the used PEs, on block
-/// grids each block coloured by the busiest link leaving it), beside the PE panel for tall or
-/// square grids and below it for wide ones. Links between wafers are dashed lines between heat panels. A legend lists
-/// every layer (or expert) shown and the heat scale; the title names the model and target. The
-/// [`Filter`] restricts what is coloured and which routes load the links, and a rectangle zooms
-/// the panels to it.
+/// An SVG picture of the placement (`waferc inspect --svg`). Per wafer shown, side by side: a panel
+/// of PEs, each PE (grids up to 10,000 PEs in view) or each square block of PEs (larger grids, at
+/// most 20,000 blocks in all, e.g. 7 x 7 PEs on a WSE-3) filled with the colour of the layer (or
+/// expert) holding most of it; and a heat panel of link load per token, coloured on a log scale
+/// from the least to the most loaded link shown (on PE grids a line per used link over the used
+/// PEs, on block grids each block coloured by the busiest link leaving it), beside the PE panel for
+/// tall or square grids and below it for wide ones. Links between wafers are dashed lines between
+/// heat panels. A legend lists every layer (or expert) shown and the heat scale; the title names
+/// the model and target. The [`Filter`] restricts what is coloured and which routes load the links,
+/// and a rectangle zooms the panels to it.
 ///
 /// Structure, for tools and tests: `<g id="wafer-W">` per wafer holding `<rect class="pe">`
 /// (`data-pe="W,X,Y"`, with a `<title>`) or `<rect class="block">` (`data-block="W,X,Y,WIDTH,
