@@ -118,3 +118,17 @@ fn llama8b_on_wse3_times_a_token_quickly() {
     );
     assert!(prepared + stepped < std::time::Duration::from_secs(30));
 }
+
+#[test]
+fn timing_only_moe_runs_the_first_top_k_experts() {
+    let module = build(&Shape { bytes: false, ..Shape::moe() }, 9);
+    let program = compile_for(&module, "grid:12x12", 64);
+    let timing = &timings(&program, &module, None, 2)[1];
+    let computing = |s: &&waferc_runtime::executor::StepSpan| {
+        s.expert.is_some() && s.phase == waferc_ir::wafer::Phase::Compute && s.op != "expert_dispatch"
+    };
+    for span in timing.spans.iter().filter(computing) {
+        let expert = span.expert.unwrap();
+        assert_eq!(span.duration_cycles > 0, expert < 2, "expert {expert} of %{} ({})", span.instr, span.op);
+    }
+}

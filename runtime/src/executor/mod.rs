@@ -314,19 +314,13 @@ impl<'p> Executor<'p> {
         if self.position >= self.program.max_context {
             return Err(ExecError::ContextFull { position: self.position, max_context: self.program.max_context });
         }
-        let kv_before = self.kv.clone();
-        match self.run_step(token) {
-            Ok(result) => {
-                self.position += 1;
-                self.history.push(result.timing.cycles);
-                self.last_timing = Some(result.timing.clone());
-                Ok(result)
-            }
-            Err(error) => {
-                self.kv = kv_before;
-                Err(error)
-            }
-        }
+        // A failed step may have appended to a KV block; the next step at this position
+        // overwrites that slot (appends truncate to the position first), so nothing to undo.
+        let result = self.run_step(token)?;
+        self.position += 1;
+        self.history.push(result.timing.cycles);
+        self.last_timing = Some(result.timing.clone());
+        Ok(result)
     }
 
     fn run_step(&mut self, token: u32) -> Result<StepResult, ExecError> {
