@@ -103,3 +103,27 @@ fn a_two_wafer_pipeline_matches_the_reference_and_waits_for_the_wafer_hop() {
     slower.target.inter_wafer_latency_cycles *= 10;
     assert!(cycles(&slower) >= cycles(&program) + 9 * hop, "ten times the wafer hop latency costs 9 more hops");
 }
+
+#[test]
+fn attention_split_over_kv_blocks_matches_the_reference_across_block_boundaries() {
+    let module = build(&Shape::dense(), 13);
+    let program = compile_for(&module, "grid:16x16", 1024);
+    let blocks: Vec<(usize, u32)> = program
+        .instrs
+        .iter()
+        .filter_map(|p| match &p.work {
+            waferc_ir::wafer::Work::Attention(a) => {
+                let first = &a.kv_heads_placed[0].blocks;
+                Some((first.len(), first[0].positions.end - first[0].positions.start))
+            }
+            _ => None,
+        })
+        .collect();
+    let (count, per_block) = blocks[0];
+    assert!(count > 1, "each KV head is split over several blocks ({blocks:?})");
+    // Feed past the first block's end so that two blocks hold positions.
+    let prompt: Vec<u32> = (0..per_block + 3).map(|i| (i * 7 % 190) as u32).collect();
+    let blob = pack_tile_blob(&program, &module);
+    let validation = validate(&program, &module, Some(&blob), &prompt, &greedy(2)).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(validation.steps, prompt.len() + 1);
+}
