@@ -125,9 +125,11 @@ pub enum Plan {
     /// Each matvec gets its own tile grid sized to SRAM; partial sums reduce along tile rows by
     /// the chunk tree; results stay on the row roots.
     Tiled,
-    /// WaferLLM-style: every matrix cut into `p x p` blocks on one `p x p` square of PEs, the
-    /// activation replicated along columns, partial sums all-reduced along rows by a two-level
-    /// tree (`group_num` groups), the result broadcast back along the row.
+    /// WaferLLM-style (MeshGEMV): every matrix cut into `p x p` blocks (finer where a block would
+    /// not fit one PE), one PE per block; each block column receives its activation slice; the
+    /// partial sums are all-reduced along each block row by a two-level tree (groups of
+    /// `ceil(cols / group_num)` blocks rounded up to a power of two, then across the groups'
+    /// first blocks) and the result broadcast back along the row.
     MeshGemv { p: u16, group_num: u16 },
 }
 

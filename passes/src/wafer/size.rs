@@ -282,7 +282,7 @@ pub(super) fn size_module(
                         w.name,
                         w.ty,
                         match options.plan {
-                            Plan::MeshGemv { p, .. } => format!(" as {p} x {p} blocks (raise p)"),
+                            Plan::MeshGemv { p, .. } => format!(" as {p} x {p} blocks or finer"),
                             Plan::Tiled => String::new(),
                         }
                     ))
@@ -412,18 +412,28 @@ fn tile_for_sram(dtype: DType, bias: Option<DType>, rows: u64, cols: u64, usable
 }
 
 /// WaferLLM's `p x p` blocks: `p` row blocks, and the columns in at most `p` aligned
-/// power-of-two chunk runs.
+/// power-of-two chunk runs. A matrix whose `p x p` blocks do not fit one PE each is cut finer
+/// (the smallest `p' > p` whose blocks fit), as a wafer with too little SRAM per PE would force.
 fn tile_mesh(dtype: DType, bias: Option<DType>, rows: u64, cols: u64, usable: u64, p: u64) -> Option<Tiling> {
     let chunks = cols.div_ceil(CHUNK);
-    let run = chunks.div_ceil(p).next_power_of_two();
-    let rows_per_tile = rows.div_ceil(p.min(rows));
-    let width = (run * CHUNK).min(cols);
-    (tile_bytes(dtype, bias, rows_per_tile, width)? <= usable).then(|| Tiling {
-        rows_per_tile,
-        chunks_per_tile: run,
-        row_blocks: rows.div_ceil(rows_per_tile) as u32,
-        col_blocks: chunks.div_ceil(run) as u32,
-    })
+    let mut side = p;
+    loop {
+        let run = chunks.div_ceil(side).next_power_of_two();
+        let rows_per_tile = rows.div_ceil(side.min(rows));
+        let width = (run * CHUNK).min(cols);
+        if tile_bytes(dtype, bias, rows_per_tile, width)? <= usable {
+            return Some(Tiling {
+                rows_per_tile,
+                chunks_per_tile: run,
+                row_blocks: rows.div_ceil(rows_per_tile) as u32,
+                col_blocks: chunks.div_ceil(run) as u32,
+            });
+        }
+        if rows_per_tile == 1 && run == 1 {
+            return None;
+        }
+        side += side.div_ceil(8);
+    }
 }
 
 /// A pipeline split that does not fit: the wafer that overflows (if the total would fit) and
