@@ -2,6 +2,7 @@
 //! name the file, tensor or field involved; `main` prints them and exits non-zero.
 
 mod compile;
+mod demo;
 mod inspect;
 mod output;
 mod reference;
@@ -26,6 +27,8 @@ pub struct Cli {
 pub enum Command {
     /// Compile a checkpoint for a wafer target into an artifact.
     Compile(compile::CompileArgs),
+    /// The whole pipeline on a built-in MoE model: synth, compile, run validated, show placement and speed.
+    Demo(demo::DemoArgs),
     /// Greedy decoding on the reference CPU decoder (the oracle the executor is checked against).
     Reference(reference::ReferenceArgs),
     /// Show a compiled placement: summary and map, full JSON, or an SVG picture.
@@ -41,6 +44,7 @@ pub enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Compile(args) => compile::run(args),
+        Command::Demo(args) => demo::run(args),
         Command::Reference(args) => reference::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Run(args) => run::run(args),

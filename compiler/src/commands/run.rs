@@ -44,12 +44,23 @@ pub struct RunArgs {
     pub json: bool,
 }
 
+/// How to run an artifact: what `run`'s flags (or `demo`) ask for.
+pub(super) struct Execution<'a> {
+    pub artifact: &'a std::path::Path,
+    pub prompt: &'a [u32],
+    pub max_new_tokens: usize,
+    pub force_tokens: &'a [u32],
+    pub stop_tokens: Vec<u32>,
+    pub validate: bool,
+    pub timing_only: bool,
+}
+
 /// What the run produced.
-struct Outcome {
-    tokens: Vec<u32>,
-    logits: Vec<Vec<f32>>,
-    steps: Vec<StepTiming>,
-    report: TimingReport,
+pub(super) struct Outcome {
+    pub tokens: Vec<u32>,
+    pub logits: Vec<Vec<f32>>,
+    pub steps: Vec<StepTiming>,
+    pub report: TimingReport,
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -82,7 +93,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         bail!("{}: compiled shape-only (no weights): only --timing-only can run it", args.artifact.display());
     }
 
-    let outcome = execute(&args, &compiled, &prompt, max_new)?;
+    let execution = Execution {
+        artifact: &args.artifact,
+        prompt: &prompt,
+        max_new_tokens: max_new,
+        force_tokens: args.generate.force_tokens.as_deref().unwrap_or(&[]),
+        stop_tokens: args.generate.stop_tokens(&module.meta.eos_token_ids),
+        validate: args.validate,
+        timing_only: args.timing_only,
+    };
+    let outcome = execute(&compiled, &execution)?;
     if let Some(path) = &args.logits {
         session::write_logits(path, &outcome.tokens, &outcome.logits)?;
     }
@@ -132,17 +152,18 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn execute(args: &RunArgs, compiled: &artifact::Artifact, prompt: &[u32], max_new: usize) -> anyhow::Result<Outcome> {
+/// Runs the executor (and, validating, the reference decoder beside it) over the prompt and
+/// the tokens it generates.
+pub(super) fn execute(compiled: &artifact::Artifact, run: &Execution) -> anyhow::Result<Outcome> {
     let (program, module) = (&compiled.program, &compiled.module);
+    let (prompt, max_new, forced, stop) = (run.prompt, run.max_new_tokens, run.force_tokens, &run.stop_tokens);
     let tiles = compiled.tiles.bytes();
-    let options = ExecOptions { timing_only: args.timing_only, record_values: false };
+    let options = ExecOptions { timing_only: run.timing_only, record_values: false };
     let mut wafer = Executor::new(program, module, tiles, options)?;
-    let mut reference = match args.validate {
+    let mut reference = match run.validate {
         true => Some(ReferenceDecoder::new(module, program.max_context as usize)?),
         false => None,
     };
-    let stop = args.generate.stop_tokens(&module.meta.eos_token_ids);
-    let forced = args.generate.force_tokens.as_deref().unwrap_or(&[]);
 
     let bar = session::spinner("running");
     let (mut tokens, mut logits, mut steps) = (Vec::new(), Vec::new(), Vec::new());
@@ -156,7 +177,7 @@ fn execute(args: &RunArgs, compiled: &artifact::Artifact, prompt: &[u32], max_ne
             let same = step.logits.as_ref().is_some_and(|got| bits_equal(got, &expected));
             if !same {
                 bar.finish_and_clear();
-                return Err(explain_mismatch(args, compiled, prompt, &tokens, position));
+                return Err(explain_mismatch(run.artifact, compiled, prompt, &tokens, position));
             }
         }
         steps.push(step.timing);
@@ -195,7 +216,7 @@ fn bits_equal(a: &[f32], b: &[f32]) -> bool {
 /// The logits differed at `position`: rerun with per-instruction comparison to name the first
 /// differing op, layer and PE.
 fn explain_mismatch(
-    args: &RunArgs,
+    path: &std::path::Path,
     compiled: &artifact::Artifact,
     prompt: &[u32],
     generated: &[u32],
@@ -209,17 +230,17 @@ fn explain_mismatch(
     let found = executor::validate(&compiled.program, &compiled.module, compiled.tiles.bytes(), prompt, &options);
     match found {
         Err(ExecError::Mismatch(mismatch)) => {
-            anyhow::anyhow!("{}: validation failed: {mismatch}", args.artifact.display())
+            anyhow::anyhow!("{}: validation failed: {mismatch}", path.display())
         }
-        Err(other) => anyhow::Error::new(other).context(format!("{}: validation failed", args.artifact.display())),
+        Err(other) => anyhow::Error::new(other).context(format!("{}: validation failed", path.display())),
         Ok(_) => anyhow::anyhow!(
             "{}: validation failed: the logits of position {position} differ from the reference decoder's, but no instruction's value does",
-            args.artifact.display()
+            path.display()
         ),
     }
 }
 
-fn describe_timing(r: &TimingReport) -> String {
+pub(super) fn describe_timing(r: &TimingReport) -> String {
     let mut text = format!(
         "modeled on {}: {} cycles per token, {:.0} tokens/s decode, time to first token {:.1} us ({} prompt tokens), {} PEs",
         r.target, r.cycles_per_token, r.modeled_decode_tok_s, r.modeled_ttft_us, r.prompt_tokens, r.pes_used
