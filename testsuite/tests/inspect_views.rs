@@ -869,6 +869,24 @@ fn svg_of_a_pipeline_has_a_panel_per_wafer_and_the_crossing() {
     assert_eq!(crossing[0].attribute("data-bytes"), Some("128"));
 }
 
+#[test]
+fn svg_region_filter_zooms_to_the_rectangle() {
+    let program = tiny_moe(false);
+    // Reaches past the grid's right edge: clipped to columns 6 and 7.
+    let filter = Filter { region: Some(Rect { x: 6, y: 0, w: 10, h: 3 }), ..Filter::all() };
+    assert_eq!(filter.check(&program), Ok(()));
+    let svg = placement_svg(&program, None, &filter, ColourBy::Layer);
+    let doc = parse(&svg);
+    let drawn: Vec<&str> = with_class(&doc, "pe").iter().map(|n| n.attribute("data-pe").unwrap()).collect();
+    assert_eq!(drawn, ["0,6,1", "0,7,1", "0,6,2"]);
+    assert!(svg.contains("wafer 0: x 6..8, y 0..3"));
+    // Links inside: (6,1)-(7,1), the query delivery east (256 bytes) and the max reduction west
+    // (4; a line shows the busier direction), and (6,1)-(6,2), the attention collect (256).
+    let links = with_class(&doc, "link");
+    let bytes: Vec<u64> = links.iter().map(|n| n.attribute("data-bytes").unwrap().parse().unwrap()).collect();
+    assert_eq!(bytes, [256, 256]);
+}
+
 /// A program filling the first `rows` rows of a WSE-3-sized wafer, one layer per band of rows,
 /// with a route along each row.
 fn wide_program(rows: u16) -> WaferProgram {
