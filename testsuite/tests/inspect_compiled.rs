@@ -73,7 +73,7 @@ fn mixtral_tiny_json_lists_every_tile_once_with_its_weight() {
 
     for tile in json["tiles"].as_array().unwrap() {
         let instr = tile["instr"].as_u64().unwrap() as usize;
-        let (_, ir) = module.body.iter().nth(instr).unwrap();
+        let ir = &module.body[waferc_ir::Handle::new(instr)];
         let weight = match &ir.op {
             Op::MatVec { weight, .. } => *weight,
             Op::Embed { table } => *table,

@@ -474,12 +474,10 @@ fn summary_reports_use_of_the_grid() {
     let (min, median, max) = (used[0], used[(used.len() - 1) / 2], used[used.len() - 1]);
     let all_row = text.lines().find(|l| l.trim_start().starts_with("all ")).expect("an SRAM row for all regions");
     let figures: Vec<&str> = all_row.split_whitespace().collect();
-    let plain = |n: u64| {
-        n.to_string().as_bytes().rchunks(3).rev().map(|c| std::str::from_utf8(c).unwrap()).collect::<Vec<_>>().join(",")
-    };
-    assert_eq!(&figures[1..4], &[plain(min), plain(median), plain(max)], "{all_row}");
-    // The largest PE holds a KV block: 4096 code + 256 operand + 16384 KV.
-    assert_eq!(max, 4096 + 256 + 16384);
+    // The smallest PE holds the combine's result (4096 code + 128), the largest a KV block
+    // (4096 code + 256 operand + 16384 KV).
+    assert_eq!((min, median, max), (4096 + 128, 6400, 4096 + 256 + 16384));
+    assert_eq!(figures[1..4], ["4,224", "6,400", "20,736"], "{all_row}");
     let kv_row = text.lines().find(|l| l.trim_start().starts_with("kv ")).unwrap();
     assert!(kv_row.contains("16,384") && kv_row.contains("32.00 KiB"), "{kv_row}");
 
