@@ -1,0 +1,418 @@
+//! The `waferc` binary end to end: every fixture compiled and run validated, determinism of
+//! artifacts across thread counts, the trace and IR dump files, and clean failures on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn waferc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_waferc")).args(args).output().expect("waferc runs")
+}
+
+fn waferc_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_waferc"));
+    command.args(args);
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.output().expect("waferc runs")
+}
+
+fn ok(output: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "waferc failed ({}):\n{stderr}", output.status);
+    String::from_utf8(output.stdout.clone()).expect("utf-8 stdout")
+}
+
+/// A failed run: exit code 1 (an error, not a panic's 101) and the stderr text.
+fn fails(output: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(1), "expected a clean error, got {}:\n{stderr}", output.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testsuite/fixtures/hf").join(name)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("waferc-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn golden_prompt(name: &str) -> String {
+    let golden: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("golden.json")).unwrap()).unwrap();
+    let ids: Vec<String> = golden["prompts"][1]["prompt"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+    ids.join(",")
+}
+
+const FIXTURES: [&str; 7] = [
+    "llama-tiny-tok",
+    "llama31-gqa-bf16",
+    "mixtral-sharded-bf16",
+    "mixtral-tiny",
+    "qwen2-bias",
+    "qwen3-dense",
+    "qwen3-moe-tiny",
+];
+
+#[test]
+fn every_fixture_compiles_and_runs_bit_exact() {
+    let dir = scratch("fixtures");
+    for name in FIXTURES {
+        let artifact = dir.join(format!("{name}.wafer"));
+        let model = fixture(name);
+        ok(&waferc(&[
+            "compile",
+            model.to_str().unwrap(),
+            "--target",
+            "grid:64x64",
+            "--max-context",
+            "64",
+            "-o",
+            artifact.to_str().unwrap(),
+        ]));
+        let prompt = golden_prompt(name);
+        let out = ok(&waferc(&[
+            "run",
+            artifact.to_str().unwrap(),
+            "--tokens",
+            &prompt,
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--validate",
+            "--json",
+        ]));
+        let report: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(report["bit_exact"], true, "{name}");
+        assert_eq!(report["tokens"].as_array().unwrap().len(), 12, "{name}");
+        // The executor's tokens are the reference decoder's, which are transformers' here.
+        let reference = ok(&waferc(&[
+            "reference",
+            model.to_str().unwrap(),
+            "--tokens",
+            &prompt,
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+        ]));
+        let reference: Value = serde_json::from_str(&reference).unwrap();
+        assert_eq!(report["tokens"], reference["tokens"], "{name}");
+        assert!(report["modeled_decode_tok_s"].as_f64().unwrap() > 0.0);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn artifacts_are_byte_identical_across_runs_and_thread_counts() {
+    let dir = scratch("determinism");
+    let model = fixture("qwen3-moe-tiny");
+    let mut artifacts = Vec::new();
+    for threads in ["1", "2", "2"] {
+        let path = dir.join(format!("t{threads}-{}.wafer", artifacts.len()));
+        ok(&waferc_env(
+            &[
+                "compile",
+                model.to_str().unwrap(),
+                "--target",
+                "grid:64x64",
+                "--max-context",
+                "256",
+                "-o",
+                path.to_str().unwrap(),
+            ],
+            &[("RAYON_NUM_THREADS", threads)],
+        ));
+        artifacts.push(std::fs::read(&path).unwrap());
+    }
+    assert!(artifacts.windows(2).all(|w| w[0] == w[1]), "artifacts differ between runs or thread counts");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn trace_is_chrome_trace_events_with_every_layer() {
+    let dir = scratch("trace");
+    let artifact = dir.join("m.wafer");
+    let trace = dir.join("trace.json");
+    let model = fixture("llama31-gqa-bf16");
+    ok(&waferc(&["compile", model.to_str().unwrap(), "--target", "grid:48x48", "-o", artifact.to_str().unwrap()]));
+    ok(&waferc(&[
+        "run",
+        artifact.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--max-new-tokens",
+        "2",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]));
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().expect("a traceEvents array");
+    let mut layer_tracks = std::collections::BTreeMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "M" && e["name"] == "thread_name") {
+        layer_tracks.insert(e["tid"].as_u64().unwrap(), e["args"]["name"].as_str().unwrap().to_string());
+    }
+    for layer in 0..3 {
+        let name = format!("layer {layer}");
+        let (&tid, _) = layer_tracks.iter().find(|(_, n)| **n == name).unwrap_or_else(|| panic!("no track {name}"));
+        let spans: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X" && e["tid"] == tid).collect();
+        assert!(spans.iter().any(|e| e["cat"] == "compute"), "{name} has no compute span");
+        assert!(spans.iter().any(|e| e["cat"] == "collective"), "{name} has no collective span");
+        for span in spans {
+            assert!(span["ts"].as_f64().unwrap() >= 0.0 && span["dur"].as_f64().unwrap() >= 0.0);
+            assert!(span["name"].as_str().unwrap().contains('%'));
+        }
+    }
+    // Five positions (three prompt tokens, two generated, the last not fed back: four steps).
+    assert_eq!(events.iter().filter(|e| e["cat"] == "token").count(), 4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn dumped_ir_files_parse_back_to_the_same_text() {
+    let dir = scratch("dump");
+    let dump = dir.join("ir");
+    let model = fixture("mixtral-tiny");
+    ok(&waferc(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--target",
+        "grid:32x32",
+        "--passes",
+        "quantize q8_0, dce",
+        "--dump-ir",
+        dump.to_str().unwrap(),
+        "-o",
+        dir.join("m.wafer").to_str().unwrap(),
+    ]));
+    let mut files: Vec<_> =
+        std::fs::read_dir(&dump).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    files.sort();
+    assert_eq!(files, ["00-frontend.ir", "01-quantize.ir", "02-dce.ir"]);
+    for file in files {
+        let text = std::fs::read_to_string(dump.join(&file)).unwrap();
+        let module = waferc_ir::text::parse(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(waferc_ir::text::print(&module), text, "{file} does not round-trip");
+    }
+    assert!(std::fs::read_to_string(dump.join("01-quantize.ir")).unwrap().contains("q8_0["));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn print_after_and_time_passes() {
+    let dir = scratch("print-after");
+    let model = fixture("qwen2-bias");
+    let out = waferc(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--target",
+        "grid:32x32",
+        "--passes",
+        "dce",
+        "--print-after",
+        "dce",
+        "--time-passes",
+        "-o",
+        dir.join("m.wafer").to_str().unwrap(),
+    ]);
+    let stdout = ok(&out);
+    assert!(stdout.contains("matvec"), "no IR printed:\n{stdout}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for stage in ["frontend", "dce", "wafer-lowering", "check", "write-artifact", "total"] {
+        assert!(stderr.contains(stage), "--time-passes lacks {stage}:\n{stderr}");
+    }
+    let unknown = fails(&waferc(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--target",
+        "grid:32x32",
+        "--print-after",
+        "tiling-typo",
+        "-o",
+        dir.join("m.wafer").to_str().unwrap(),
+    ]));
+    assert!(unknown.contains("tiling-typo"), "{unknown}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_inputs_give_clean_errors_and_no_output_file() {
+    let dir = scratch("bad");
+    let out = dir.join("m.wafer");
+    let missing = fails(&waferc(&["compile", "/nonexistent/model", "--target", "wse3", "-o", out.to_str().unwrap()]));
+    assert!(missing.contains("/nonexistent/model"), "{missing}");
+    let target = fails(&waferc(&[
+        "compile",
+        fixture("mixtral-tiny").to_str().unwrap(),
+        "--target",
+        "wse9",
+        "-o",
+        out.to_str().unwrap(),
+    ]));
+    assert!(target.contains("wse9"), "{target}");
+    let too_small = fails(&waferc(&[
+        "compile",
+        fixture("mixtral-tiny").to_str().unwrap(),
+        "--target",
+        "grid:4x4",
+        "-o",
+        out.to_str().unwrap(),
+    ]));
+    assert!(too_small.contains("does not fit") && too_small.contains("short by"), "{too_small}");
+    assert!(!out.exists(), "a failed compile left {}", out.display());
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "a failed compile left a temporary file");
+
+    // Artifacts: foreign, truncated, corrupted.
+    let good = dir.join("good.wafer");
+    ok(&waferc(&[
+        "compile",
+        fixture("qwen3-dense").to_str().unwrap(),
+        "--target",
+        "grid:32x32",
+        "-o",
+        good.to_str().unwrap(),
+    ]));
+    let bytes = std::fs::read(&good).unwrap();
+    let cases: [(&str, Vec<u8>, &str); 3] = [
+        ("foreign", b"not an artifact at all".to_vec(), "not a waferc artifact"),
+        ("truncated", bytes[..bytes.len() / 2].to_vec(), "truncated"),
+        (
+            "corrupt",
+            {
+                let mut b = bytes.clone();
+                let i = b.len() - 100;
+                b[i] ^= 0x40;
+                b
+            },
+            "checksum",
+        ),
+    ];
+    for (name, content, expected) in cases {
+        let path = dir.join(format!("{name}.wafer"));
+        std::fs::write(&path, content).unwrap();
+        let error = fails(&waferc(&["run", path.to_str().unwrap(), "--tokens", "1"]));
+        assert!(error.contains(expected) && error.contains(&*path.to_string_lossy()), "{name}: {error}");
+        let error = fails(&waferc(&["inspect", path.to_str().unwrap()]));
+        assert!(error.contains(expected), "{name}: {error}");
+    }
+    let bad_token = fails(&waferc(&["run", good.to_str().unwrap(), "--tokens", "99999"]));
+    assert!(bad_token.contains("99999") && bad_token.contains("vocabulary"), "{bad_token}");
+    let no_tokenizer = fails(&waferc(&["run", good.to_str().unwrap(), "--prompt", "hello"]));
+    assert!(no_tokenizer.contains("tokenizer"), "{no_tokenizer}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn prompts_as_text_use_the_tokenizer_stored_in_the_artifact() {
+    let dir = scratch("text");
+    let artifact = dir.join("m.wafer");
+    let model = fixture("llama-tiny-tok");
+    ok(&waferc(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--target",
+        "grid:64x64",
+        "--max-context",
+        "32",
+        "-o",
+        artifact.to_str().unwrap(),
+    ]));
+    let wafer: Value = serde_json::from_str(&ok(&waferc(&[
+        "run",
+        artifact.to_str().unwrap(),
+        "--prompt",
+        "The wafer",
+        "--max-new-tokens",
+        "4",
+        "--validate",
+        "--json",
+    ])))
+    .unwrap();
+    let reference: Value = serde_json::from_str(&ok(&waferc(&[
+        "reference",
+        model.to_str().unwrap(),
+        "--prompt",
+        "The wafer",
+        "--max-new-tokens",
+        "4",
+        "--json",
+    ])))
+    .unwrap();
+    assert_eq!(wafer["tokens"], reference["tokens"]);
+    assert_eq!(wafer["text"], reference["text"]);
+    assert!(wafer["text"].as_str().is_some_and(|t| !t.is_empty()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn reference_logits_file_holds_every_step() {
+    let dir = scratch("logits");
+    let file = dir.join("logits.safetensors");
+    ok(&waferc(&[
+        "reference",
+        fixture("qwen3-dense").to_str().unwrap(),
+        "--tokens",
+        "5,6,7",
+        "--force-tokens",
+        "10,11,12,13",
+        "--logits",
+        file.to_str().unwrap(),
+    ]));
+    let bytes = std::fs::read(&file).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let logits = tensors.tensor("logits").unwrap();
+    assert_eq!(logits.shape(), [4, 512]);
+    assert_eq!(logits.dtype(), safetensors::Dtype::F32);
+    let tokens = tensors.tensor("tokens").unwrap();
+    assert_eq!(tokens.dtype(), safetensors::Dtype::I64);
+    let ids: Vec<i64> = tokens.data().chunks(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(ids, [10, 11, 12, 13]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn demo_runs_validated() {
+    let out = ok(&waferc(&["demo"]));
+    assert!(out.contains("bit-identical to the reference decoder"), "{out}");
+    assert!(out.contains("tokens/s decode"), "{out}");
+}
+
+#[test]
+fn inspect_svg_and_json_write_files() {
+    let dir = scratch("inspect");
+    let artifact = dir.join("m.wafer");
+    ok(&waferc(&[
+        "compile",
+        fixture("mixtral-tiny").to_str().unwrap(),
+        "--target",
+        "grid:32x32",
+        "-o",
+        artifact.to_str().unwrap(),
+    ]));
+    let svg = dir.join("p.svg");
+    ok(&waferc(&["inspect", artifact.to_str().unwrap(), "--format", "svg", "-o", svg.to_str().unwrap()]));
+    assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    let json = dir.join("p.json");
+    ok(&waferc(&[
+        "inspect",
+        artifact.to_str().unwrap(),
+        "--format",
+        "json",
+        "--layer",
+        "1",
+        "-o",
+        json.to_str().unwrap(),
+    ]));
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["filter"]["layer"], 1);
+    let bad = fails(&waferc(&["inspect", artifact.to_str().unwrap(), "--layer", "7"]));
+    assert!(bad.contains("--layer 7"), "{bad}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
