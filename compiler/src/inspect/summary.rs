@@ -53,8 +53,10 @@ pub fn summary_text(
 
 fn header(view: &Analysis, modeled_speed: Option<&str>, out: &mut String) {
     let t = &view.program.target;
-    let model = view.model_name().unwrap_or_else(|| "model not given".to_string());
-    let _ = writeln!(out, "placement of {model} on {}", t.name);
+    let _ = match view.model_name() {
+        Some(model) => writeln!(out, "placement of {model} on {}", t.name),
+        None => writeln!(out, "placement on {}", t.name),
+    };
     let _ = writeln!(
         out,
         "target: {} x {} PEs (columns x rows) x {} wafer{}, {} bytes SRAM per PE ({} reserved for code), {} colours per PE",
@@ -160,7 +162,11 @@ fn colours(view: &Analysis, out: &mut String) {
     };
     for wafer in view.wafers() {
         let in_use = view.colours_in_use(wafer);
-        let at = |x: u16, y: u16| in_use[y as usize * t.grid_cols as usize + x as usize];
+        // A PE outside the grid (a malformed program) routes nothing the count can see.
+        let at = |x: u16, y: u16| {
+            let inside = x < t.grid_cols && y < t.grid_rows;
+            inside.then(|| in_use[y as usize * t.grid_cols as usize + x as usize]).unwrap_or(0)
+        };
         if view.filter.layer.is_some() {
             // Only the PEs holding the layer; their routers also carry other layers' routes.
             for image in view.wafer_images(wafer).iter().filter(|image| view.pe_kept(image)) {
@@ -246,7 +252,7 @@ pub(super) fn route_kind_name(kind: &RouteKind) -> &'static str {
 fn footprints(view: &Analysis, out: &mut String) {
     let footprints = view.footprints();
     let _ = writeln!(out, "\nlayers (bounding box of the PEs holding each part, per wafer):");
-    let _ = writeln!(out, "  {:<10} {:>5} {:>9}  {:<11} {:<11}", "part", "wafer", "PEs", "x", "y");
+    let _ = writeln!(out, "  {:<10} {:>5} {:>9}  {:<11} y", "part", "wafer", "PEs", "x");
     for ((part, wafer), bbox) in &footprints.parts {
         let _ = writeln!(out, "  {:<10} {:>5} {:>9}  {}", part.label(), wafer, thousands(bbox.pes), spans(bbox));
     }
@@ -254,7 +260,7 @@ fn footprints(view: &Analysis, out: &mut String) {
         return;
     }
     let _ = writeln!(out, "\nexperts (bounding box of the PEs holding each expert of each layer, per wafer):");
-    let _ = writeln!(out, "  {:<10} {:>6} {:>5} {:>9}  {:<11} {:<11}", "part", "expert", "wafer", "PEs", "x", "y");
+    let _ = writeln!(out, "  {:<10} {:>6} {:>5} {:>9}  {:<11} y", "part", "expert", "wafer", "PEs", "x");
     for ((part, expert, wafer), bbox) in &footprints.experts {
         let _ = writeln!(
             out,
