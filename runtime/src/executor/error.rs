@@ -36,6 +36,8 @@ impl fmt::Display for InstrSite {
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum ExecError {
+    #[error("the module does not verify: {0}")]
+    InvalidModule(#[from] waferc_ir::IrError),
     #[error("the program has {program} instruction placements but the module has {module} instructions")]
     InstructionCount { program: usize, module: usize },
     #[error("placement {index} is for %{instr} = {op}, but the module's instruction {index} is {module_op}")]

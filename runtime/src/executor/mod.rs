@@ -162,6 +162,7 @@ impl<'p> Executor<'p> {
         tile_blob: Option<&[u8]>,
         options: ExecOptions,
     ) -> Result<Self, ExecError> {
+        waferc_ir::verify(module)?;
         if program.instrs.len() != module.body.len() {
             return Err(ExecError::InstructionCount { program: program.instrs.len(), module: module.body.len() });
         }
@@ -624,7 +625,7 @@ impl<'p> Executor<'p> {
         let RouteKind::Reduce { op, elements } = route.kind else {
             return Err(route_kind_error(run, route, "a reduction"));
         };
-        if leaves.len() != route.sources.len() {
+        if leaves.is_empty() || leaves.len() != route.sources.len() {
             return Err(ExecError::Malformed {
                 site: run.site.clone(),
                 problem: format!(
@@ -954,6 +955,12 @@ impl<'p> Executor<'p> {
         p: &MatVecPlacement,
         segments: &[Segment],
     ) -> Result<(), ExecError> {
+        if p.row_blocks == 0 || p.col_blocks == 0 {
+            return Err(ExecError::Malformed {
+                site: run.site.clone(),
+                problem: format!("{} x {} tile blocks", p.row_blocks, p.col_blocks),
+            });
+        }
         let tile_count = p.row_blocks as usize * p.col_blocks as usize;
         check_count(run, "tiles", p.tiles.len(), tile_count)?;
         check_count(run, "collect routes", p.collects.len(), segments.len())?;
@@ -1184,7 +1191,10 @@ impl<'p> Executor<'p> {
         }
         run.begin(Phase::Broadcast);
         for routes in &p.group_routes {
-            let (root, total) = totals.remove(&routes.group).expect("reduced above");
+            let (root, total) = totals.remove(&routes.group).ok_or_else(|| ExecError::Malformed {
+                site: run.site.clone(),
+                problem: format!("group {} has more than one pair of reduce and broadcast routes", routes.group),
+            })?;
             let r = self.compute_data(1, || vec![kernels::rms_inverse(total.values()[0], g as usize, eps)]);
             run.compute(root, self.costs.flops(timing::RMS_INVERSE_FLOPS));
             self.send(state, run, routes.broadcast, root, Payload::Data(r.clone()))?;
@@ -1578,6 +1588,14 @@ struct StepState {
     timeline: timing::Timeline,
 }
 
+/// What one schedule step did: compute cycles per PE, and the routes it sent on (in first-send
+/// order) with their message counts.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StepWork {
+    pub(crate) compute: HashMap<Pe, u64>,
+    pub(crate) routes: Vec<(RouteId, u32)>,
+}
+
 /// One instruction's consecutive steps while it executes: which phase is current, what each
 /// step computed and sent (for the timing model).
 pub(crate) struct InstrRun {
@@ -1587,9 +1605,8 @@ pub(crate) struct InstrRun {
     pub(crate) steps: Vec<(usize, Step)>,
     phase: Phase,
     current: Option<usize>,
-    /// Per step: compute cycles per PE, routes sent on (in first-send order) with their
-    /// message counts.
-    pub(crate) work: Vec<(HashMap<Pe, u64>, Vec<(RouteId, u32)>)>,
+    /// What each step did.
+    pub(crate) work: Vec<StepWork>,
     /// Compute in a phase the schedule has no step for, charged to the next step.
     orphan: HashMap<Pe, u64>,
 }
@@ -1597,7 +1614,7 @@ pub(crate) struct InstrRun {
 impl InstrRun {
     fn new(program: &WaferProgram, instr: InstrIndex, steps: Range<usize>) -> Self {
         let steps: Vec<(usize, Step)> = steps.map(|i| (i, program.schedule[i].clone())).collect();
-        let work = vec![(HashMap::new(), Vec::new()); steps.len()];
+        let work = vec![StepWork::default(); steps.len()];
         InstrRun {
             instr,
             site: site_of(program, instr),
@@ -1614,7 +1631,7 @@ impl InstrRun {
         self.current = self.steps.iter().position(|(_, s)| s.phase == phase);
         if let Some(current) = self.current {
             for (pe, cycles) in std::mem::take(&mut self.orphan) {
-                *self.work[current].0.entry(pe).or_insert(0) += cycles;
+                *self.work[current].compute.entry(pe).or_insert(0) += cycles;
             }
         }
     }
@@ -1625,7 +1642,7 @@ impl InstrRun {
 
     fn compute(&mut self, pe: Pe, cycles: u64) {
         let target = match self.current {
-            Some(c) => &mut self.work[c].0,
+            Some(c) => &mut self.work[c].compute,
             None => &mut self.orphan,
         };
         *target.entry(pe).or_insert(0) += cycles;
@@ -1633,7 +1650,7 @@ impl InstrRun {
 
     fn sent(&mut self, route: RouteId) {
         if let Some(c) = self.current {
-            let routes = &mut self.work[c].1;
+            let routes = &mut self.work[c].routes;
             match routes.iter_mut().find(|(id, _)| *id == route) {
                 Some((_, messages)) => *messages += 1,
                 None => routes.push((route, 1)),

@@ -398,7 +398,7 @@ impl Timeline {
         let orphan = run.take_orphan();
         if let Some(last) = run.work.last_mut() {
             for (pe, cycles) in orphan {
-                *last.0.entry(pe).or_insert(0) += cycles;
+                *last.compute.entry(pe).or_insert(0) += cycles;
             }
         }
         let mut at = ready;
@@ -406,7 +406,8 @@ impl Timeline {
             at = pes.iter().filter_map(|pe| self.pe_free.get(pe)).fold(at, |a, &b| a.max(b));
         }
         let placement = &program.instrs[run.instr as usize];
-        for ((index, step), (compute, routes)) in run.steps.iter().zip(&run.work) {
+        for ((index, step), work) in run.steps.iter().zip(&run.work) {
+            let (compute, routes) = (&work.compute, &work.routes);
             let (compute_cycles, comm_cycles) = if worked {
                 (compute.values().copied().max().unwrap_or(0), costs.comm_cycles(program, *index, routes))
             } else {
