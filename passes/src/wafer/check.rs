@@ -75,6 +75,11 @@ impl fmt::Display for CheckError {
     }
 }
 
+/// A weight block some PE holds: rows, columns, the PE.
+type Piece = (Range<u64>, Range<u64>, Pe);
+/// Per (value, destination PE): the element ranges operand routes bring there, with the routes.
+type Arrivals = HashMap<(u32, Pe), Vec<(Range<u64>, u32)>>;
+
 struct Checker<'a> {
     program: &'a WaferProgram,
     module: &'a Module,
@@ -189,8 +194,7 @@ impl<'a> Checker<'a> {
 
     /// Weight coverage, blob ranges, and the tiles the placements list.
     fn weights(&mut self) {
-        // (instr, weight) -> (rows, cols, pe)
-        let mut held: BTreeMap<(u32, u32), Vec<(Range<u64>, Range<u64>, Pe)>> = BTreeMap::new();
+        let mut held: BTreeMap<(u32, u32), Vec<Piece>> = BTreeMap::new();
         let mut blobs = Vec::new();
         for image in &self.program.pes {
             for r in &image.regions {
@@ -323,7 +327,7 @@ impl<'a> Checker<'a> {
         &mut self,
         instr: u32,
         weight: Handle<waferc_ir::Weight>,
-        mut pieces: Vec<(Range<u64>, Range<u64>, Pe)>,
+        mut pieces: Vec<Piece>,
         chunk_runs: bool,
     ) {
         let w = &self.module.weights[weight];
@@ -398,12 +402,7 @@ impl<'a> Checker<'a> {
         }
     }
 
-    fn at_least_once(
-        &mut self,
-        instr: u32,
-        weight: Handle<waferc_ir::Weight>,
-        mut pieces: Vec<(Range<u64>, Range<u64>, Pe)>,
-    ) {
+    fn at_least_once(&mut self, instr: u32, weight: Handle<waferc_ir::Weight>, mut pieces: Vec<Piece>) {
         let w = &self.module.weights[weight];
         let n = w.ty.elements();
         pieces.sort_by_key(|(_, c, _)| (c.start, c.end));
@@ -577,8 +576,8 @@ impl<'a> Checker<'a> {
                 _ => return v as u32,
             }
         };
-        // (value, destination PE) -> element ranges arriving.
-        let mut arriving: HashMap<(u32, Pe), Vec<(Range<u64>, u32)>> = HashMap::new();
+        // (value, destination PE) -> element ranges arriving, with their routes.
+        let mut arriving: Arrivals = HashMap::with_capacity(routes.len());
         for r in routes.values() {
             if let RouteKind::Operand { value, elements } = &r.kind {
                 let src_ok = self.program.pe(r.sources[0]).is_some_and(|img| {

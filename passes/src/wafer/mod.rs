@@ -7,15 +7,19 @@
 //!    PEs), the embedding row blocks, attention KV blocks of power-of-two position runs for
 //!    `max_context`, vectors segments. A model that does not fit stops here, saying by how much
 //!    and what would fit.
-//! 2. **Placement** (`place`): layers go to wafers in a balanced pipeline; on each wafer PEs are
-//!    taken in snake order (row 0 left to right, row 1 right to left, ...), instructions in
-//!    program order, so consecutive layers and a tile row's PEs are neighbours. The experts of an
-//!    MoE layer have their tile rows interleaved, so whichever experts the router picks, their
-//!    work is spread over the layer's whole region rather than one corner of it.
-//! 3. **Routing** (`route`): dimension-ordered paths (multicasts go along the source's column,
-//!    then along rows; gathers along rows, then the destination's column), inter-wafer traffic
-//!    through each wafer's gateway PE (0, 0), and greedy colour assignment under the target's
-//!    colour limit.
+//! 2. **Placement** (`place`): layers go to wafers in a pipeline balanced on the PEs each layer
+//!    really takes. A wafer is filled in shelves (bands of up to 8 PE rows), each filled column
+//!    by column, instructions in program order, so consecutive layers are neighbours. A matvec's
+//!    tiles form stripes of whole columns: a tile row runs along a PE row (its reduction is a
+//!    straight line) and a tile column down PE columns (where its activation slice arrives); each
+//!    result segment sits beside the tile row that completes it. Vector ops go on the PEs of
+//!    their newest operand when the cut suits them and SRAM has room, so most activations never
+//!    move. The experts of an MoE layer have their tile rows interleaved, so whichever experts
+//!    the router picks, their work is spread over the layer's whole region.
+//! 3. **Routing** (`route`): dimension-ordered paths kept inside shelves where they can be (a
+//!    multicast goes down one column into each shelf holding destinations, then along a row and
+//!    down the destination columns; gathers the other way round), inter-wafer traffic through
+//!    each wafer's gateway PE (0, 0), and DSatur colouring under the target's colour limit.
 //! 4. **Schedule**: the steps of one decode step, each naming the routes it uses.
 //!
 //! [`check`] re-verifies a program independently of the placer's bookkeeping.

@@ -1035,7 +1035,7 @@ impl<'a> Placer<'a> {
                     step(i, Phase::Compute, Vec::new());
                     let heads = &att.kv_heads_placed;
                     let gather = |pick: &dyn Fn(&KvHeadPlacement) -> [Option<RouteId>; 2]| -> Vec<RouteId> {
-                        heads.iter().flat_map(|h| pick(h)).flatten().collect()
+                        heads.iter().flat_map(pick).flatten().collect()
                     };
                     step(i, Phase::AttentionMax, gather(&|h| [h.max_reduce, h.max_broadcast]));
                     step(i, Phase::AttentionSum, gather(&|h| [h.sum_reduce, h.sum_broadcast]));

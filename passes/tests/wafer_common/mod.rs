@@ -84,6 +84,7 @@ struct Builder {
     m: Module,
     fill: Filler,
     present: bool,
+    dtype: DType,
 }
 
 impl Builder {
@@ -98,28 +99,19 @@ impl Builder {
         self.m.push(op, layer).unwrap()
     }
 
-    fn proj(
-        &mut self,
-        name: String,
-        rows: u64,
-        cols: u64,
-        dtype: DType,
-        input: Value,
-        bias: bool,
-        at: Option<u32>,
-    ) -> Value {
-        let w = self.weight(name.clone(), dtype, vec![rows, cols]);
+    fn proj(&mut self, name: String, rows: u64, cols: u64, input: Value, bias: bool, at: Option<u32>) -> Value {
+        let w = self.weight(name.clone(), self.dtype, vec![rows, cols]);
         let b = bias.then(|| self.weight(format!("{name}.bias"), DType::F32, vec![rows]));
         self.push(Op::MatVec { x: input, weight: w, bias: b }, at)
     }
 
     fn mlp(&mut self, shape: &Shape, input: Value, prefix: String, at: Option<u32>) -> Value {
-        let (h, f, dt) = (shape.hidden, shape.ffn, shape.dtype);
-        let g = self.proj(format!("{prefix}.gate"), f, h, dt, input, false, at);
-        let u = self.proj(format!("{prefix}.up"), f, h, dt, input, false, at);
+        let (h, f) = (shape.hidden, shape.ffn);
+        let g = self.proj(format!("{prefix}.gate"), f, h, input, false, at);
+        let u = self.proj(format!("{prefix}.up"), f, h, input, false, at);
         let s = self.push(Op::Silu { x: g }, at);
         let prod = self.push(Op::Mul { a: s, b: u }, at);
-        self.proj(format!("{prefix}.down"), h, f, dt, prod, false, at)
+        self.proj(format!("{prefix}.down"), h, f, prod, false, at)
     }
 }
 
@@ -131,7 +123,7 @@ pub fn build(shape: &Shape) -> Module {
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
     };
-    let mut b = Builder { m: Module::new(meta), fill: Filler(7), present: shape.bytes };
+    let mut b = Builder { m: Module::new(meta), fill: Filler(7), present: shape.bytes, dtype: shape.dtype };
     let (h, dt) = (shape.hidden, shape.dtype);
     let hd = shape.head_dim as u64;
     let q_width = shape.heads as u64 * hd;
@@ -144,9 +136,9 @@ pub fn build(shape: &Shape) -> Module {
         let p = |s: &str| format!("layers.{l}.{s}");
         let norm_w = b.weight(p("input_norm"), DType::F32, vec![h]);
         let hn = b.push(Op::RmsNorm { x, weight: norm_w, eps: 1e-5 }, at);
-        let mut q = b.proj(p("q"), q_width, h, dt, hn, shape.bias, at);
-        let mut k = b.proj(p("k"), kv_width, h, dt, hn, shape.bias, at);
-        let v = b.proj(p("v"), kv_width, h, dt, hn, shape.bias, at);
+        let mut q = b.proj(p("q"), q_width, h, hn, shape.bias, at);
+        let mut k = b.proj(p("k"), kv_width, h, hn, shape.bias, at);
+        let v = b.proj(p("v"), kv_width, h, hn, shape.bias, at);
         if shape.qk_norm {
             let qn = b.weight(p("q_norm"), DType::F32, vec![hd]);
             let kn = b.weight(p("k_norm"), DType::F32, vec![hd]);
@@ -158,14 +150,14 @@ pub fn build(shape: &Shape) -> Module {
         let cache = b.m.add_cache(KvCache { layer: l, kv_heads: shape.kv_heads, head_dim: shape.head_dim });
         let scale = 1.0 / (hd as f32).sqrt();
         let a = b.push(Op::Attention { q, k, v, cache, heads: shape.heads, scale }, at);
-        let o = b.proj(p("o"), h, q_width, dt, a, false, at);
+        let o = b.proj(p("o"), h, q_width, a, false, at);
         x = b.push(Op::Add { a: x, b: o }, at);
         let norm2 = b.weight(p("post_norm"), DType::F32, vec![h]);
         let hn = b.push(Op::RmsNorm { x, weight: norm2, eps: 1e-5 }, at);
         let ffn = match shape.moe {
             None => b.mlp(shape, hn, p("mlp"), at),
             Some((experts, top_k)) => {
-                let logits = b.proj(p("router"), experts as u64, h, dt, hn, false, at);
+                let logits = b.proj(p("router"), experts as u64, h, hn, false, at);
                 let routing = b.push(Op::RouterTopK { logits, top_k, normalize: true }, at);
                 let mut outs = Vec::new();
                 for e in 0..experts {
@@ -179,7 +171,7 @@ pub fn build(shape: &Shape) -> Module {
     }
     let final_norm = b.weight("norm".into(), DType::F32, vec![h]);
     let xn = b.push(Op::RmsNorm { x, weight: final_norm, eps: 1e-5 }, None);
-    let logits = b.proj("lm_head".into(), shape.vocab, h, dt, xn, false, None);
+    let logits = b.proj("lm_head".into(), shape.vocab, h, xn, false, None);
     b.m.output = Some(logits);
     waferc_ir::verify(&b.m).expect("test module verifies");
     b.m
