@@ -164,8 +164,11 @@ fn colours(view: &Analysis, out: &mut String) {
         let in_use = view.colours_in_use(wafer);
         // A PE outside the grid (a malformed program) routes nothing the count can see.
         let at = |x: u16, y: u16| {
-            let inside = x < t.grid_cols && y < t.grid_rows;
-            inside.then(|| in_use[y as usize * t.grid_cols as usize + x as usize]).unwrap_or(0)
+            if x < t.grid_cols && y < t.grid_rows {
+                in_use[y as usize * t.grid_cols as usize + x as usize]
+            } else {
+                0
+            }
         };
         if view.filter.layer.is_some() {
             // Only the PEs holding the layer; their routers also carry other layers' routes.
