@@ -329,3 +329,26 @@ impl Checksum {
         h ^ (h >> 29)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Checksum;
+
+    #[test]
+    fn checksum_does_not_depend_on_how_the_stream_is_cut() {
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        let mut whole = Checksum::new();
+        whole.update(&data);
+        let expected = whole.finish();
+        for piece in [1, 5, 31, 32, 33, 999] {
+            let mut sum = Checksum::new();
+            for chunk in data.chunks(piece) {
+                sum.update(chunk);
+            }
+            assert_eq!(sum.finish(), expected, "pieces of {piece}");
+        }
+        let mut shorter = Checksum::new();
+        shorter.update(&data[..999]);
+        assert_ne!(shorter.finish(), expected);
+    }
+}

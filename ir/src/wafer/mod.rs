@@ -618,3 +618,30 @@ pub fn region_bytes(module: &Module, kind: &RegionKind) -> Option<Vec<u8>> {
     }
     Some(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reduce_tree_follows_the_chunk_tree() {
+        assert!(reduce_tree(1).is_empty());
+        assert_eq!(reduce_tree(2), [(0, 1)]);
+        assert_eq!(reduce_tree(3), [(0, 1), (0, 2)]);
+        // 5 leaves: p = 8, so [0..4] + [4..5]; the lone right leaf joins last.
+        assert_eq!(reduce_tree(5), [(0, 1), (2, 3), (0, 2), (0, 4)]);
+        assert_eq!(reduce_tree(8).len(), 7);
+    }
+
+    #[test]
+    fn runs_list_their_hops() {
+        let run = Run { from: Pe::new(0, 3, 2), to: Pe::new(0, 1, 2), messages: 1 };
+        assert_eq!(run.hops(), [(Pe::new(0, 3, 2), Pe::new(0, 2, 2)), (Pe::new(0, 2, 2), Pe::new(0, 1, 2))]);
+        assert_eq!(run.pes().len(), 3);
+        let hop = Run { from: Pe::new(0, 0, 0), to: Pe::new(1, 0, 0), messages: 1 };
+        assert!(hop.is_inter_wafer());
+        assert_eq!(hop.hops().len(), 1);
+        let bent = Run { from: Pe::new(0, 0, 0), to: Pe::new(0, 1, 1), messages: 1 };
+        assert!(bent.hops().is_empty());
+    }
+}
