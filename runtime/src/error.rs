@@ -47,4 +47,7 @@ pub enum RuntimeError {
     AbsentOutput { value: usize },
     #[error("generation needs at least one prompt token")]
     EmptyPrompt,
+    /// The wafer executor failed while driven as a [`crate::Decoder`].
+    #[error("the wafer executor: {0}")]
+    Executor(Box<crate::executor::ExecError>),
 }

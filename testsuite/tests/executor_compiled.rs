@@ -127,3 +127,28 @@ fn attention_split_over_kv_blocks_matches_the_reference_across_block_boundaries(
     let validation = validate(&program, &module, Some(&blob), &prompt, &greedy(2)).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(validation.steps, prompt.len() + 1);
 }
+
+#[test]
+fn generate_drives_the_executor_like_the_reference_decoder() {
+    let module = build(&Shape::moe(), 14);
+    let program = compile_for(&module, "grid:12x12", 64);
+    let blob = pack_tile_blob(&program, &module);
+    let mut executor = Executor::new(&program, &module, Some(&blob), ExecOptions::default()).unwrap();
+    let mut reference = waferc_runtime::ReferenceDecoder::new(&module, 64).unwrap();
+    let prompt = [3, 1, 4, 1, 5];
+    let ours = waferc_runtime::generate(&mut executor, &prompt, 5, None, &[], |_| {}).unwrap();
+    let theirs = waferc_runtime::generate(&mut reference, &prompt, 5, None, &[], |_| {}).unwrap();
+    assert_eq!(ours.tokens, theirs.tokens);
+    let bits = |rows: &[Vec<f32>]| rows.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&ours.logits), bits(&theirs.logits));
+    let report = executor.timing_report(prompt.len()).unwrap();
+    assert!(report.modeled_decode_tok_s > 0.0 && report.modeled_ttft_us > 0.0);
+
+    let mut timing_only =
+        Executor::new(&program, &module, None, ExecOptions { timing_only: true, ..ExecOptions::default() }).unwrap();
+    let error = waferc_runtime::generate(&mut timing_only, &prompt, 1, None, &[], |_| {}).unwrap_err();
+    assert!(
+        matches!(&error, waferc_runtime::RuntimeError::Executor(e) if matches!(**e, waferc_runtime::executor::ExecError::TimingOnly)),
+        "{error}"
+    );
+}

@@ -68,6 +68,8 @@ pub enum ExecError {
     MissingOperand { site: InstrSite, pe: Pe, value: u32, elements: Range<u64>, problem: String },
     #[error("{site}: the path of route {route} is malformed: {problem}")]
     RoutePath { site: InstrSite, route: RouteId, problem: String },
+    #[error("a timing-only executor computes no logits")]
+    TimingOnly,
     #[error("the program's weights are not present (a shape-only compile); only timing_only execution is possible")]
     NoWeights,
     #[error("the tile blob has {found} bytes, the program expects {expected}")]

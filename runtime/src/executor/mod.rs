@@ -33,7 +33,8 @@ use waferc_ir::wafer::{
 use waferc_ir::{DType, Module, Op, ValueType, BLOCK};
 
 use crate::kernels::{self, RopeAngles, Routing, RowView, VectorTreeSum};
-use crate::reference::InstrValue;
+use crate::reference::{Decoder, InstrValue};
+use crate::RuntimeError;
 
 pub use error::{ExecError, InstrSite, WeightRegionError};
 pub use timing::{LinkLoad, PeLoad, StepSpan, StepTiming, TimingReport};
@@ -1579,6 +1580,21 @@ impl<'p> Executor<'p> {
 
 /// A weight region as a PE holds it: (weight index, rows, elements of each row, bytes).
 type HeldWeight<'a> = (u32, Range<u64>, Range<u64>, &'a [u8]);
+
+/// The executor as a [`Decoder`], so [`crate::generate`] drives it like the reference decoder
+/// (the timing of every step stays available from [`Executor::timing_report`]).
+impl Decoder for Executor<'_> {
+    fn step(&mut self, token: u32) -> Result<Vec<f32>, RuntimeError> {
+        let result = Executor::step(self, token).map_err(|e| RuntimeError::Executor(Box::new(e)))?;
+        result.logits.ok_or_else(|| RuntimeError::Executor(Box::new(ExecError::TimingOnly)))
+    }
+    fn position(&self) -> usize {
+        self.position as usize
+    }
+    fn reset(&mut self) {
+        Executor::reset(self)
+    }
+}
 
 /// Per-step state: what each instruction holds, the messages in flight, the timeline.
 struct StepState {
