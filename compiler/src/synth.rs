@@ -338,7 +338,11 @@ fn write_safetensors(
 ) -> Result<u64, SynthError> {
     let elem = preset.element_bytes();
     let mut header = serde_json::Map::new();
-    header.insert("__metadata__".into(), json!({ "format": "pt" }));
+    let mut metadata = json!({ "format": "pt" });
+    if shape_only {
+        metadata[crate::frontend::safetensors::SHAPE_ONLY_KEY] = json!("true");
+    }
+    header.insert("__metadata__".into(), metadata);
     let mut offset = 0u64;
     for (name, shape) in tensors {
         let bytes = shape.iter().product::<u64>() * elem;
@@ -416,6 +420,21 @@ mod tests {
         assert_eq!(report.parameters, 8_030_261_248);
         assert!(dir.join("model.safetensors.index.json").exists());
         assert!(report.files.len() > 3, "expected several shards: {:?}", report.files);
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
+
+    #[test]
+    fn shape_only_checkpoints_load_without_weight_data() {
+        let tmp = std::env::temp_dir().join(format!("waferc-synth-shape-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        let dir = tmp.join("tiny");
+        synth(&Preset::by_name("tiny-mixtral").unwrap(), &dir, true).unwrap();
+        let loaded = crate::frontend::load(&dir).unwrap();
+        assert!(loaded.module.weights.iter().all(|(_, w)| !w.data.is_present()));
+        std::fs::remove_dir_all(&tmp).unwrap();
+        synth(&Preset::by_name("tiny-mixtral").unwrap(), &dir, false).unwrap();
+        let loaded = crate::frontend::load(&dir).unwrap();
+        assert!(loaded.module.weights.iter().all(|(_, w)| w.data.is_present()));
         std::fs::remove_dir_all(&tmp).unwrap();
     }
 

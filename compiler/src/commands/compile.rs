@@ -147,6 +147,7 @@ struct Summary {
     grid_pes: u64,
     routes: usize,
     tile_bytes: u64,
+    weights_present: bool,
     artifact_bytes: u64,
     seconds: f64,
     passes: Vec<serde_json::Value>,
@@ -164,6 +165,7 @@ impl Summary {
             grid_pes: t.grid_cols as u64 * t.grid_rows as u64 * t.wafers as u64,
             routes: program.routes.len(),
             tile_bytes: program.tile_blob_len,
+            weights_present: program.weights_present,
             artifact_bytes: std::fs::metadata(&args.output).map(|m| m.len()).unwrap_or(0),
             seconds: elapsed.as_secs_f64(),
             passes: report
@@ -184,6 +186,7 @@ impl Summary {
             "grid_pes": self.grid_pes,
             "routes": self.routes,
             "tile_bytes": self.tile_bytes,
+            "weights_present": self.weights_present,
             "artifact_bytes": self.artifact_bytes,
             "compile_seconds": self.seconds,
             "passes": self.passes,
@@ -192,7 +195,7 @@ impl Summary {
 
     fn text(&self) -> String {
         format!(
-            "compiled for {} ({} plan, KV capacity {} positions): {} of {} PEs ({:.1}%), {} routes, {:.2} MB of weight tiles\nwrote {} ({:.2} MB) in {:.2} s",
+            "compiled for {} ({} plan, KV capacity {} positions): {} of {} PEs ({:.1}%), {} routes, {:.2} MB of weight tiles{}\nwrote {} ({:.2} MB) in {:.2} s",
             self.target,
             self.plan,
             self.max_context,
@@ -201,6 +204,7 @@ impl Summary {
             100.0 * self.pes_used as f64 / self.grid_pes.max(1) as f64,
             self.routes,
             self.tile_bytes as f64 / 1e6,
+            if self.weights_present { "" } else { " (shape-only: no weight bytes packed)" },
             self.output.display(),
             self.artifact_bytes as f64 / 1e6,
             self.seconds

@@ -44,7 +44,14 @@ struct SafetensorsFile {
     path: Arc<PathBuf>,
     map: Arc<memmap2::Mmap>,
     tensors: Vec<HeaderTensor>,
+    /// The file's `__metadata__` marks it shape-only (see [`SHAPE_ONLY_KEY`]).
+    shape_only: bool,
 }
+
+/// `__metadata__` key with value `"true"` that `waferc synth --shape-only` writes: the data
+/// section is a sparse hole, so its tensors are read as shapes without data and nothing
+/// downstream (packing an artifact, say) ever touches the hole.
+pub const SHAPE_ONLY_KEY: &str = "waferc.shape_only";
 
 /// A safetensors dtype name: one waferc reads, or another the format defines.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -197,7 +204,11 @@ fn add_file_tensors(out: &mut CheckpointTensors, file: SafetensorsFile, keep: im
             StoredDtype::Usable(dtype) => {
                 let entry = TensorEntry {
                     ty: TensorType::new(dtype, t.shape),
-                    data: WeightBytes::Mapped { map: file.map.clone(), range: t.range, file: file.path.clone() },
+                    data: if file.shape_only {
+                        WeightBytes::Absent
+                    } else {
+                        WeightBytes::Mapped { map: file.map.clone(), range: t.range, file: file.path.clone() }
+                    },
                     file: file.path.as_ref().clone(),
                 };
                 out.tensors.insert(t.name, entry);
@@ -229,7 +240,15 @@ fn read_file(path: &Path) -> Result<SafetensorsFile, FrontendError> {
     // us would fault on access, it cannot yield wrong bytes silently.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
     let tensors = parse_header(&map).map_err(|problems| format(list_problems(&problems)))?;
-    Ok(SafetensorsFile { path: Arc::new(path.to_path_buf()), map: Arc::new(map), tensors })
+    let shape_only = is_shape_only(&map);
+    Ok(SafetensorsFile { path: Arc::new(path.to_path_buf()), map: Arc::new(map), tensors, shape_only })
+}
+
+/// Whether the (already validated) header's `__metadata__` has [`SHAPE_ONLY_KEY`] = "true".
+fn is_shape_only(bytes: &[u8]) -> bool {
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("validated header")) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).expect("validated header");
+    header["__metadata__"][SHAPE_ONLY_KEY] == "true"
 }
 
 /// Validates a whole safetensors file image (only the header is read) and lists its tensors
