@@ -67,3 +67,56 @@ fn moe_qwen_style_and_mesh_plans_compile_and_check() {
         }
     }
 }
+
+#[test]
+fn moe_shapes_at_scale_compile_and_check() {
+    let qwen3_moe = Shape {
+        hidden: 2048,
+        heads: 32,
+        kv_heads: 4,
+        head_dim: 128,
+        ffn: 768,
+        layers: 4,
+        vocab: 151936,
+        moe: Some((128, 8)),
+        qk_norm: true,
+        ..Shape::llama8b()
+    };
+    let mixtral = Shape { layers: 2, vocab: 32000, moe: Some((8, 2)), ..Shape::llama8b() };
+    let target = Target::resolve("wse3").unwrap();
+    for shape in [qwen3_moe, mixtral] {
+        let module = build(&shape);
+        let program = compile(&module, &target, &CompileOptions::new(4096)).unwrap();
+        check(&program, &module).unwrap();
+        // Experts never share a PE.
+        let mut owner = std::collections::HashMap::new();
+        for p in &program.instrs {
+            if let (Some(e), waferc_ir::wafer::Work::MatVec(mv)) = (p.expert, &p.work) {
+                for t in &mv.tiles {
+                    assert_eq!(*owner.entry(t.pe).or_insert(e), e, "{} holds tiles of two experts", t.pe);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mesh_plan_compiles_the_8b_shape() {
+    let module = build(&Shape { layers: 4, ..Shape::llama8b() });
+    let target = Target::resolve("wse3").unwrap();
+    let mesh =
+        compile(&module, &target, &CompileOptions { max_context: 4096, plan: Plan::MeshGemv { p: 32, group_num: 4 } })
+            .unwrap();
+    check(&mesh, &module).unwrap();
+    let tiled = compile(&module, &target, &CompileOptions::new(4096)).unwrap();
+    let broadcasts = |p: &waferc_ir::wafer::WaferProgram| {
+        p.instrs
+            .iter()
+            .filter_map(|i| match &i.work {
+                waferc_ir::wafer::Work::MatVec(mv) => Some(mv.broadcasts.len()),
+                _ => None,
+            })
+            .sum::<usize>()
+    };
+    assert!(broadcasts(&mesh) > 0 && broadcasts(&tiled) == 0, "the mesh plan all-reduces, the tiled plan does not");
+}

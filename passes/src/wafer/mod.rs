@@ -14,8 +14,10 @@
 //!    straight line) and a tile column down PE columns (where its activation slice arrives); each
 //!    result segment sits beside the tile row that completes it. Vector ops go on the PEs of
 //!    their newest operand when the cut suits them and SRAM has room, so most activations never
-//!    move. The experts of an MoE layer have their tile rows interleaved, so whichever experts
-//!    the router picks, their work is spread over the layer's whole region.
+//!    move. Each MoE expert gets a region of its own (no two experts share a PE), so the top-k
+//!    the router picks never contend for PEs: they share only the multicast bringing their input
+//!    and the gather into the combine. (Interleaving the experts' tile rows was tried: it
+//!    stretches every expert's result gathers over the whole layer and runs out of colours.)
 //! 3. **Routing** (`route`): dimension-ordered paths kept inside shelves where they can be (a
 //!    multicast goes down one column into each shelf holding destinations, then along a row and
 //!    down the destination columns; gathers the other way round), inter-wafer traffic through

@@ -96,9 +96,6 @@ struct Placer<'a> {
     cells: Cells,
     images: Vec<PeImage>,
     placements: Vec<InstrPlacement>,
-    /// Per expert interleave group, once allocated: the first PE of each combined tile row
-    /// (row `r` of member `m` is combined row `r * members + m`).
-    group_rows: Vec<Option<Vec<Pe>>>,
     /// Index in `images` of each PE's image.
     image_of: HashMap<Pe, usize>,
     routes: Vec<Route>,
@@ -224,7 +221,6 @@ impl<'a> Placer<'a> {
             cells,
             images: Vec::new(),
             placements: Vec::with_capacity(module.body.len()),
-            group_rows: vec![None; analysis.groups.len()],
             image_of: HashMap::new(),
             routes: Vec::new(),
         }
@@ -446,53 +442,25 @@ impl<'a> Placer<'a> {
                 let w = &module.weights[*weight];
                 let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
                 let (r_count, c_count) = (*row_blocks as u64, *col_blocks as u64);
-                // Interleaved experts: row r of member m of a group of M is the group's combined
-                // tile row r * M + m, so each expert's rows spread over the group's region.
-                // Otherwise each result segment's PE comes right after the stripe holding the
-                // last tile row it collects from, so collects stay local.
+                // Each result segment's PE comes right after the stripe holding the last tile
+                // row it collects from, so collects stay local. A grid shorter than a shelf is
+                // packed into cells instead, tile column by tile column (tile (r, c) at cell
+                // base + c * R + r).
                 let shelf = self.cells.shelf;
-                // A grid shorter than a shelf is packed into cells instead, tile column by tile
-                // column (tile (r, c) at cell base + c * R + r).
-                let packed = match self.analysis.group[i] {
-                    None if r_count < shelf => Some(self.take(wafer, r_count * c_count)?),
-                    _ => None,
-                };
-                let interleaved = match self.analysis.group[i] {
-                    Some((g, member)) => {
-                        let members = self.analysis.groups[g].len() as u64;
-                        if self.group_rows[g].is_none() {
-                            let mut starts = Vec::with_capacity((members * r_count) as usize);
-                            for combined in 0..members * r_count {
-                                if combined % shelf == 0 {
-                                    starts.push(self.stripe(wafer, c_count)?);
-                                } else {
-                                    let top = starts[(combined - combined % shelf) as usize];
-                                    starts.push(Pe::new(wafer, top.x, top.y + (combined % shelf) as u16));
-                                }
-                            }
-                            self.group_rows[g] = Some(starts);
-                        }
-                        Some((member as u64, members))
-                    }
-                    None => None,
-                };
+                let packed = if r_count < shelf { Some(self.take(wafer, r_count * c_count)?) } else { None };
                 let mut layout = VectorLayout::default();
                 let width_of = |c: u64| (c * chunks_per_tile * CHUNK)..((c + 1) * chunks_per_tile * CHUNK).min(cols);
                 let mut tiles: Vec<Tile> = Vec::with_capacity((r_count * c_count) as usize);
                 for r in 0..r_count {
                     let tile_rows = r * rows_per_tile..((r + 1) * rows_per_tile).min(rows);
                     let n_rows = tile_rows.end - tile_rows.start;
-                    let row_start = match interleaved {
-                        _ if packed.is_some() => Pe::new(wafer, 0, 0),
-                        Some((member, members)) => {
-                            let g = self.analysis.group[i].expect("interleaved").0;
-                            self.group_rows[g].as_ref().expect("allocated above")[(r * members + member) as usize]
-                        }
-                        None if r % shelf == 0 => self.stripe(wafer, c_count)?,
-                        None => {
-                            let top = tiles[((r - r % shelf) * c_count) as usize].pe;
-                            Pe::new(wafer, top.x, top.y + (r % shelf) as u16)
-                        }
+                    let row_start = if packed.is_some() {
+                        Pe::new(wafer, 0, 0)
+                    } else if r % shelf == 0 {
+                        self.stripe(wafer, c_count)?
+                    } else {
+                        let top = tiles[((r - r % shelf) * c_count) as usize].pe;
+                        Pe::new(wafer, top.x, top.y + (r % shelf) as u16)
                     };
                     for c in 0..c_count {
                         let pe = match &packed {
@@ -540,22 +508,17 @@ impl<'a> Placer<'a> {
                             region,
                         });
                     }
-                    if interleaved.is_none() {
-                        // Beside the tile row that completes it: the collect stays short, and
-                        // segments sit on different rows, so their deliveries do not share one.
-                        let row = (tiles.last().expect("a row was placed").pe.y as u64) % shelf;
-                        while let Some(seg) = segments.get(layout.segments.len()).filter(|s| s.end <= tile_rows.end) {
-                            let pe = self.cells.take_at_row(wafer, row).ok_or_else(|| self.full(wafer, 1))?;
-                            let pe = self.cells.pe(wafer, pe);
-                            let requests =
-                                vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
-                            self.fill(pe, instr, requests)?;
-                            layout.segments.push(Segment { pe, elements: seg.clone() });
-                        }
+                    // Beside the tile row that completes it: the collect stays short, and
+                    // segments sit on different rows, so their deliveries do not share one.
+                    let row = (tiles.last().expect("a row was placed").pe.y as u64) % shelf;
+                    while let Some(seg) = segments.get(layout.segments.len()).filter(|s| s.end <= tile_rows.end) {
+                        let cell = self.cells.take_at_row(wafer, row).ok_or_else(|| self.full(wafer, 1))?;
+                        let pe = self.cells.pe(wafer, cell);
+                        let requests =
+                            vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
+                        self.fill(pe, instr, requests)?;
+                        layout.segments.push(Segment { pe, elements: seg.clone() });
                     }
-                }
-                if interleaved.is_some() {
-                    layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
                 }
                 let placement = MatVecPlacement {
                     rows,

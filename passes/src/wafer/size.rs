@@ -1,7 +1,6 @@
 //! Sizing: the shape of every instruction's placement (tiles, blocks, segments) and its PE count,
 //! and the split of layers over the wafers of a pipeline.
 
-use std::collections::BTreeMap;
 use std::ops::Range;
 
 use waferc_ir::wafer::{Plan, TargetParams};
@@ -29,10 +28,6 @@ pub(super) struct Analysis {
     pub readers: Vec<Vec<u32>>,
     /// Per instruction of an MoE block (experts, dispatch, combine): the router's value.
     pub router: Vec<Option<u32>>,
-    /// Per expert matvec: its interleave group (same router, same position in the expert's FFN,
-    /// same weight shape) and its index in the group.
-    pub group: Vec<Option<(usize, usize)>>,
-    pub groups: Vec<Vec<u32>>,
 }
 
 impl Analysis {
@@ -69,25 +64,7 @@ impl Analysis {
                 }
             }
         }
-        // Interleave groups: the k-th matvec of every expert of one router, if shapes agree.
-        let mut group = vec![None; n];
-        let mut groups: Vec<Vec<u32>> = Vec::new();
-        let mut keys: BTreeMap<(u32, u32, Vec<u64>), usize> = BTreeMap::new();
-        let mut role: BTreeMap<(u32, u32), u32> = BTreeMap::new();
-        for (handle, instr) in module.body.iter() {
-            let i = handle.index();
-            let (Op::MatVec { weight, .. }, Some(e), Some(r)) = (&instr.op, expert[i], router[i]) else { continue };
-            let k = role.entry((r, e)).or_insert(0);
-            let key = (r, *k, module.weights[*weight].ty.shape.clone());
-            *k += 1;
-            let g = *keys.entry(key).or_insert_with(|| {
-                groups.push(Vec::new());
-                groups.len() - 1
-            });
-            group[i] = Some((g, groups[g].len()));
-            groups[g].push(i as u32);
-        }
-        Analysis { expert, source, readers, router, group, groups }
+        Analysis { expert, source, readers, router }
     }
 }
 
