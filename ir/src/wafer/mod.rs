@@ -221,7 +221,9 @@ pub enum RegionKind {
     /// KV cache of one KV head for positions `positions` (capacity; filled as decoding goes):
     /// keys then values, each `positions.len() x head_dim` f32, position-major.
     KvCache { kv_head: u32, positions: Range<u32> },
-    /// An operand's elements received from routes (or held locally), as f32.
+    /// An operand's elements received from routes, as f32 (`value` is the IR operand, which may
+    /// be an `expert_dispatch` of the vector actually delivered). Attention's query buffer also
+    /// receives the reductions' partials once the scores are computed, so it is sized for both.
     Operand { value: InstrIndex, elements: Range<u64> },
     /// Partial sums and received partials of a reduction (f32).
     Partial { elements: u32 },

@@ -238,12 +238,13 @@ impl<'a> Placer<'a> {
 
     /// The wafer ran out of PEs (sizing's estimate of the shelf layout's waste was short).
     fn full(&self, wafer: u16, wanted: u64) -> WaferError {
+        let need = self.cells.next[wafer as usize] + wanted;
         WaferError::DoesNotFit(Box::new(super::NotFit {
             target: self.params.name.clone(),
-            needed_pes: self.cells.next[wafer as usize] + wanted,
+            needed_pes: need,
             available_pes: self.cells.capacity,
             sram_bytes_per_pe: self.params.sram_bytes_per_pe,
-            wafer: Some((wafer, self.cells.next[wafer as usize] + wanted)),
+            wafer: (self.params.wafers > 1).then_some((wafer, need)),
             would_fit: Vec::new(),
         }))
     }
