@@ -16,8 +16,8 @@
 //! IR blob        every IR weight's bytes, in module order (`Header::ir_weights`)
 //! ```
 //!
-//! [`write`] writes to a temporary file beside the target and renames it into place, so a
-//! reader never sees half a file. [`read`] memory-maps the file, checks magic, version, lengths
+//! [`write()`] writes to a temporary file beside the target and renames it into place, so a
+//! reader never sees half a file. [`read()`] memory-maps the file, checks magic, version, lengths
 //! and checksum before decoding anything, and refuses a foreign, truncated or corrupted file.
 
 use std::fs::File;

@@ -33,7 +33,7 @@ mod size;
 
 use std::fmt;
 
-pub use check::{check, CheckError};
+pub use check::{check, CheckError, Problem, MAX_PROBLEMS};
 use waferc_ir::wafer::{Pe, Plan, WaferProgram};
 use waferc_ir::{IrError, Module};
 use waferc_targets::Target;
