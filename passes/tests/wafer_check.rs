@@ -200,3 +200,24 @@ fn bad_options_are_refused() {
     let mesh = CompileOptions { max_context: 64, plan: waferc_ir::wafer::Plan::MeshGemv { p: 0, group_num: 1 } };
     assert!(matches!(compile(&module, &target, &mesh), Err(WaferError::Options(_))));
 }
+
+#[test]
+fn a_collect_aimed_at_the_wrong_pe_is_named() {
+    let (module, mut program) = compiled();
+    let victim = program
+        .instrs
+        .iter()
+        .find_map(|p| match &p.work {
+            Work::MatVec(mv) => mv.collects.first().copied(),
+            _ => None,
+        })
+        .unwrap();
+    // Retarget it at one of its own sources (a tile), which does not hold the result.
+    let route = &mut program.routes[victim as usize];
+    route.destinations = vec![route.sources[0]];
+    let err = problems(&program, &module);
+    assert!(
+        err.problems.iter().any(|p| p.route == Some(victim) && p.message.contains("holds nothing of what it carries")),
+        "{err}"
+    );
+}

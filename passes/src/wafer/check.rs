@@ -8,7 +8,9 @@
 //! element at least once, and every tile the placement lists is such a region; KV blocks cover
 //! `0..max_context` exactly once in aligned power-of-two chunk runs; every route's path is made of
 //! straight neighbour runs (or hops between consecutive wafers), each starting where the route
-//! already is, and reaches every destination; no two routes touching a PE share a colour, and no
+//! already is, and reaches every destination; route endpoints hold what the route moves (a
+//! reduction's PEs the instruction's state, a collect's destination the result elements); no two
+//! routes touching a PE share a colour, and no
 //! colour exceeds the target's limit; every operand a PE expects arrives on a route from a PE
 //! holding it (or is already there); every route is used by exactly one schedule step, after the
 //! steps that produce what it carries.
@@ -96,6 +98,7 @@ pub fn check(program: &WaferProgram, module: &Module) -> Result<(), CheckError> 
         c.kv();
         let routes = c.routes_by_id();
         c.paths_and_colours();
+        c.endpoints();
         c.operands(&routes);
         c.schedule(&routes);
     }
@@ -518,6 +521,43 @@ impl<'a> Checker<'a> {
             }
         }
         Ok(at)
+    }
+
+    /// Route endpoints hold what the route moves: a reduction's and a broadcast's PEs hold state
+    /// of the route's instruction, a collect ends at a PE holding those result elements, the
+    /// routing starts at the router's result.
+    fn endpoints(&mut self) {
+        let program = self.program;
+        let holds_instr =
+            |pe: Pe, instr: u32| program.pe(pe).is_some_and(|img| img.regions.iter().any(|r| r.instr == Some(instr)));
+        let holds_output = |pe: Pe, instr: u32, elements: &Range<u64>| {
+            program.pe(pe).is_some_and(|img| {
+                img.regions.iter().any(|r| {
+                    r.instr == Some(instr)
+                        && matches!(&r.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end)
+                })
+            })
+        };
+        for route in &program.routes {
+            let bad = match &route.kind {
+                RouteKind::Reduce { .. } | RouteKind::Statistic { .. } => {
+                    route.sources.iter().chain(&route.destinations).find(|pe| !holds_instr(**pe, route.instr)).copied()
+                }
+                RouteKind::Collect { elements } => {
+                    route.destinations.iter().find(|pe| !holds_output(**pe, route.instr, elements)).copied()
+                }
+                RouteKind::Routing => route.sources.iter().find(|pe| !holds_instr(**pe, route.instr)).copied(),
+                RouteKind::Operand { .. } => None,
+            };
+            if let Some(pe) = bad {
+                self.report(
+                    Some(pe),
+                    Some(route.id),
+                    Some(route.instr),
+                    "an endpoint of the route holds nothing of what it carries".into(),
+                );
+            }
+        }
     }
 
     fn paths_and_colours(&mut self) {
