@@ -1,33 +1,58 @@
 //! The file-driven snapshot suite, in the spirit of Cranelift's filetests.
 //!
-//! Every `*.ir` file under `testsuite/filetests/` is a case. Its header names a pipeline:
+//! Every `*.ir` and `*.case` file under `testsuite/filetests/` is a case; its leading comment
+//! lines are its header (see `filetests/README.md` for the full list):
 //!
 //! ```text
+//! ; checkpoint: ../../fixtures/hf/mixtral-tiny
 //! ; run: quantize q8_0, dce
+//! ; target: grid:16x16
+//! ; max-context: 64
+//! ; plan: meshgemv:4,2
 //! ```
 //!
-//! The runner parses the file, runs the pipeline through the pass manager (which verifies
-//! after every pass; `; run: verify` just checks the file), and compares the printed result,
-//! or the error, with the insta snapshot beside the case: `dce/unused-branch.ir` has
-//! `dce/unused-branch.snap`. A new case is a new `.ir` file; a new pass registers in
-//! `waferc_passes::registry` and is then usable in `; run:` lines. The runner also checks
-//! that the text form round-trips on every input and output, and fails on any `.snap` whose
-//! case is gone, so stale snapshots cannot linger.
+//! The module is the `.ir` file itself (the IR text form) or, for a `.case` file, the checkpoint
+//! its header names, lowered by the frontend. The runner runs the `; run:` pipeline through the
+//! pass manager (which verifies after every pass). Without `; target:` the output is the printed
+//! module; with one, the module is compiled for that target, the program is re-checked by
+//! `waferc_passes::wafer::check`, and the output is `waferc inspect`'s text summary. The output,
+//! or the error that stopped the case, is compared with the insta snapshot beside the case:
+//! `dce/unused-branch.ir` has `dce/unused-branch.snap`.
+//!
+//! A new case is a new file. A new pass registers in `waferc_passes::registry` and is then usable
+//! in `; run:` lines; the runner fails until some case runs it. It also checks that the text form
+//! round-trips on every module it reads or prints, and fails on any `.snap` whose case is gone,
+//! so stale snapshots cannot linger.
 //!
 //! To accept new or changed output: `INSTA_UPDATE=always cargo test -p waferc-testsuite --test
 //! filetests`, or `cargo insta review` after a plain run (which leaves `.snap.new` files).
 
+mod gguf_writer;
+
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use waferc_ir::text;
+use gguf_writer::{scratch_dir, tiny_llama_metadata, GgufWriter, BF16, F16, F32, Q4_0, Q4_1, Q8_0};
+use waferc::inspect::{summary_text, Filter};
+use waferc_ir::wafer::Plan;
+use waferc_ir::{text, Module};
+use waferc_passes::wafer::{check, compile, CompileOptions};
 use waferc_passes::{registry, PassManager};
+use waferc_targets::Target;
+
+/// The file kinds that are cases, and the file kind of their snapshots.
+const CASE_EXTENSIONS: [&str; 2] = ["ir", "case"];
+const SNAPSHOT_EXTENSION: &str = "snap";
+
+/// `; checkpoint:` values with this prefix name a checkpoint the runner writes itself.
+const GENERATED_PREFIX: &str = "generated:";
 
 fn filetests_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("filetests")
 }
 
-/// Every file under `dir` whose name ends with `suffix`, sorted.
-fn files_ending_with(dir: &Path, suffix: &str) -> Vec<PathBuf> {
+/// Every file under `dir` whose extension is one of `extensions`, sorted.
+fn files_with_extension(dir: &Path, extensions: &[&str]) -> Vec<PathBuf> {
     let mut found = Vec::new();
     let mut pending = vec![dir.to_path_buf()];
     while let Some(dir) = pending.pop() {
@@ -36,7 +61,7 @@ fn files_ending_with(dir: &Path, suffix: &str) -> Vec<PathBuf> {
             let path = entry.unwrap_or_else(|e| panic!("reading {}: {e}", dir.display())).path();
             if path.is_dir() {
                 pending.push(path);
-            } else if path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(suffix)) {
+            } else if path.extension().and_then(|e| e.to_str()).is_some_and(|e| extensions.contains(&e)) {
                 found.push(path);
             }
         }
@@ -45,13 +70,66 @@ fn files_ending_with(dir: &Path, suffix: &str) -> Vec<PathBuf> {
     found
 }
 
-/// The pipeline named by the case's `; run:` line.
-fn run_line(case: &str) -> Result<&str, String> {
-    let mut lines = case.lines().filter_map(|l| l.trim().strip_prefix(';')?.trim().strip_prefix("run:"));
-    match (lines.next(), lines.next()) {
-        (Some(pipeline), None) => Ok(pipeline.trim()),
-        (None, _) => Err("no `; run: PIPELINE` line".into()),
-        (Some(_), Some(_)) => Err("more than one `; run:` line".into()),
+/// What a case's header says: where the module comes from and what to do with it.
+#[derive(Default)]
+struct Header {
+    /// The IR pipeline (`; run:`), empty when absent.
+    run: String,
+    /// A checkpoint path relative to the case file, or `generated:NAME` (`; checkpoint:`).
+    checkpoint: Option<String>,
+    /// A target spec, a `.toml` path being relative to the case file (`; target:`).
+    target: Option<String>,
+    max_context: Option<u32>,
+    plan: Option<Plan>,
+    /// The header lines as written, for the snapshot's description.
+    lines: Vec<String>,
+}
+
+const HEADER_KEYS: [&str; 5] = ["run", "checkpoint", "target", "max-context", "plan"];
+
+/// Reads the header: the `; key: value` lines among the comments before the first line of IR.
+/// A comment that starts with a single lowercase word and a colon must be a known key, so a
+/// misspelt header fails instead of being read as prose.
+fn parse_header(source: &str) -> Result<Header, String> {
+    let mut header = Header::default();
+    let mut seen = BTreeSet::new();
+    let comments = source.lines().map(str::trim).take_while(|l| l.is_empty() || l.starts_with(';'));
+    for comment in comments.filter_map(|l| l.strip_prefix(';')) {
+        let Some((key, value)) = comment.trim().split_once(':') else { continue };
+        let is_key = !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c == '-');
+        if !is_key {
+            continue;
+        }
+        if !seen.insert(key) {
+            return Err(format!("more than one `; {key}:` line"));
+        }
+        let value = value.trim();
+        match key {
+            "run" => header.run = value.to_string(),
+            "checkpoint" => header.checkpoint = Some(value.to_string()),
+            "target" => header.target = Some(value.to_string()),
+            "max-context" => {
+                let n = value.parse().map_err(|_| format!("`; max-context: {value}` is not a whole number"))?;
+                header.max_context = Some(n);
+            }
+            "plan" => header.plan = Some(parse_plan(value)?),
+            _ => return Err(format!("unknown header `; {key}:` (known: {})", HEADER_KEYS.join(", "))),
+        }
+        header.lines.push(format!("{key}: {value}"));
+    }
+    Ok(header)
+}
+
+/// `tiled` or `meshgemv:P,G`, as `waferc compile --plan` spells them.
+fn parse_plan(text: &str) -> Result<Plan, String> {
+    if text == "tiled" {
+        return Ok(Plan::Tiled);
+    }
+    let bad = || format!("`; plan: {text}`: expected `tiled` or `meshgemv:P,G` (e.g. meshgemv:4,2)");
+    let (p, group_num) = text.strip_prefix("meshgemv:").and_then(|args| args.split_once(',')).ok_or_else(bad)?;
+    match (p.trim().parse(), group_num.trim().parse()) {
+        (Ok(p), Ok(group_num)) => Ok(Plan::MeshGemv { p, group_num }),
+        _ => Err(bad()),
     }
 }
 
@@ -65,66 +143,166 @@ fn check_round_trip(printed: &str, what: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The case's output: the module after the pipeline, or the error that stopped it.
-fn run_case(source: &str, pipeline: &str) -> Result<String, String> {
-    let module = match text::parse(source) {
-        Ok(module) => module,
-        Err(e) => return Ok(format!("parse error: {e}\n")),
+/// The checkpoints `; checkpoint: generated:NAME` names, written by the runner.
+const GENERATED_CHECKPOINTS: &[(&str, fn(&Path) -> PathBuf)] = &[("tiny-llama-mixed-types.gguf", tiny_llama_gguf)];
+
+/// A one-layer llama GGUF (hidden 64, 4 heads of 16, 2 KV heads, ffn 96, vocab 64, untied
+/// head) whose tensors use every ggml type the frontend reads, so its snapshot shows how each
+/// becomes an IR dtype. The bytes are arbitrary: lowering looks only at names, types and shapes.
+fn tiny_llama_gguf(dir: &Path) -> PathBuf {
+    // GGUF name, ggml dims (innermost first; norms have one), ggml type, bytes per row.
+    let tensors: [(&str, &[u64], u32, usize); 12] = [
+        ("token_embd.weight", &[64, 64], Q8_0, 2 * 34),
+        ("blk.0.attn_norm.weight", &[64], F32, 256),
+        ("blk.0.attn_q.weight", &[64, 64], Q4_1, 2 * 20),
+        ("blk.0.attn_k.weight", &[64, 32], Q4_0, 2 * 18),
+        ("blk.0.attn_v.weight", &[64, 32], F16, 128),
+        ("blk.0.attn_output.weight", &[64, 64], BF16, 128),
+        ("blk.0.ffn_norm.weight", &[64], F32, 256),
+        ("blk.0.ffn_gate.weight", &[64, 96], Q8_0, 2 * 34),
+        ("blk.0.ffn_up.weight", &[64, 96], F32, 256),
+        ("blk.0.ffn_down.weight", &[96, 64], Q4_1, 3 * 20),
+        ("output_norm.weight", &[64], F32, 256),
+        ("output.weight", &[64, 64], F16, 128),
+    ];
+    let mut writer = tiny_llama_metadata(GgufWriter::new());
+    for (name, dims, ggml_type, row_bytes) in tensors {
+        let rows = dims.get(1).copied().unwrap_or(1) as usize;
+        // Small bytes keep every f16/bf16 scale finite.
+        writer = writer.tensor(name, dims, ggml_type, vec![0x11; rows * row_bytes]);
+    }
+    writer.write(dir, "tiny-llama-mixed-types.gguf")
+}
+
+/// Loads the module a case names: its own IR text, or its checkpoint through the frontend.
+/// `Ok(Err(output))` when the IR text does not parse (that message is the case's output).
+fn load_module(case: &Path, source: &str, header: &Header) -> Result<Result<Module, String>, String> {
+    let is_ir = case.extension().is_some_and(|e| e == "ir");
+    let checkpoint = match (&header.checkpoint, is_ir) {
+        (None, true) => {
+            return Ok(text::parse(source).map_err(|e| format!("parse error: {e}\n")));
+        }
+        (Some(_), true) => return Err("a `.ir` case holds its module; a checkpoint case is a `.case` file".into()),
+        (None, false) => return Err("a `.case` file needs a `; checkpoint:` line".into()),
+        (Some(checkpoint), false) => checkpoint,
     };
-    check_round_trip(&text::print(&module), "the parsed input")?;
-    let passes = match registry::parse_pipeline(pipeline) {
+    let path = match checkpoint.strip_prefix(GENERATED_PREFIX) {
+        Some(name) => {
+            let (_, write) = GENERATED_CHECKPOINTS.iter().find(|(known, _)| *known == name).ok_or_else(|| {
+                let known: Vec<&str> = GENERATED_CHECKPOINTS.iter().map(|(n, _)| *n).collect();
+                format!("no generated checkpoint `{name}` (known: {})", known.join(", "))
+            })?;
+            write(&scratch_dir(&format!("filetests-{name}")))
+        }
+        None => case.parent().ok_or("the case has no folder")?.join(checkpoint),
+    };
+    let loaded = waferc::frontend::load(&path).map_err(|e| format!("loading checkpoint {checkpoint}: {e}"))?;
+    Ok(Ok(loaded.module))
+}
+
+/// The case's output: the module after the pipeline, the placement summary when the case has a
+/// target, or the error that stopped it.
+fn run_case(case: &Path, source: &str, header: &Header) -> Result<String, String> {
+    let module = match load_module(case, source, header)? {
+        Ok(module) => module,
+        Err(parse_error) => return Ok(parse_error),
+    };
+    check_round_trip(&text::print(&module), "the input module")?;
+    let passes = match registry::parse_pipeline(&header.run) {
         Ok(passes) => passes,
         Err(e) => return Ok(format!("pipeline error: {e}\n")),
     };
-    match PassManager::new(passes).run(module) {
-        Ok((module, _)) => {
-            let printed = text::print(&module);
-            check_round_trip(&printed, "the output")?;
-            Ok(printed)
-        }
-        Err(e) => Ok(format!("error: {e}\n")),
+    let module = match PassManager::new(passes).run(module) {
+        Ok((module, _)) => module,
+        Err(e) => return Ok(format!("error: {e}\n")),
+    };
+    let printed = text::print(&module);
+    check_round_trip(&printed, "the output module")?;
+    match &header.target {
+        None => Ok(printed),
+        Some(spec) => compile_for_target(case, &module, spec, header),
     }
 }
 
+/// Compiles `module` for the case's target and returns the placement summary, or the compile
+/// error. A program that `check` rejects fails the case: it is a compiler bug, never output.
+fn compile_for_target(case: &Path, module: &Module, spec: &str, header: &Header) -> Result<String, String> {
+    let spec = match spec.ends_with(".toml") {
+        true => case.parent().ok_or("the case has no folder")?.join(spec).display().to_string(),
+        false => spec.to_string(),
+    };
+    let target = Target::resolve(&spec).map_err(|e| e.to_string())?;
+    let options = CompileOptions {
+        max_context: header.max_context.unwrap_or(CompileOptions::default().max_context),
+        plan: header.plan.unwrap_or(Plan::Tiled),
+    };
+    let program = match compile(module, &target, &options) {
+        Ok(program) => program,
+        Err(e) => return Ok(format!("error: {e}\n")),
+    };
+    check(&program, module).map_err(|e| format!("wafer::check rejects the compiled program: {e}"))?;
+    Ok(summary_text(&program, Some(module), &Filter::all(), None))
+}
+
 /// Runs one case against its snapshot; `Err` for problems that are not a snapshot mismatch.
-fn check_case(case: &Path) -> Result<(), String> {
+/// Returns the passes its pipeline runs.
+fn check_case(case: &Path) -> Result<Vec<String>, String> {
     let source = std::fs::read_to_string(case).map_err(|e| format!("reading: {e}"))?;
-    let pipeline = run_line(&source)?;
-    let output = run_case(&source, pipeline)?;
+    let header = parse_header(&source)?;
+    if header.run.is_empty() && header.checkpoint.is_none() && header.target.is_none() {
+        return Err("no `; run:`, `; checkpoint:` or `; target:` line: the case does nothing".into());
+    }
+    if header.target.is_none() && (header.max_context.is_some() || header.plan.is_some()) {
+        return Err("`; max-context:` and `; plan:` need a `; target:`".into());
+    }
+    let output = run_case(case, &source, &header)?;
     let name = case.file_stem().and_then(|s| s.to_str()).ok_or("the file name is not UTF-8")?;
     let mut settings = insta::Settings::clone_current();
     settings.set_snapshot_path(case.parent().ok_or("the case has no folder")?);
     settings.set_prepend_module_to_snapshot(false);
     settings.set_input_file(case);
-    settings.set_description(format!("run: {pipeline}"));
+    settings.set_description(header.lines.join("; "));
     settings.set_omit_expression(true);
     settings.bind(|| insta::assert_snapshot!(name, output));
-    Ok(())
+    let pass_names = header.run.split(',').filter_map(|step| step.split_whitespace().next());
+    Ok(pass_names.map(str::to_string).collect())
 }
 
 #[test]
 fn filetests() {
     let root = filetests_dir();
-    let cases = files_ending_with(&root, ".ir");
+    let cases = files_with_extension(&root, &CASE_EXTENSIONS);
     assert!(!cases.is_empty(), "no cases under {}", root.display());
     let relative = |p: &Path| p.strip_prefix(&root).unwrap_or(p).display().to_string();
 
     let mut failures = Vec::new();
-    for snapshot in files_ending_with(&root, ".snap") {
-        if !snapshot.with_extension("ir").is_file() {
-            failures.push(format!(
+    for snapshot in files_with_extension(&root, &[SNAPSHOT_EXTENSION]) {
+        let cases_of_snapshot: Vec<PathBuf> =
+            CASE_EXTENSIONS.iter().map(|ext| snapshot.with_extension(ext)).filter(|case| case.is_file()).collect();
+        match cases_of_snapshot.as_slice() {
+            [_] => {}
+            [] => failures.push(format!(
                 "{}: no case {} for this snapshot",
                 relative(&snapshot),
-                relative(&snapshot.with_extension("ir"))
-            ));
+                CASE_EXTENSIONS.map(|ext| relative(&snapshot.with_extension(ext))).join(" or ")
+            )),
+            both => failures.push(format!(
+                "{}: cases {} share this snapshot; rename one",
+                relative(&snapshot),
+                both.iter().map(|case| relative(case)).collect::<Vec<_>>().join(" and ")
+            )),
         }
     }
+    let mut passes_run = BTreeSet::new();
     for case in &cases {
         match std::panic::catch_unwind(|| check_case(case)) {
-            Ok(Ok(())) => {}
+            Ok(Ok(passes)) => passes_run.extend(passes),
             Ok(Err(problem)) => failures.push(format!("{}: {problem}", relative(case))),
             Err(_) => failures.push(format!("{}: output differs from its snapshot (see above)", relative(case))),
         }
+    }
+    for pass in registry::PASSES.iter().filter(|pass| !passes_run.contains(pass.name)) {
+        failures.push(format!("pass `{}` is registered but no case runs it; add one under {}/", pass.name, pass.name));
     }
     assert!(failures.is_empty(), "{} of {} filetests failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
 }
