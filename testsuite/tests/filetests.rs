@@ -143,8 +143,15 @@ fn check_round_trip(printed: &str, what: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The checkpoints `; checkpoint: generated:NAME` names, written by the runner.
-const GENERATED_CHECKPOINTS: &[(&str, fn(&Path) -> PathBuf)] = &[("tiny-llama-mixed-types.gguf", tiny_llama_gguf)];
+/// A checkpoint the runner writes, named in a case as `; checkpoint: generated:NAME`.
+struct GeneratedCheckpoint {
+    name: &'static str,
+    /// Writes the checkpoint into the directory and returns its path.
+    write: fn(&Path) -> PathBuf,
+}
+
+const GENERATED_CHECKPOINTS: &[GeneratedCheckpoint] =
+    &[GeneratedCheckpoint { name: "tiny-llama-mixed-types.gguf", write: tiny_llama_gguf }];
 
 /// A one-layer llama GGUF (hidden 64, 4 heads of 16, 2 KV heads, ffn 96, vocab 64, untied
 /// head) whose tensors use every ggml type the frontend reads, so its snapshot shows how each
@@ -188,11 +195,11 @@ fn load_module(case: &Path, source: &str, header: &Header) -> Result<Result<Modu
     };
     let path = match checkpoint.strip_prefix(GENERATED_PREFIX) {
         Some(name) => {
-            let (_, write) = GENERATED_CHECKPOINTS.iter().find(|(known, _)| *known == name).ok_or_else(|| {
-                let known: Vec<&str> = GENERATED_CHECKPOINTS.iter().map(|(n, _)| *n).collect();
+            let generated = GENERATED_CHECKPOINTS.iter().find(|g| g.name == name).ok_or_else(|| {
+                let known: Vec<&str> = GENERATED_CHECKPOINTS.iter().map(|g| g.name).collect();
                 format!("no generated checkpoint `{name}` (known: {})", known.join(", "))
             })?;
-            write(&scratch_dir(&format!("filetests-{name}")))
+            (generated.write)(&scratch_dir(&format!("filetests-{name}")))
         }
         None => case.parent().ok_or("the case has no folder")?.join(checkpoint),
     };
@@ -227,9 +234,10 @@ fn run_case(case: &Path, source: &str, header: &Header) -> Result<String, String
 /// Compiles `module` for the case's target and returns the placement summary, or the compile
 /// error. A program that `check` rejects fails the case: it is a compiler bug, never output.
 fn compile_for_target(case: &Path, module: &Module, spec: &str, header: &Header) -> Result<String, String> {
-    let spec = match spec.ends_with(".toml") {
-        true => case.parent().ok_or("the case has no folder")?.join(spec).display().to_string(),
-        false => spec.to_string(),
+    let spec = if spec.ends_with(".toml") {
+        case.parent().ok_or("the case has no folder")?.join(spec).display().to_string()
+    } else {
+        spec.to_string()
     };
     let target = Target::resolve(&spec).map_err(|e| e.to_string())?;
     let options = CompileOptions {
