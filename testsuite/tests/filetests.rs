@@ -276,6 +276,17 @@ fn check_case(case: &Path) -> Result<Vec<String>, String> {
     Ok(pass_names.map(str::to_string).collect())
 }
 
+/// The first line of a caught panic's message: insta's snapshot mismatch, or a panic of the code
+/// under test.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    let message = match (payload.downcast_ref::<String>(), payload.downcast_ref::<&str>()) {
+        (Some(message), _) => message.as_str(),
+        (None, Some(message)) => message,
+        (None, None) => "panicked",
+    };
+    message.lines().next().unwrap_or("panicked")
+}
+
 #[test]
 fn filetests() {
     let root = filetests_dir();
@@ -306,7 +317,7 @@ fn filetests() {
         match std::panic::catch_unwind(|| check_case(case)) {
             Ok(Ok(passes)) => passes_run.extend(passes),
             Ok(Err(problem)) => failures.push(format!("{}: {problem}", relative(case))),
-            Err(_) => failures.push(format!("{}: output differs from its snapshot (see above)", relative(case))),
+            Err(panic) => failures.push(format!("{}: {} (see above)", relative(case), panic_message(&*panic))),
         }
     }
     for pass in registry::PASSES.iter().filter(|pass| !passes_run.contains(pass.name)) {
