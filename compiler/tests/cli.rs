@@ -33,6 +33,13 @@ fn fails(output: &Output) -> String {
     stderr
 }
 
+/// `waferc compile MODEL --target TARGET -o OUT EXTRA...`
+fn compile(model: &Path, target: &str, out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["compile", model.to_str().unwrap(), "--target", target, "-o", out.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    waferc(&args)
+}
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../testsuite/fixtures/hf").join(name)
 }
@@ -67,16 +74,7 @@ fn every_fixture_compiles_and_runs_bit_exact() {
     for name in FIXTURES {
         let artifact = dir.join(format!("{name}.wafer"));
         let model = fixture(name);
-        ok(&waferc(&[
-            "compile",
-            model.to_str().unwrap(),
-            "--target",
-            "grid:64x64",
-            "--max-context",
-            "64",
-            "-o",
-            artifact.to_str().unwrap(),
-        ]));
+        ok(&compile(&model, "grid:64x64", &artifact, &["--max-context", "64"]));
         let prompt = golden_prompt(name);
         let out = ok(&waferc(&[
             "run",
@@ -142,7 +140,7 @@ fn trace_is_chrome_trace_events_with_every_layer() {
     let artifact = dir.join("m.wafer");
     let trace = dir.join("trace.json");
     let model = fixture("llama31-gqa-bf16");
-    ok(&waferc(&["compile", model.to_str().unwrap(), "--target", "grid:48x48", "-o", artifact.to_str().unwrap()]));
+    ok(&compile(&model, "grid:48x48", &artifact, &[]));
     ok(&waferc(&[
         "run",
         artifact.to_str().unwrap(),
@@ -180,18 +178,12 @@ fn dumped_ir_files_parse_back_to_the_same_text() {
     let dir = scratch("dump");
     let dump = dir.join("ir");
     let model = fixture("mixtral-tiny");
-    ok(&waferc(&[
-        "compile",
-        model.to_str().unwrap(),
-        "--target",
+    ok(&compile(
+        &model,
         "grid:32x32",
-        "--passes",
-        "quantize q8_0, dce",
-        "--dump-ir",
-        dump.to_str().unwrap(),
-        "-o",
-        dir.join("m.wafer").to_str().unwrap(),
-    ]));
+        &dir.join("m.wafer"),
+        &["--passes", "quantize q8_0, dce", "--dump-ir", dump.to_str().unwrap()],
+    ));
     let mut files: Vec<_> =
         std::fs::read_dir(&dump).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     files.sort();
@@ -209,35 +201,19 @@ fn dumped_ir_files_parse_back_to_the_same_text() {
 fn print_after_and_time_passes() {
     let dir = scratch("print-after");
     let model = fixture("qwen2-bias");
-    let out = waferc(&[
-        "compile",
-        model.to_str().unwrap(),
-        "--target",
+    let out = compile(
+        &model,
         "grid:32x32",
-        "--passes",
-        "dce",
-        "--print-after",
-        "dce",
-        "--time-passes",
-        "-o",
-        dir.join("m.wafer").to_str().unwrap(),
-    ]);
+        &dir.join("m.wafer"),
+        &["--passes", "dce", "--print-after", "dce", "--time-passes"],
+    );
     let stdout = ok(&out);
     assert!(stdout.contains("matvec"), "no IR printed:\n{stdout}");
     let stderr = String::from_utf8_lossy(&out.stderr);
     for stage in ["frontend", "dce", "wafer-lowering", "check", "write-artifact", "total"] {
         assert!(stderr.contains(stage), "--time-passes lacks {stage}:\n{stderr}");
     }
-    let unknown = fails(&waferc(&[
-        "compile",
-        model.to_str().unwrap(),
-        "--target",
-        "grid:32x32",
-        "--print-after",
-        "tiling-typo",
-        "-o",
-        dir.join("m.wafer").to_str().unwrap(),
-    ]));
+    let unknown = fails(&compile(&model, "grid:32x32", &dir.join("m.wafer"), &["--print-after", "tiling-typo"]));
     assert!(unknown.contains("tiling-typo"), "{unknown}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -246,39 +222,18 @@ fn print_after_and_time_passes() {
 fn bad_inputs_give_clean_errors_and_no_output_file() {
     let dir = scratch("bad");
     let out = dir.join("m.wafer");
-    let missing = fails(&waferc(&["compile", "/nonexistent/model", "--target", "wse3", "-o", out.to_str().unwrap()]));
+    let missing = fails(&compile(Path::new("/nonexistent/model"), "wse3", &out, &[]));
     assert!(missing.contains("/nonexistent/model"), "{missing}");
-    let target = fails(&waferc(&[
-        "compile",
-        fixture("mixtral-tiny").to_str().unwrap(),
-        "--target",
-        "wse9",
-        "-o",
-        out.to_str().unwrap(),
-    ]));
+    let target = fails(&compile(&fixture("mixtral-tiny"), "wse9", &out, &[]));
     assert!(target.contains("wse9"), "{target}");
-    let too_small = fails(&waferc(&[
-        "compile",
-        fixture("mixtral-tiny").to_str().unwrap(),
-        "--target",
-        "grid:4x4",
-        "-o",
-        out.to_str().unwrap(),
-    ]));
+    let too_small = fails(&compile(&fixture("mixtral-tiny"), "grid:4x4", &out, &[]));
     assert!(too_small.contains("does not fit") && too_small.contains("short by"), "{too_small}");
     assert!(!out.exists(), "a failed compile left {}", out.display());
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "a failed compile left a temporary file");
 
     // Artifacts: foreign, truncated, corrupted.
     let good = dir.join("good.wafer");
-    ok(&waferc(&[
-        "compile",
-        fixture("qwen3-dense").to_str().unwrap(),
-        "--target",
-        "grid:32x32",
-        "-o",
-        good.to_str().unwrap(),
-    ]));
+    ok(&compile(&fixture("qwen3-dense"), "grid:32x32", &good, &[]));
     let bytes = std::fs::read(&good).unwrap();
     let cases: [(&str, Vec<u8>, &str); 3] = [
         ("foreign", b"not an artifact at all".to_vec(), "not a waferc artifact"),
@@ -314,16 +269,7 @@ fn prompts_as_text_use_the_tokenizer_stored_in_the_artifact() {
     let dir = scratch("text");
     let artifact = dir.join("m.wafer");
     let model = fixture("llama-tiny-tok");
-    ok(&waferc(&[
-        "compile",
-        model.to_str().unwrap(),
-        "--target",
-        "grid:64x64",
-        "--max-context",
-        "32",
-        "-o",
-        artifact.to_str().unwrap(),
-    ]));
+    ok(&compile(&model, "grid:64x64", &artifact, &["--max-context", "32"]));
     let wafer: Value = serde_json::from_str(&ok(&waferc(&[
         "run",
         artifact.to_str().unwrap(),
@@ -388,14 +334,7 @@ fn demo_runs_validated() {
 fn inspect_svg_and_json_write_files() {
     let dir = scratch("inspect");
     let artifact = dir.join("m.wafer");
-    ok(&waferc(&[
-        "compile",
-        fixture("mixtral-tiny").to_str().unwrap(),
-        "--target",
-        "grid:32x32",
-        "-o",
-        artifact.to_str().unwrap(),
-    ]));
+    ok(&compile(&fixture("mixtral-tiny"), "grid:32x32", &artifact, &[]));
     let svg = dir.join("p.svg");
     ok(&waferc(&["inspect", artifact.to_str().unwrap(), "--format", "svg", "-o", svg.to_str().unwrap()]));
     assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
