@@ -50,7 +50,7 @@ impl DType {
             DType::F32 => Some(len * 4),
             DType::BF16 | DType::F16 => Some(len * 2),
             DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-                if len % BLOCK as u64 != 0 {
+                if !len.is_multiple_of(BLOCK as u64) {
                     return None;
                 }
                 let per_block = match self {

@@ -81,7 +81,7 @@ pub fn infer_type(module: &Module, at: Handle<Instr>, op: &Op) -> Result<ValueTy
                     wt
                 )));
             }
-            if !(*eps > 0.0) {
+            if eps.is_nan() || *eps <= 0.0 {
                 return Err(fail(format!("eps must be positive, found {eps}")));
             }
             vec_ty(n)
