@@ -1,0 +1,406 @@
+//! The fabric: messages on routes. A PE may only send on a route it is a source of, in a step
+//! that lists the route, and only read a route it is a destination of; operands, reductions,
+//! result collects and deliveries are all built from those checked sends and receives.
+
+use std::ops::Range;
+
+use waferc_ir::wafer::{
+    reduce_tree, InstrIndex, Pe, Phase, ReduceOp, ResultLayout, Route, RouteId, RouteKind, Segment, WaferProgram,
+};
+
+use super::{intersect, relative, span, Data, ExecError, Executor, Held, InstrRun, InstrSite, StepState};
+use crate::kernels::{self, Routing};
+
+/// A message on a route.
+#[derive(Clone, Debug)]
+pub(super) enum Payload {
+    Data(Data),
+    Routing(Routing),
+}
+
+impl<'p> Executor<'p> {
+    pub(super) fn route(&self, run: &InstrRun, id: RouteId) -> Result<&'p Route, ExecError> {
+        route_of(self.program, &run.site, id)
+    }
+
+    /// `sender` sends `payload` on route `id` in the current phase.
+    pub(super) fn send(
+        &self,
+        state: &mut StepState,
+        run: &mut InstrRun,
+        id: RouteId,
+        sender: Pe,
+        payload: Payload,
+    ) -> Result<(), ExecError> {
+        let route = self.route(run, id)?;
+        if !run.current_lists(id) {
+            return Err(ExecError::RouteNotInStep { site: run.site.clone(), route: id, phase: run.phase, pe: sender });
+        }
+        if !route.sources.contains(&sender) {
+            return Err(ExecError::NotASource { site: run.site.clone(), route: id, pe: sender });
+        }
+        if state.messages.insert((id, sender), payload).is_some() {
+            return Err(ExecError::DuplicateMessage { site: run.site.clone(), route: id, sender });
+        }
+        run.sent(id);
+        Ok(())
+    }
+
+    /// The message `sender` sent on route `id`, as read by `receiver`, which must be one of the
+    /// route's destinations.
+    fn receive<'s>(
+        &self,
+        state: &'s StepState,
+        run: &InstrRun,
+        id: RouteId,
+        sender: Pe,
+        receiver: Pe,
+    ) -> Result<&'s Payload, ExecError> {
+        self.route(run, id)?;
+        if self.destinations[id as usize].binary_search(&receiver).is_err() {
+            return Err(ExecError::NotADestination { site: run.site.clone(), route: id, pe: receiver });
+        }
+        self.message(state, run, id, sender, receiver)
+    }
+
+    fn message<'s>(
+        &self,
+        state: &'s StepState,
+        run: &InstrRun,
+        id: RouteId,
+        sender: Pe,
+        receiver: Pe,
+    ) -> Result<&'s Payload, ExecError> {
+        state.messages.get(&(id, sender)).ok_or_else(|| ExecError::MissingMessage {
+            site: run.site.clone(),
+            route: id,
+            sender,
+            pe: receiver,
+        })
+    }
+
+    /// A data message of exactly `expected` values.
+    pub(super) fn receive_data(
+        &self,
+        state: &StepState,
+        run: &InstrRun,
+        id: RouteId,
+        sender: Pe,
+        receiver: Pe,
+        expected: usize,
+    ) -> Result<Data, ExecError> {
+        let payload = self.receive(state, run, id, sender, receiver)?;
+        data_of(run, id, sender, receiver, payload, expected)
+    }
+
+    /// A routing decision `sender` sent on route `id`, as read by `receiver`.
+    pub(super) fn receive_routing<'s>(
+        &self,
+        state: &'s StepState,
+        run: &InstrRun,
+        id: RouteId,
+        sender: Pe,
+        receiver: Pe,
+    ) -> Result<&'s Routing, ExecError> {
+        match self.receive(state, run, id, sender, receiver)? {
+            Payload::Routing(routing) => Ok(routing),
+            Payload::Data(_) => Err(ExecError::RouteKind {
+                site: run.site.clone(),
+                route: id,
+                expected: "a routing decision",
+                found: "a data message".into(),
+            }),
+        }
+    }
+
+    /// Whether the expert `instr` belongs to was chosen, as every PE of the instruction learns
+    /// from the router's `Routing` route (always true outside experts).
+    pub(super) fn gate_open(
+        &self,
+        state: &StepState,
+        run: &mut InstrRun,
+        instr: InstrIndex,
+    ) -> Result<bool, ExecError> {
+        let Some(gate) = self.gates[instr as usize] else { return Ok(true) };
+        let route = self.route(run, gate.route)?;
+        let sender = *route.sources.first().ok_or_else(|| ExecError::Malformed {
+            site: run.site.clone(),
+            problem: format!("routing route {} has no source", gate.route),
+        })?;
+        let mut chosen = None;
+        for &pe in &self.instr_pes[instr as usize] {
+            let routing = self.receive_routing(state, run, gate.route, sender, pe)?;
+            chosen = Some(routing.weight_of(gate.expert).is_some());
+        }
+        Ok(chosen.unwrap_or(false))
+    }
+
+    /// Elements `elements` of `value` as PE `pe` sees them while computing `consumer`: from its
+    /// own result segments of the value, or from the operand routes of `consumer` reaching it.
+    pub(super) fn operand(
+        &self,
+        state: &StepState,
+        run: &InstrRun,
+        pe: Pe,
+        value: InstrIndex,
+        elements: Range<u64>,
+    ) -> Result<Data, ExecError> {
+        let source = self.alias[value as usize];
+        let mut pieces: Vec<(Range<u64>, Data)> = Vec::new();
+        if let (Held::Segments(held), ResultLayout::Vector(layout)) =
+            (&state.held[source as usize], &self.program.instrs[source as usize].result)
+        {
+            for (segment, data) in layout.segments.iter().zip(held) {
+                if segment.pe == pe {
+                    if let Some(overlap) = intersect(&segment.elements, &elements) {
+                        pieces.push((overlap.clone(), data.slice(relative(&overlap, segment.elements.start))));
+                    }
+                }
+            }
+        }
+        for &id in self.receivers.get(&(run.instr, pe)).map(Vec::as_slice).unwrap_or(&[]) {
+            let route = self.route(run, id)?;
+            let RouteKind::Operand { value: carried, elements: carried_elements } = &route.kind else {
+                return Err(route_kind_error(run, route, "an operand route"));
+            };
+            if *carried != source {
+                continue;
+            }
+            let Some(overlap) = intersect(carried_elements, &elements) else { continue };
+            let sender = single_source(run, route)?;
+            let data = data_of(
+                run,
+                id,
+                sender,
+                pe,
+                self.message(state, run, id, sender, pe)?,
+                span(carried_elements) as usize,
+            )?;
+            pieces.push((overlap.clone(), data.slice(relative(&overlap, carried_elements.start))));
+        }
+        pieces.sort_by_key(|(range, _)| range.start);
+        let mut covered = elements.start;
+        let mut out = if self.options.timing_only { None } else { Some(Vec::with_capacity(span(&elements) as usize)) };
+        for (range, data) in &pieces {
+            if range.end <= covered {
+                continue;
+            }
+            if range.start > covered {
+                break;
+            }
+            if let Some(out) = out.as_mut() {
+                out.extend_from_slice(&data.values()[(covered - range.start) as usize..]);
+            }
+            covered = range.end;
+        }
+        if covered < elements.end {
+            let gap = covered..elements.end;
+            if matches!(state.held[source as usize], Held::Pending) {
+                return Err(ExecError::MissingOperand {
+                    site: run.site.clone(),
+                    pe,
+                    value: source,
+                    elements: gap,
+                    problem: format!("%{source} has not been computed yet: the schedule runs it later"),
+                });
+            }
+            // Name the route that carries the missing elements but does not reach this PE.
+            for &id in &self.program.instrs[run.instr as usize].operand_routes {
+                let route = self.route(run, id)?;
+                if let RouteKind::Operand { value: carried, elements: carried_elements } = &route.kind {
+                    if *carried == source && intersect(carried_elements, &gap).is_some() {
+                        return Err(ExecError::NotADestination { site: run.site.clone(), route: id, pe });
+                    }
+                }
+            }
+            return Err(ExecError::MissingOperand {
+                site: run.site.clone(),
+                pe,
+                value: source,
+                elements: gap,
+                problem: "no operand route of the instruction brings them to this PE".into(),
+            });
+        }
+        Ok(match out {
+            Some(values) => Data::Values(values),
+            None => Data::Shape(span(&elements) as usize),
+        })
+    }
+
+    /// Runs one reduction: `leaves[i]` is the partial held by `route.sources[i]`; partials are
+    /// combined along [`reduce_tree`] (receiver's own partial on the left), then sources[0]
+    /// forwards the total to the destination if it is elsewhere. Returns the total.
+    pub(super) fn reduce(
+        &self,
+        state: &mut StepState,
+        run: &mut InstrRun,
+        id: RouteId,
+        mut leaves: Vec<Data>,
+    ) -> Result<(Pe, Data), ExecError> {
+        let route = self.route(run, id)?;
+        let RouteKind::Reduce { op, elements } = route.kind else {
+            return Err(route_kind_error(run, route, "a reduction"));
+        };
+        if leaves.is_empty() || leaves.len() != route.sources.len() {
+            return Err(ExecError::Malformed {
+                site: run.site.clone(),
+                problem: format!(
+                    "reduction route {id} has {} sources for {} partials",
+                    route.sources.len(),
+                    leaves.len()
+                ),
+            });
+        }
+        let destination = single_destination(run, route)?;
+        for (receiver, sender) in reduce_tree(leaves.len()) {
+            let (from, to) = (route.sources[sender], route.sources[receiver]);
+            self.send(state, run, id, from, Payload::Data(leaves[sender].clone()))?;
+            let right = data_of(run, id, from, to, self.message(state, run, id, from, to)?, elements as usize)?;
+            run.compute(to, self.costs.flops(elements as u64));
+            leaves[receiver] = self.combine(op, &leaves[receiver], &right);
+        }
+        let total = leaves.swap_remove(0);
+        let root = route.sources[0];
+        if destination == root {
+            return Ok((root, total));
+        }
+        self.send(state, run, id, root, Payload::Data(total))?;
+        let total = self.receive_data(state, run, id, root, destination, elements as usize)?;
+        Ok((destination, total))
+    }
+
+    /// One edge of a reduction tree: `left` (the receiver's subtree) combined with `right`.
+    fn combine(&self, op: ReduceOp, left: &Data, right: &Data) -> Data {
+        self.compute_data(left.len(), || match op {
+            ReduceOp::Sum => kernels::add(left.values(), right.values()),
+            // Exact in any order: the maximum rounds nothing.
+            ReduceOp::Max => left.values().iter().zip(right.values()).map(|(a, b)| a.max(*b)).collect(),
+        })
+    }
+
+    /// Sends each result segment along the instruction's deliveries (one per segment).
+    pub(super) fn deliver(
+        &self,
+        state: &mut StepState,
+        run: &mut InstrRun,
+        segments: &[Segment],
+    ) -> Result<(), ExecError> {
+        run.begin(Phase::Deliver);
+        let placement = &self.program.instrs[run.instr as usize];
+        if placement.deliveries.is_empty() {
+            return Ok(());
+        }
+        if placement.deliveries.len() != segments.len() {
+            return Err(ExecError::Malformed {
+                site: run.site.clone(),
+                problem: format!("{} deliveries for {} result segments", placement.deliveries.len(), segments.len()),
+            });
+        }
+        let Held::Segments(held) = &state.held[run.instr as usize] else { return Ok(()) };
+        let held = held.clone();
+        for ((&id, segment), data) in placement.deliveries.iter().zip(segments).zip(held) {
+            let route = self.route(run, id)?;
+            match &route.kind {
+                RouteKind::Operand { value, elements } if *value == run.instr && *elements == segment.elements => {}
+                _ => return Err(route_kind_error(run, route, "the delivery of this result segment")),
+            }
+            self.send(state, run, id, segment.pe, Payload::Data(data))?;
+        }
+        Ok(())
+    }
+
+    /// The receiving side of a `Collect` route into result segment `segment`: one message per
+    /// `(sender, elements)` the placement says sends, assembled in element order.
+    pub(super) fn assemble(
+        &self,
+        state: &StepState,
+        run: &InstrRun,
+        id: RouteId,
+        segment: &Segment,
+        mut parts: Vec<(Pe, Range<u64>)>,
+    ) -> Result<Data, ExecError> {
+        parts.sort_by_key(|(_, r)| r.start);
+        let mut covered = segment.elements.start;
+        let mut out = Vec::new();
+        for (sender, range) in &parts {
+            if range.start != covered {
+                break;
+            }
+            let data = self.receive_data(state, run, id, *sender, segment.pe, span(range) as usize)?;
+            out.extend_from_slice(data.values());
+            covered = range.end;
+        }
+        if covered != segment.elements.end {
+            return Err(ExecError::MissingOperand {
+                site: run.site.clone(),
+                pe: segment.pe,
+                value: run.instr,
+                elements: covered..segment.elements.end,
+                problem: format!("no source of collect route {id} holds them"),
+            });
+        }
+        Ok(if self.options.timing_only { Data::Shape(span(&segment.elements) as usize) } else { Data::Values(out) })
+    }
+}
+
+pub(crate) fn route_of<'a>(program: &'a WaferProgram, site: &InstrSite, id: RouteId) -> Result<&'a Route, ExecError> {
+    match program.routes.get(id as usize) {
+        Some(route) if route.id == id => Ok(route),
+        Some(route) => Err(ExecError::Malformed {
+            site: site.clone(),
+            problem: format!("routes[{id}] has id {}: route ids must equal their index", route.id),
+        }),
+        None => Err(ExecError::MissingRoute { site: site.clone(), route: id, routes: program.routes.len() }),
+    }
+}
+
+pub(super) fn route_kind_error(run: &InstrRun, route: &Route, expected: &'static str) -> ExecError {
+    ExecError::RouteKind { site: run.site.clone(), route: route.id, expected, found: format!("{:?}", route.kind) }
+}
+
+pub(super) fn single_source(run: &InstrRun, route: &Route) -> Result<Pe, ExecError> {
+    match route.sources[..] {
+        [source] => Ok(source),
+        _ => Err(ExecError::Malformed {
+            site: run.site.clone(),
+            problem: format!("route {} must have one source, it has {}", route.id, route.sources.len()),
+        }),
+    }
+}
+
+fn single_destination(run: &InstrRun, route: &Route) -> Result<Pe, ExecError> {
+    match route.destinations[..] {
+        [destination] => Ok(destination),
+        _ => Err(ExecError::Malformed {
+            site: run.site.clone(),
+            problem: format!("route {} must have one destination, it has {}", route.id, route.destinations.len()),
+        }),
+    }
+}
+
+fn data_of(
+    run: &InstrRun,
+    id: RouteId,
+    sender: Pe,
+    receiver: Pe,
+    payload: &Payload,
+    expected: usize,
+) -> Result<Data, ExecError> {
+    match payload {
+        Payload::Data(data) if data.len() == expected => Ok(data.clone()),
+        Payload::Data(data) => Err(ExecError::MessageLength {
+            site: run.site.clone(),
+            route: id,
+            sender,
+            pe: receiver,
+            expected,
+            found: data.len(),
+        }),
+        Payload::Routing(_) => Err(ExecError::RouteKind {
+            site: run.site.clone(),
+            route: id,
+            expected: "a data message",
+            found: "a routing decision".into(),
+        }),
+    }
+}

@@ -1,0 +1,222 @@
+//! Attention over the KV cache blocks: scores, then the maximum, the exponentials' sum and the
+//! weighted values, each reduced across a KV head's blocks.
+
+use std::ops::Range;
+
+use waferc_ir::wafer::{AttentionPlacement, InstrIndex, Pe, Phase, RegionKind, RouteId, Segment};
+
+use super::check_count;
+use crate::executor::fabric::Payload;
+use crate::executor::sram::pe_image;
+use crate::executor::{
+    intersect, relative, timing, Data, ExecError, Executor, Held, InstrRun, KvBlockState, StepState,
+};
+use crate::kernels::{self, VectorTreeSum};
+
+impl Executor<'_> {
+    pub(super) fn attention(
+        &mut self,
+        state: &mut StepState,
+        run: &mut InstrRun,
+        [q, k, v]: [InstrIndex; 3],
+        scale: f32,
+        p: &AttentionPlacement,
+        segments: &[Segment],
+    ) -> Result<(), ExecError> {
+        if p.kv_heads == 0 || p.heads % p.kv_heads != 0 {
+            return Err(ExecError::Malformed {
+                site: run.site.clone(),
+                problem: format!("{} heads do not share {} KV heads evenly", p.heads, p.kv_heads),
+            });
+        }
+        let group = (p.heads / p.kv_heads) as usize;
+        let dim = p.head_dim as usize;
+        let position = self.position;
+        // Per KV head placement, per block: its query heads and scores, then exps, then outputs.
+        struct BlockWork {
+            pe: Pe,
+            /// Valid positions of the block this step.
+            valid: Range<u32>,
+            scores: Vec<Vec<f32>>,
+            local: Data,
+        }
+        let mut heads_out: Vec<(Pe, Data)> = Vec::with_capacity(p.kv_heads_placed.len());
+
+        for (h_index, kh) in p.kv_heads_placed.iter().enumerate() {
+            let h = kh.kv_head as u64;
+            let q_range = h * (group * dim) as u64..(h + 1) * (group * dim) as u64;
+            let kv_range = h * dim as u64..(h + 1) * dim as u64;
+
+            run.begin(Phase::Compute);
+            let mut blocks = Vec::with_capacity(kh.blocks.len());
+            for (b_index, block) in kh.blocks.iter().enumerate() {
+                let region =
+                    pe_image(self.program, block.pe).and_then(|(_, image)| image.regions.get(block.region as usize));
+                match region.map(|r| &r.kind) {
+                    Some(RegionKind::KvCache { kv_head, positions })
+                        if *kv_head == kh.kv_head && *positions == block.positions => {}
+                    _ => {
+                        return Err(ExecError::MalformedOnPe {
+                            site: run.site.clone(),
+                            pe: block.pe,
+                            problem: format!(
+                                "region {} is not the KV cache of KV head {} positions {:?}",
+                                block.region, kh.kv_head, block.positions
+                            ),
+                        })
+                    }
+                }
+                let q_block = self.operand(state, run, block.pe, q, q_range.clone())?;
+                // Only the block whose positions hold this step's position appends.
+                if block.positions.contains(&position) {
+                    let k_new = self.operand(state, run, block.pe, k, kv_range.clone())?;
+                    let v_new = self.operand(state, run, block.pe, v, kv_range.clone())?;
+                    let cache = self.kv.entry((run.instr, h_index, b_index)).or_default();
+                    let slot = (position - block.positions.start) as usize;
+                    if !self.options.timing_only {
+                        cache.keys.truncate(slot * dim);
+                        cache.values.truncate(slot * dim);
+                        cache.keys.extend_from_slice(k_new.values());
+                        cache.values.extend_from_slice(v_new.values());
+                    }
+                    run.compute(block.pe, self.costs.flops(2 * dim as u64));
+                }
+                let valid = block.positions.start..block.positions.end.min(position + 1);
+                let valid = valid.start..valid.end.max(valid.start);
+                let n = valid.len();
+                let scores: Vec<Vec<f32>> = if self.options.timing_only {
+                    Vec::new()
+                } else {
+                    let empty = KvBlockState::default();
+                    let cache = self.kv.get(&(run.instr, h_index, b_index)).unwrap_or(&empty);
+                    (0..group)
+                        .map(|head| {
+                            let q_head = &q_block.values()[head * dim..(head + 1) * dim];
+                            (0..n)
+                                .map(|t| kernels::attention_score(q_head, &cache.keys[t * dim..(t + 1) * dim], scale))
+                                .collect()
+                        })
+                        .collect()
+                };
+                let local = self.compute_data(group, || {
+                    scores.iter().map(|s| s.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect()
+                });
+                run.compute(block.pe, self.costs.fma((n * group * dim) as u64) + self.costs.flops((n * group) as u64));
+                blocks.push(BlockWork { pe: block.pe, valid, scores, local });
+            }
+
+            // The maximum, then the exponentials and their sum, then the weighted values: each a
+            // tree reduction over the blocks (none with a single block) and, for the first two,
+            // a broadcast of the result back to every block.
+            let statistic = |state: &mut StepState,
+                             run: &mut InstrRun,
+                             phase: Phase,
+                             reduce: Option<RouteId>,
+                             broadcast: Option<RouteId>,
+                             blocks: &[BlockWork]|
+             -> Result<Vec<Data>, ExecError> {
+                run.begin(phase);
+                let leaves: Vec<Data> = blocks.iter().map(|b| b.local.clone()).collect();
+                match (reduce, broadcast) {
+                    (None, None) if blocks.len() == 1 => Ok(leaves),
+                    (Some(reduce), Some(broadcast)) => {
+                        let (root, total) = self.reduce(state, run, reduce, leaves)?;
+                        self.send(state, run, broadcast, root, Payload::Data(total.clone()))?;
+                        blocks
+                            .iter()
+                            .map(|b| match b.pe == root {
+                                true => Ok(total.clone()),
+                                false => self.receive_data(state, run, broadcast, root, b.pe, group),
+                            })
+                            .collect()
+                    }
+                    _ => Err(ExecError::Malformed {
+                        site: run.site.clone(),
+                        problem: format!(
+                            "KV head {} has {} blocks but its {phase:?} routes are {reduce:?} and {broadcast:?}",
+                            kh.kv_head,
+                            blocks.len()
+                        ),
+                    }),
+                }
+            };
+            let maxima = statistic(state, run, Phase::AttentionMax, kh.max_reduce, kh.max_broadcast, &blocks)?;
+
+            let mut numerators: Vec<Vec<Vec<f32>>> = Vec::with_capacity(blocks.len());
+            for (block, max) in blocks.iter_mut().zip(&maxima) {
+                let e: Vec<Vec<f32>> = if self.options.timing_only {
+                    Vec::new()
+                } else {
+                    block.scores.iter().zip(max.values()).map(|(s, &m)| kernels::softmax_numerators(s, m)).collect()
+                };
+                block.local = self.compute_data(group, || e.iter().map(|e| kernels::tree_sum(e)).collect());
+                numerators.push(e);
+            }
+            // Charge the exponentials and the local sums to the AttentionSum phase.
+            let sums = {
+                run.begin(Phase::AttentionSum);
+                for block in &blocks {
+                    let n = (block.valid.len() * group) as u64;
+                    run.compute(block.pe, self.costs.flops(n * timing::EXP_FLOPS + n));
+                }
+                statistic(state, run, Phase::AttentionSum, kh.sum_reduce, kh.sum_broadcast, &blocks)?
+            };
+
+            run.begin(Phase::AttentionOut);
+            let mut outs = Vec::with_capacity(blocks.len());
+            for (b_index, (block, (e, z))) in blocks.iter().zip(numerators.into_iter().zip(&sums)).enumerate() {
+                let n = block.valid.len();
+                let out = self.compute_data(group * dim, || {
+                    let empty = KvBlockState::default();
+                    let cache = self.kv.get(&(run.instr, h_index, b_index)).unwrap_or(&empty);
+                    let mut out = vec![0.0; group * dim];
+                    for (head, (e, &z)) in e.into_iter().zip(z.values()).enumerate() {
+                        let p = kernels::softmax_normalize(e, z);
+                        let mut sum = VectorTreeSum::new(dim);
+                        for (t, &weight) in p.iter().enumerate() {
+                            sum.push_scaled(weight, &cache.values[t * dim..(t + 1) * dim]);
+                        }
+                        sum.finish(&mut out[head * dim..(head + 1) * dim]);
+                    }
+                    out
+                });
+                run.compute(
+                    block.pe,
+                    self.costs.flops((n * group) as u64 * timing::DIVIDE_FLOPS)
+                        + self.costs.fma((n * group * dim) as u64),
+                );
+                outs.push(out);
+            }
+            let (root, total) = match kh.out_reduce {
+                Some(id) => self.reduce(state, run, id, outs)?,
+                None if blocks.len() == 1 => (blocks[0].pe, outs.swap_remove(0)),
+                None => {
+                    return Err(ExecError::Malformed {
+                        site: run.site.clone(),
+                        problem: format!("KV head {} has {} blocks but no output reduction", kh.kv_head, blocks.len()),
+                    })
+                }
+            };
+            heads_out.push((root, total));
+        }
+
+        run.begin(Phase::Collect);
+        let collects = self.attention_collects.get(&run.instr).cloned().unwrap_or_default();
+        check_count(run, "collect routes", collects.len(), segments.len())?;
+        let mut held = Vec::with_capacity(segments.len());
+        for (segment, &id) in segments.iter().zip(&collects) {
+            let mut parts = Vec::new();
+            for (kh, (root, total)) in p.kv_heads_placed.iter().zip(&heads_out) {
+                let first = kh.kv_head as u64 * (group * dim) as u64;
+                let Some(overlap) = intersect(&(first..first + (group * dim) as u64), &segment.elements) else {
+                    continue;
+                };
+                self.send(state, run, id, *root, Payload::Data(total.slice(relative(&overlap, first))))?;
+                parts.push((*root, overlap));
+            }
+            held.push(self.assemble(state, run, id, segment, parts)?);
+        }
+        state.held[run.instr as usize] = Held::Segments(held);
+        self.deliver(state, run, segments)
+    }
+}
