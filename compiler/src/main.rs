@@ -11,9 +11,15 @@ fn main() -> ExitCode {
     match waferc::commands::run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("error: {error}");
+            let mut said = error.to_string();
+            eprintln!("error: {said}");
+            // Many errors name their cause in their own message already; say each thing once.
             for cause in error.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
+                let text = cause.to_string();
+                if !said.contains(&text) {
+                    eprintln!("  caused by: {text}");
+                    said.push_str(&text);
+                }
             }
             ExitCode::FAILURE
         }

@@ -203,6 +203,9 @@ fn temp_path(path: &Path) -> PathBuf {
 pub fn read(path: &Path) -> Result<Artifact, ArtifactError> {
     let at = || path.to_path_buf();
     let file = File::open(path).map_err(|source| ArtifactError::Io { path: at(), source })?;
+    if file.metadata().map_err(|source| ArtifactError::Io { path: at(), source })?.is_dir() {
+        return Err(ArtifactError::Foreign { path: at() });
+    }
     // SAFETY: the map is read-only; like every memory-mapped input, the file must not be
     // truncated while mapped (the writer only ever renames a complete file into place).
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ArtifactError::Io { path: at(), source })?;
