@@ -33,7 +33,9 @@
 //! farthest PE its runs reach, times `hop_latency_cycles` (an inter-wafer run counts
 //! `inter_wafer_latency_cycles`). Serialisation: the busiest link of the route carries `messages x
 //! message_bytes`, at `link_bytes_per_cycle` (or `inter_wafer_bytes_per_cycle`), wormhole-style, so
-//! it adds to the latency once rather than per hop. A reduction route is timed edge by edge along
+//! it adds to the latency once rather than per hop; a multicast's message crosses each link once
+//! (the routers replicate it where the tree branches), a reduction's and a gather's messages add
+//! up on the links they share. A reduction route is timed edge by edge along
 //! [`reduce_tree`]: an edge starts when the sender's subtree is complete, costs its runs' hops,
 //! one message's serialisation and the receiver's adds, and the route ends when the root has its
 //! total (plus the forward to the destination, if any): its cost is the tree's critical path,
@@ -194,10 +196,8 @@ impl CostModel {
                 if matches!(route.kind, RouteKind::Collect { .. }) {
                     continue;
                 }
-                for run in &route.path {
-                    for hop in run.hops() {
-                        *load.entry(hop).or_insert(0) += route.message_bytes as u64 * run.messages as u64;
-                    }
+                for (hop, messages) in link_messages(route) {
+                    *load.entry(hop).or_insert(0) += route.message_bytes as u64 * messages as u64;
                 }
             }
             let busiest = load.iter().map(|(&(from, to), &bytes)| serialise(&params, from, to, bytes)).max();
@@ -259,6 +259,23 @@ impl CostModel {
         }
         end.max(self.step_link_cycles[step])
     }
+}
+
+/// The messages the route puts on each directed link per decode step. A multicast (one source:
+/// an operand delivery, a statistic, the routing) is replicated by the routers where its tree
+/// branches, so its message crosses each link once however many of its runs share the link (the
+/// trunks of a multicast into several shelves all leave the source down one column). A reduction
+/// or a gather sends distinct messages, so its runs add up.
+fn link_messages(route: &Route) -> HashMap<(Pe, Pe), u32> {
+    let multicast = matches!(route.kind, RouteKind::Operand { .. } | RouteKind::Statistic { .. } | RouteKind::Routing);
+    let mut messages: HashMap<(Pe, Pe), u32> = HashMap::new();
+    for run in &route.path {
+        for hop in run.hops() {
+            let on_link = messages.entry(hop).or_insert(0);
+            *on_link = if multicast { 1 } else { *on_link + run.messages as u32 };
+        }
+    }
+    messages
 }
 
 /// Cycles to push `bytes` over the link `from -> to`.
@@ -475,15 +492,13 @@ pub(crate) fn report(program: &WaferProgram, history: &[u64], last: &StepTiming,
     let mut link_bytes: HashMap<(Pe, Pe), u64> = HashMap::new();
     for &(id, sent) in &last.active_routes {
         let route = &program.routes[id as usize];
-        for run in &route.path {
-            // A collect's run carries at most the messages its senders sent.
+        for (hop, messages) in link_messages(route) {
+            // A collect's link carries at most the messages its senders sent.
             let messages = match route.kind {
-                RouteKind::Collect { .. } => (run.messages as u32).min(sent),
-                _ => run.messages as u32,
+                RouteKind::Collect { .. } => messages.min(sent),
+                _ => messages,
             };
-            for hop in run.hops() {
-                *link_bytes.entry(hop).or_insert(0) += route.message_bytes as u64 * messages as u64;
-            }
+            *link_bytes.entry(hop).or_insert(0) += route.message_bytes as u64 * messages as u64;
         }
     }
     let mut busiest_links: Vec<LinkLoad> = link_bytes
