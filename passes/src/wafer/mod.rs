@@ -159,13 +159,37 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
     }
     let params = target.params();
     let analysis = size::Analysis::new(module);
-    let sizes = size::size_module(module, &params, options, None)?;
-    // A pipeline is balanced on what each instruction really takes once laid out.
-    let loads = if params.wafers > 1 {
-        place::measure(module, &analysis, &sizes, &params, options)?
-    } else {
-        sizes.pes.clone()
+    let full = size::size_module(module, &params, options, None, size::Grain::DENSE)?;
+    // The default plan spreads its tiles and vectors over a target with PEs to spare, finest
+    // first; a spread placement that does not work out (stripes wasted more than sizing
+    // estimated, or colours ran out) gives way to a coarser one, and at last to the dense sizes.
+    let finer: Vec<size::Sizes> = match options.plan {
+        Plan::Tiled => [size::FINE_SEGMENT, size::MAX_SEGMENT]
+            .into_iter()
+            .filter_map(|max_segment| size::spread_tiles(module, &params, options, &full, max_segment))
+            .collect(),
+        Plan::MeshGemv { .. } => Vec::new(),
     };
+    for sizes in &finer {
+        if let Ok(program) = lower(module, target, &analysis, sizes, options) {
+            return Ok(program);
+        }
+    }
+    lower(module, target, &analysis, &full, options)
+}
+
+/// Wafer assignment and placement of sized instructions.
+fn lower(
+    module: &Module,
+    target: &Target,
+    analysis: &size::Analysis,
+    sizes: &size::Sizes,
+    options: &CompileOptions,
+) -> Result<WaferProgram, WaferError> {
+    let params = target.params();
+    // A pipeline is balanced on what each instruction really takes once laid out.
+    let loads =
+        if params.wafers > 1 { place::measure(module, analysis, sizes, &params, options)? } else { sizes.pes.clone() };
     let wafer_of = size::assign_wafers(module, &loads, &params).map_err(|overflow| {
         let would_fit = size::what_would_fit(module, target, options);
         WaferError::DoesNotFit(Box::new(NotFit {
@@ -177,7 +201,7 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
             would_fit,
         }))
     })?;
-    place::place(module, &analysis, &sizes, &wafer_of, &params, options).map_err(|e| match e {
+    place::place(module, analysis, sizes, &wafer_of, &params, options).map_err(|e| match e {
         WaferError::DoesNotFit(mut not_fit) => {
             not_fit.needed_pes = not_fit.needed_pes.max(sizes.total_pes());
             not_fit.would_fit = size::what_would_fit(module, target, options);

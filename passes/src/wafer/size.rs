@@ -13,6 +13,11 @@ const CHUNK: u64 = BLOCK as u64;
 /// The largest vector segment one PE holds (elements): 8 KiB of f32, so a PE can hold a result
 /// segment, two operand segments and a norm weight slice with room to spare.
 pub(super) const MAX_SEGMENT: u64 = 2048;
+/// The segment cap of a spread placement ([`spread_tiles`]): vector ops (SiLU, products, norms,
+/// rope) run on their result's segments and each segment is one message, so halving the cap
+/// halves their busiest PE and their longest message; finer still runs out of colours where a
+/// large FFN's segments are multicast into the down projection.
+pub(super) const FINE_SEGMENT: u64 = 1024;
 /// Bytes of one f32.
 const F32: u64 = 4;
 
@@ -177,15 +182,32 @@ pub(super) fn vector_bytes(module: &Module, op: &Op, len: u64) -> u64 {
     len * F32 + operand_bytes + extra
 }
 
-/// Sizes every instruction for `params`; `quantise` sizes matvec and embedding weights as if
-/// quantised (for the does-not-fit hint).
+/// How finely sizing cuts the module.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Grain {
+    /// SRAM bytes a [`Plan::Tiled`] matvec tile may use (`None`: all a PE has).
+    pub tile_budget: Option<u64>,
+    /// The largest vector segment, in elements.
+    pub max_segment: u64,
+}
+
+impl Grain {
+    /// SRAM-full tiles and [`MAX_SEGMENT`] segments: the fewest PEs.
+    pub const DENSE: Grain = Grain { tile_budget: None, max_segment: MAX_SEGMENT };
+}
+
+/// Sizes every instruction for `params` at `grain`; `quantise` sizes matvec and embedding weights
+/// as if quantised (for the does-not-fit hint).
 pub(super) fn size_module(
     module: &Module,
     params: &TargetParams,
     options: &CompileOptions,
     quantise: Option<DType>,
+    grain: Grain,
 ) -> Result<Sizes, WaferError> {
     let usable = params.usable_bytes_per_pe() as u64;
+    let tile_budget = grain.tile_budget.map_or(usable, |b| b.min(usable));
+    let max_segment = grain.max_segment;
     let mut shapes = Vec::with_capacity(module.body.len());
     let mut pes = Vec::with_capacity(module.body.len());
     for (handle, instr) in module.body.iter() {
@@ -198,7 +220,7 @@ pub(super) fn size_module(
         };
         let fits = |s: u64| vector_bytes(module, &instr.op, s) <= usable;
         let pow2_segments = |extra: &dyn Fn(u64) -> bool| -> Result<Vec<Range<u64>>, WaferError> {
-            let mut size = MAX_SEGMENT;
+            let mut size = max_segment;
             while size >= CHUNK {
                 let s = size.min(len);
                 if extra(size) && fits(s) {
@@ -206,10 +228,10 @@ pub(super) fn size_module(
                 }
                 size /= 2;
             }
-            Err(unsupported(format!("no segment of 32 to {MAX_SEGMENT} elements fits {usable} bytes of SRAM")))
+            Err(unsupported(format!("no segment of 32 to {max_segment} elements fits {usable} bytes of SRAM")))
         };
         let unit_segments = |unit: u64| -> Result<Vec<Range<u64>>, WaferError> {
-            let mut multiple = (MAX_SEGMENT / unit).max(1);
+            let mut multiple = (max_segment / unit).max(1);
             loop {
                 let s = (unit * multiple).min(len);
                 if fits(s) {
@@ -228,7 +250,7 @@ pub(super) fn size_module(
                 let w = &module.weights[*table];
                 let dtype = effective_dtype(w, quantise);
                 let rows = w.ty.shape[0];
-                let segs = segments(len, MAX_SEGMENT);
+                let segs = segments(len, max_segment);
                 let mut rows_per_block = Vec::with_capacity(segs.len());
                 for seg in &segs {
                     let width = seg.end - seg.start;
@@ -250,7 +272,8 @@ pub(super) fn size_module(
                 let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
                 let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
                 let tiling = match options.plan {
-                    Plan::Tiled => tile_for_sram(dtype, bias_dtype, rows, cols, usable),
+                    Plan::Tiled => tile_for_sram(dtype, bias_dtype, rows, cols, tile_budget)
+                        .or_else(|| tile_for_sram(dtype, bias_dtype, rows, cols, usable)),
                     Plan::MeshGemv { p, .. } => tile_mesh(dtype, bias_dtype, rows, cols, usable, p as u64),
                 }
                 .ok_or_else(|| {
@@ -276,7 +299,7 @@ pub(super) fn size_module(
                 let g = module.weights[*weight].ty.shape[0];
                 let segs = if g == len {
                     pow2_segments(&|_| true)?
-                } else if g <= MAX_SEGMENT {
+                } else if g <= max_segment {
                     unit_segments(g)?
                 } else {
                     pow2_segments(&|s| g % s == 0)?
@@ -349,6 +372,47 @@ pub(super) fn size_module(
         pes.push(count);
     }
     Ok(Sizes { shapes, pes })
+}
+
+/// The share of a target's PEs the default plan fills when it spreads matvec tiles.
+const FILL: f64 = 0.85;
+
+/// [`Plan::Tiled`] on a target with PEs to spare: the sizes with segments of at most
+/// `max_segment` elements and matvec tiles given less SRAM, so the module fills about [`FILL`] of
+/// the target. At batch 1 only one layer computes at a time, and a matvec's time is its busiest
+/// tile's weights, so spreading the tiles over PEs that would otherwise sit idle divides the
+/// arithmetic of every step (the longer reductions cost far less). `None` when the dense sizes
+/// (`full`) already fill the target.
+pub(super) fn spread_tiles(
+    module: &Module,
+    params: &TargetParams,
+    options: &CompileOptions,
+    full: &Sizes,
+    max_segment: u64,
+) -> Option<Sizes> {
+    let capacity = params.grid_cols as u64 * params.grid_rows as u64 * params.wafers as u64;
+    let goal = (capacity as f64 * FILL) as u64;
+    let usable = params.usable_bytes_per_pe() as u64;
+    if full.total_pes() >= goal {
+        return None;
+    }
+    // Matvec tiles hold most of the PEs: scale their budget by the shortfall, a few rounds, since
+    // the other instructions' PEs do not scale; keep the fullest sizing within the goal.
+    let (mut budget, mut total) = (usable, full.total_pes());
+    let mut best: Option<Sizes> = None;
+    for _ in 0..6 {
+        budget = ((budget as f64 * total as f64 / goal as f64) as u64).clamp(usable / 64, usable);
+        let sizes =
+            size_module(module, params, options, None, Grain { tile_budget: Some(budget), max_segment }).ok()?;
+        total = sizes.total_pes();
+        if total <= goal && best.as_ref().is_none_or(|b| total > b.total_pes()) {
+            best = Some(sizes);
+        }
+        if (goal as f64 * 0.95) as u64 <= total && total <= goal {
+            break;
+        }
+    }
+    best
 }
 
 pub(super) struct Tiling {
@@ -513,7 +577,7 @@ pub(super) fn what_would_fit(module: &Module, target: &Target, options: &Compile
             continue;
         }
         let params = other.params();
-        if let Ok(sizes) = size_module(module, &params, options, None) {
+        if let Ok(sizes) = size_module(module, &params, options, None, Grain::DENSE) {
             if assign_wafers(module, &sizes.pes, &params).is_ok() {
                 fits.push(other.name.clone());
             }
@@ -521,7 +585,7 @@ pub(super) fn what_would_fit(module: &Module, target: &Target, options: &Compile
     }
     let params = target.params();
     for quant in [DType::Q8_0, DType::Q4_0] {
-        if let Ok(sizes) = size_module(module, &params, options, Some(quant)) {
+        if let Ok(sizes) = size_module(module, &params, options, Some(quant), Grain::DENSE) {
             if assign_wafers(module, &sizes.pes, &params).is_ok() {
                 fits.push(format!("{quant} on {}", target.name));
             }
