@@ -211,6 +211,22 @@ fn neighbour(pe: Pe, dir: usize) -> Pe {
     }
 }
 
+/// The direction of the neighbour hop `from -> to` on one wafer (`None` for anything else).
+fn direction(from: Pe, to: Pe) -> Option<usize> {
+    if from.wafer != to.wafer || from.distance(to) != Some(1) {
+        return None;
+    }
+    Some(if to.x > from.x {
+        EAST
+    } else if to.x < from.x {
+        WEST
+    } else if to.y > from.y {
+        SOUTH
+    } else {
+        NORTH
+    })
+}
+
 /// Calls `hop(from, direction)` for each neighbour hop of an on-wafer run, without allocating.
 /// Runs that are neither straight nor inter-wafer have no hops (the checker rejects them).
 fn for_each_hop(run: &Run, mut hop: impl FnMut(Pe, usize)) {
@@ -236,7 +252,7 @@ fn for_each_hop(run: &Run, mut hop: impl FnMut(Pe, usize)) {
 
 /// Bytes a route moves over all its links per decode step.
 pub(super) fn route_bytes_per_step(route: &Route) -> u64 {
-    route.path.iter().map(|run| hop_count(run) * run.messages as u64).sum::<u64>() * route.message_bytes as u64
+    route.link_messages().values().map(|&m| m as u64).sum::<u64>() * route.message_bytes as u64
 }
 
 /// Links a run crosses: its length on a wafer, 1 between wafers.
@@ -487,14 +503,11 @@ impl<'a> Analysis<'a> {
         let cols = t.grid_cols as usize;
         let mut out = vec![[0u64; 4]; cols * t.grid_rows as usize];
         for route in self.kept_routes() {
-            for run in route.path.iter().filter(|run| run.from.wafer == wafer) {
-                let bytes = route.message_bytes as u64 * run.messages as u64;
-                for_each_hop(run, |from, dir| {
-                    let to = neighbour(from, dir);
-                    if t.contains(from) && t.contains(to) && (self.filter.contains(from) || self.filter.contains(to)) {
-                        out[from.y as usize * cols + from.x as usize][dir] += bytes;
-                    }
-                });
+            for ((from, to), messages) in route.link_messages() {
+                let Some(dir) = direction(from, to).filter(|_| from.wafer == wafer) else { continue };
+                if t.contains(from) && t.contains(to) && (self.filter.contains(from) || self.filter.contains(to)) {
+                    out[from.y as usize * cols + from.x as usize][dir] += route.message_bytes as u64 * messages as u64;
+                }
             }
         }
         LinkLoads { cols: t.grid_cols, out }
@@ -504,9 +517,9 @@ impl<'a> Analysis<'a> {
     pub fn inter_wafer_loads(&self) -> BTreeMap<(Pe, Pe), u64> {
         let mut loads = BTreeMap::new();
         for route in self.kept_routes() {
-            for run in route.path.iter().filter(|run| run.is_inter_wafer()) {
-                if self.filter.contains(run.from) || self.filter.contains(run.to) {
-                    *loads.entry((run.from, run.to)).or_insert(0) += route.message_bytes as u64 * run.messages as u64;
+            for ((from, to), messages) in route.link_messages() {
+                if from.wafer != to.wafer && (self.filter.contains(from) || self.filter.contains(to)) {
+                    *loads.entry((from, to)).or_insert(0) += route.message_bytes as u64 * messages as u64;
                 }
             }
         }

@@ -170,10 +170,8 @@ impl WaferProgram {
     pub fn link_bytes(&self) -> std::collections::BTreeMap<(Pe, Pe), u64> {
         let mut load = std::collections::BTreeMap::new();
         for route in &self.routes {
-            for run in &route.path {
-                for (from, to) in run.hops() {
-                    *load.entry((from, to)).or_insert(0) += route.message_bytes as u64 * run.messages as u64;
-                }
+            for (hop, messages) in route.link_messages() {
+                *load.entry(hop).or_insert(0) += route.message_bytes as u64 * messages as u64;
             }
         }
         load
@@ -505,6 +503,13 @@ pub enum RouteKind {
     Routing,
 }
 
+impl RouteKind {
+    /// One source sending one message that the routers replicate to every destination.
+    pub fn is_multicast(&self) -> bool {
+        matches!(self, RouteKind::Operand { .. } | RouteKind::Statistic { .. } | RouteKind::Routing)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ReduceOp {
     /// f32 sum by the chunk tree.
@@ -533,6 +538,23 @@ pub struct Route {
 }
 
 impl Route {
+    /// The messages the route puts on each directed link per decode step. A multicast (an
+    /// operand delivery, a statistic, the routing: one source) is replicated by the routers where
+    /// its tree branches, so its message crosses each link once however many of its runs share
+    /// the link. A reduction or a gather sends distinct messages, so its runs' counts add up.
+    /// The timing model and every link-load view count traffic with this one rule.
+    pub fn link_messages(&self) -> std::collections::BTreeMap<(Pe, Pe), u32> {
+        let multicast = self.kind.is_multicast();
+        let mut messages = std::collections::BTreeMap::new();
+        for run in &self.path {
+            for hop in run.hops() {
+                let on_link = messages.entry(hop).or_insert(0);
+                *on_link = if multicast { 1 } else { *on_link + run.messages as u32 };
+            }
+        }
+        messages
+    }
+
     /// Every PE on the route (sources, destinations, and PEs its runs pass), sorted, deduplicated:
     /// each needs the route's colour in its router.
     pub fn pes(&self) -> Vec<Pe> {

@@ -196,7 +196,7 @@ impl CostModel {
                 if matches!(route.kind, RouteKind::Collect { .. }) {
                     continue;
                 }
-                for (hop, messages) in link_messages(route) {
+                for (hop, messages) in route.link_messages() {
                     *load.entry(hop).or_insert(0) += route.message_bytes as u64 * messages as u64;
                 }
             }
@@ -259,23 +259,6 @@ impl CostModel {
         }
         end.max(self.step_link_cycles[step])
     }
-}
-
-/// The messages the route puts on each directed link per decode step. A multicast (one source:
-/// an operand delivery, a statistic, the routing) is replicated by the routers where its tree
-/// branches, so its message crosses each link once however many of its runs share the link (the
-/// trunks of a multicast into several shelves all leave the source down one column). A reduction
-/// or a gather sends distinct messages, so its runs add up.
-fn link_messages(route: &Route) -> HashMap<(Pe, Pe), u32> {
-    let multicast = matches!(route.kind, RouteKind::Operand { .. } | RouteKind::Statistic { .. } | RouteKind::Routing);
-    let mut messages: HashMap<(Pe, Pe), u32> = HashMap::new();
-    for run in &route.path {
-        for hop in run.hops() {
-            let on_link = messages.entry(hop).or_insert(0);
-            *on_link = if multicast { 1 } else { *on_link + run.messages as u32 };
-        }
-    }
-    messages
 }
 
 /// Cycles to push `bytes` over the link `from -> to`.
@@ -492,7 +475,7 @@ pub(crate) fn report(program: &WaferProgram, history: &[u64], last: &StepTiming,
     let mut link_bytes: HashMap<(Pe, Pe), u64> = HashMap::new();
     for &(id, sent) in &last.active_routes {
         let route = &program.routes[id as usize];
-        for (hop, messages) in link_messages(route) {
+        for (hop, messages) in route.link_messages() {
             // A collect's link carries at most the messages its senders sent.
             let messages = match route.kind {
                 RouteKind::Collect { .. } => messages.min(sent),
