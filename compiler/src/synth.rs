@@ -358,7 +358,7 @@ fn write_safetensors(
     }
     let mut header_text = serde_json::to_string(&header).expect("json");
     // The data section starts 8-aligned, as the safetensors writer pads it.
-    while (8 + header_text.len()) % 8 != 0 {
+    while !(8 + header_text.len()).is_multiple_of(8) {
         header_text.push(' ');
     }
     let file = File::create(path).map_err(io_err(path))?;

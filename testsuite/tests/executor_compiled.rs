@@ -122,7 +122,7 @@ fn attention_split_over_kv_blocks_matches_the_reference_across_block_boundaries(
     let (count, per_block) = blocks[0];
     assert!(count > 1, "each KV head is split over several blocks ({blocks:?})");
     // Feed past the first block's end so that two blocks hold positions.
-    let prompt: Vec<u32> = (0..per_block + 3).map(|i| (i * 7 % 190) as u32).collect();
+    let prompt: Vec<u32> = (0..per_block + 3).map(|i| i * 7 % 190).collect();
     let blob = pack_tile_blob(&program, &module);
     let validation = validate(&program, &module, Some(&blob), &prompt, &greedy(2)).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(validation.steps, prompt.len() + 1);

@@ -85,7 +85,7 @@ impl Cells {
 /// Rows per shelf: the largest divisor of the grid's rows up to 8 (so shelves tile the wafer;
 /// short shelves waste fewer PEs in the last, partly filled stripe of each matvec).
 pub(super) fn shelf_height(grid_rows: u64) -> u64 {
-    (1..=grid_rows.min(8)).rev().find(|h| grid_rows % h == 0).unwrap_or(1)
+    (1..=grid_rows.min(8)).rev().find(|h| grid_rows.is_multiple_of(*h)).unwrap_or(1)
 }
 
 struct Placer<'a> {
@@ -1038,10 +1038,10 @@ fn suits(op: &Op, module: &Module, layout: &VectorLayout, len: u64) -> bool {
             let whole_groups =
                 segs.iter().all(|s| s.elements.start % g == 0 && (s.elements.end % g == 0 || s.elements.end == len));
             let run = segs.first().map_or(0, |s| s.elements.end - s.elements.start);
-            let runs = run % CHUNK == 0
+            let runs = run.is_multiple_of(CHUNK)
                 && (run / CHUNK).is_power_of_two()
                 && segs[..segs.len().saturating_sub(1)].iter().all(|s| s.elements.end - s.elements.start == run)
-                && (g == len || g % run == 0);
+                && (g == len || g.is_multiple_of(run));
             whole_groups || runs
         }
         _ => true,

@@ -126,7 +126,7 @@ pub(super) fn effective_dtype(weight: &Weight, quantise: Option<DType>) -> DType
     match quantise {
         Some(q)
             if weight.ty.shape.len() == 2
-                && weight.ty.shape[1] % CHUNK == 0
+                && weight.ty.shape[1].is_multiple_of(CHUNK)
                 && q.row_bytes(CHUNK) < own.row_bytes(CHUNK) =>
         {
             q
@@ -302,7 +302,7 @@ pub(super) fn size_module(
                 } else if g <= max_segment {
                     unit_segments(g)?
                 } else {
-                    pow2_segments(&|s| g % s == 0)?
+                    pow2_segments(&|s| g.is_multiple_of(s))?
                 };
                 Shape::Vector { segments: segs }
             }

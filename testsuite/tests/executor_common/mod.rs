@@ -131,6 +131,7 @@ impl Builder {
         self.module.push(op, layer).expect("the test module's ops type-check")
     }
 
+    #[allow(clippy::too_many_arguments)] // one projection spelled out: name, shape, dtype, input, bias, layer, data
     fn proj(
         &mut self,
         name: String,
