@@ -378,7 +378,9 @@ impl<'a> Checker<'a> {
                 let whole_rows = cols.start == 0 && cols.end == n_cols;
                 if chunk_runs
                     && !whole_rows
-                    && (!run.is_multiple_of(32) && cols.end != n_cols || !(run / 32).max(1).is_power_of_two() || !aligned)
+                    && (!run.is_multiple_of(32) && cols.end != n_cols
+                        || !(run / 32).max(1).is_power_of_two()
+                        || !aligned)
                 {
                     self.report(
                         Some(*pe),
