@@ -158,7 +158,8 @@ impl<'p> Executor<'p> {
                 }
             }
         }
-        for &id in self.receivers.get(&(run.instr, pe)).map(Vec::as_slice).unwrap_or(&[]) {
+        let operand_routes = &self.program.instrs[run.instr as usize].operand_routes;
+        for &id in operand_routes.iter().filter(|&&id| self.destinations[id as usize].binary_search(&pe).is_ok()) {
             let route = self.route(run, id)?;
             let RouteKind::Operand { value: carried, elements: carried_elements } = &route.kind else {
                 return Err(route_kind_error(run, route, "an operand route"));

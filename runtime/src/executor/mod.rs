@@ -138,8 +138,6 @@ pub struct Executor<'p> {
     runs: Vec<(InstrIndex, Range<usize>)>,
     /// Per PE image (in `program.pes` order), its SRAM with the weight regions filled.
     sram: Vec<Vec<u8>>,
-    /// The operand routes reaching each `(consumer instruction, PE)`.
-    receivers: HashMap<(InstrIndex, Pe), Vec<RouteId>>,
     /// Each value, followed through `expert_dispatch` (which aliases its `x`).
     alias: Vec<InstrIndex>,
     gates: Vec<Option<Gate>>,
@@ -211,14 +209,13 @@ impl<'p> Executor<'p> {
             }
         }
 
-        let mut receivers: HashMap<(InstrIndex, Pe), Vec<RouteId>> = HashMap::new();
+        // Which operand routes reach a PE is looked up per read (`fabric::operand`) rather than
+        // tabulated per (instruction, PE): a multicast feeding every expert of an MoE layer is an
+        // operand route of each of them, so such a table grows as experts x all experts' PEs.
         for placement in &program.instrs {
             let site = site_of(program, placement.instr);
             for &id in &placement.operand_routes {
-                let route = route_of(program, &site, id)?;
-                for &pe in &route.destinations {
-                    receivers.entry((placement.instr, pe)).or_default().push(id);
-                }
+                route_of(program, &site, id)?;
             }
         }
 
@@ -261,7 +258,6 @@ impl<'p> Executor<'p> {
             options,
             runs,
             sram,
-            receivers,
             alias,
             gates,
             instr_pes,
