@@ -126,20 +126,30 @@ impl fmt::Display for NotFit {
         }
         write!(
             f,
-            "; short by {} PEs ({:.2} GB of SRAM at {} bytes per PE)",
+            "; short by {} PEs ({} of SRAM at {} bytes per PE)",
             self.short_pes(),
-            self.short_bytes() as f64 / 1e9,
+            decimal_bytes(self.short_bytes()),
             self.sram_bytes_per_pe
         )?;
         if self.would_fit.is_empty() {
             write!(f, "; no built-in target or q8_0/q4_0 quantisation would fit it either")
         } else {
-            write!(
-                f,
-                "; it would fit: {} (quantise with the `quantize` pass, e.g. `--passes \"quantize q8_0\"`)",
-                self.would_fit.join(", ")
-            )
+            write!(f, "; it would fit: {}", self.would_fit.join(", "))?;
+            // Entries read `q4_0 on wse3`: show the pass that makes the first of them true.
+            match self.would_fit.iter().find_map(|option| option.split_once(" on ").map(|(format, _)| format)) {
+                Some(format) => write!(f, " (quantise with `--passes \"quantize {format}\"`)"),
+                None => Ok(()),
+            }
         }
+    }
+}
+
+/// `1.92 MB`, `65.06 GB`: shortfalls range from a test grid's kilobytes to a wafer's gigabytes.
+fn decimal_bytes(bytes: u64) -> String {
+    let units = [(1e9, "GB"), (1e6, "MB"), (1e3, "kB")];
+    match units.iter().find(|(scale, _)| bytes as f64 >= *scale) {
+        Some((scale, unit)) => format!("{:.2} {unit}", bytes as f64 / scale),
+        None => format!("{bytes} bytes"),
     }
 }
 
