@@ -27,10 +27,10 @@ pub struct CompileArgs {
     #[arg(short, long)]
     pub output: PathBuf,
     /// IR passes to run before lowering, comma-separated with their arguments
-    /// (e.g. "quantize q8_0, dce"). Known passes: see --list-passes.
+    /// (e.g. "quantize q8_0, dce"): `verify`, `dce`, `quantize q8_0|q4_0 [embedding]`.
     #[arg(long, default_value = "")]
     pub passes: String,
-    /// The matvec plan: `tiled` (default: each matrix on its own tile grid sized to SRAM), or
+    /// The matvec plan: `tiled` (default: each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups).
     #[arg(long, default_value = "tiled")]
     pub plan: String,
