@@ -122,8 +122,9 @@ impl fmt::Display for Pe {
 /// How a program was planned (`passes::wafer::CompileOptions::plan`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Plan {
-    /// Each matvec gets its own tile grid sized to SRAM; partial sums reduce along tile rows by
-    /// the chunk tree; results stay on the row roots.
+    /// Each matvec gets its own tile grid (tiles sized so the module fills most of the target,
+    /// at most one PE's SRAM each); partial sums reduce along tile rows by the chunk tree;
+    /// results stay on the row roots.
     Tiled,
     /// WaferLLM-style (MeshGEMV): every matrix cut into `p x p` blocks (finer where a block would
     /// not fit one PE), one PE per block; each block column receives its activation slice; the
