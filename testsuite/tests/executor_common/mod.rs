@@ -5,7 +5,7 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 use half::{bf16, f16};
-use waferc_ir::wafer::{RegionKind, WaferProgram};
+use waferc_ir::wafer::{region_bytes, RegionKind, WaferProgram};
 use waferc_ir::{DType, KvCache, ModelMeta, Module, Op, Rope, RopeScaling, TensorType, Value, WeightBytes};
 use waferc_passes::wafer::{compile, CompileOptions};
 use waferc_targets::Target;
@@ -224,26 +224,15 @@ pub fn compile_with(module: &Module, target: &str, options: CompileOptions) -> W
     compile(module, &target, &options).unwrap_or_else(|e| panic!("the test module compiles for {}: {e}", target.name))
 }
 
-/// The tile blob of `program`: every weight region's bytes (each row's `cols` slice of the IR
-/// weight, rows in order) at its `blob` range.
+/// The tile blob of `program`, as the artifact writer lays it out: every weight region's bytes
+/// (cut from the module by `region_bytes`) at its `blob` range.
 pub fn pack_tile_blob(program: &WaferProgram, module: &Module) -> Vec<u8> {
     let mut blob = vec![0u8; program.tile_blob_len as usize];
     for image in &program.pes {
         for region in &image.regions {
-            let RegionKind::Weight { weight, rows, cols, blob: range } = &region.kind else { continue };
-            let spec = &module.weights[waferc_ir::Handle::new(*weight as usize)];
-            let bytes = spec.data.bytes().expect("weights present");
-            let dtype = spec.ty.dtype;
-            let full_row = dtype.row_bytes(*spec.ty.shape.last().unwrap()).unwrap() as usize;
-            let skip = dtype.row_bytes(cols.start).unwrap() as usize;
-            let row_bytes = dtype.row_bytes(cols.end - cols.start).unwrap() as usize;
-            let mut at = range.start as usize;
-            for row in rows.clone() {
-                let start = row as usize * full_row + skip;
-                blob[at..at + row_bytes].copy_from_slice(&bytes[start..start + row_bytes]);
-                at += row_bytes;
-            }
-            assert_eq!(at as u64, range.end, "region {weight} rows {rows:?} cols {cols:?} fills its blob range");
+            let RegionKind::Weight { blob: range, .. } = &region.kind else { continue };
+            let bytes = region_bytes(module, &region.kind).expect("weights present");
+            blob[range.start as usize..range.end as usize].copy_from_slice(&bytes);
         }
     }
     blob
