@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, WaferProgram};
+use waferc_ir::wafer::{region_bytes, Pe, RegionKind, ResultLayout, WaferProgram};
 use waferc_ir::Module;
 
 use super::{ExecError, ExecOptions, Executor, InstrSite};
@@ -234,17 +234,20 @@ fn corrupt_region(executor: &Executor, instr: u32) -> Option<CorruptRegion> {
                 continue;
             }
             let spec = module.weights.get(waferc_ir::Handle::new(*weight as usize))?;
-            let source = spec.data.bytes()?;
-            let dtype = spec.ty.dtype;
-            let full_row = dtype.row_bytes(*spec.ty.shape.last()?)? as usize;
-            let (skip, row_bytes) =
-                (dtype.row_bytes(cols.start)? as usize, dtype.row_bytes(cols.end - cols.start)? as usize);
+            let expected = region_bytes(module, &region.kind)?;
+            let row_bytes = spec.ty.dtype.row_bytes(cols.end - cols.start)? as usize;
             let held = executor.region_bytes(pe_index, region_index)?;
-            for (k, row) in rows.clone().enumerate() {
-                let expected = source.get(row as usize * full_row + skip..)?.get(..row_bytes)?;
-                if held.get(k * row_bytes..(k + 1) * row_bytes) != Some(expected) {
-                    return Some(CorruptRegion { pe: image.pe, region: region_index, weight: spec.name.clone(), row });
-                }
+            let differing = (0..rows.end - rows.start).find(|&k| {
+                let row = k as usize * row_bytes..(k as usize + 1) * row_bytes;
+                held.get(row.clone()) != expected.get(row)
+            });
+            if let Some(k) = differing {
+                return Some(CorruptRegion {
+                    pe: image.pe,
+                    region: region_index,
+                    weight: spec.name.clone(),
+                    row: rows.start + k,
+                });
             }
         }
     }
