@@ -31,7 +31,9 @@ pub struct CompileArgs {
     #[arg(long, default_value = "")]
     pub passes: String,
     /// The matvec plan: `tiled` (default: each matrix on its own tile grid, spread to fill the target), or
-    /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups).
+    /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
+    /// `stacked:K` (experimental: K layers per region, every matvec over the whole region; runs
+    /// out of router colours on every model so far).
     #[arg(long, default_value = "tiled")]
     pub plan: String,
     /// Write the IR after every pass into DIR (00-frontend.ir, 01-<pass>.ir, ...).
@@ -53,8 +55,16 @@ pub fn parse_plan(text: &str) -> anyhow::Result<Plan> {
     if text == "tiled" {
         return Ok(Plan::Tiled);
     }
+    if let Some(k) = text.strip_prefix("stacked:") {
+        return match k.trim().parse() {
+            Ok(layers_per_region) if layers_per_region > 0 => Ok(Plan::Stacked { layers_per_region }),
+            _ => bail!("--plan {text:?}: K must be a whole number of layers per region, at least 1, as in stacked:2"),
+        };
+    }
     let Some(args) = text.strip_prefix("meshgemv:") else {
-        bail!("--plan {text:?}: expected `tiled` or `meshgemv:P,G` (e.g. meshgemv:660,22)")
+        bail!(
+            "--plan {text:?}: expected `tiled`, `stacked:K` (e.g. stacked:2) or `meshgemv:P,G` (e.g. meshgemv:660,22)"
+        )
     };
     let parsed = args.split_once(',').and_then(|(p, g)| Some((p.trim().parse().ok()?, g.trim().parse().ok()?)));
     match parsed {

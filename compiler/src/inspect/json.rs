@@ -223,14 +223,21 @@ struct PlanJson {
     group_num: Option<u16>,
     kind: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
+    layers_per_region: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     p: Option<u16>,
 }
 
 impl PlanJson {
     fn of(plan: Plan) -> Self {
         match plan {
-            Plan::Tiled => PlanJson { group_num: None, kind: "tiled", p: None },
-            Plan::MeshGemv { p, group_num } => PlanJson { group_num: Some(group_num), kind: "mesh_gemv", p: Some(p) },
+            Plan::Tiled => PlanJson { group_num: None, kind: "tiled", layers_per_region: None, p: None },
+            Plan::MeshGemv { p, group_num } => {
+                PlanJson { group_num: Some(group_num), kind: "mesh_gemv", layers_per_region: None, p: Some(p) }
+            }
+            Plan::Stacked { layers_per_region } => {
+                PlanJson { group_num: None, kind: "stacked", layers_per_region: Some(layers_per_region), p: None }
+            }
         }
     }
 }

@@ -132,6 +132,24 @@ pub enum Plan {
     /// `ceil(cols / group_num)` blocks rounded up to a power of two, then across the groups'
     /// first blocks) and the result broadcast back along the row.
     MeshGemv { p: u16, group_num: u16 },
+    /// Every PE of a region works in every phase: consecutive layers are grouped
+    /// `layers_per_region` at a time, each group gets one rectangle of PEs, and every matvec of
+    /// the group is tiled over the whole rectangle (each PE holds a slice of every matrix of its
+    /// layers); vectors are cut in 32-element segments spread over the region; KV blocks sit in
+    /// a strip at the region's east side. Routes of the same shape in different layers share
+    /// colours (a layer starts only once the previous one's result has arrived).
+    Stacked { layers_per_region: u16 },
+}
+
+impl fmt::Display for Plan {
+    /// The `--plan` spelling.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Plan::Tiled => write!(f, "tiled"),
+            Plan::MeshGemv { p, group_num } => write!(f, "meshgemv:{p},{group_num}"),
+            Plan::Stacked { layers_per_region } => write!(f, "stacked:{layers_per_region}"),
+        }
+    }
 }
 
 /// The whole placed program. Serialised into an artifact with bincode; weight bytes are not

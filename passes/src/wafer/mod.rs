@@ -30,6 +30,7 @@ mod check;
 mod place;
 mod route;
 mod size;
+mod stacked;
 
 use std::fmt;
 
@@ -170,6 +171,23 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
     let params = target.params();
     let analysis = size::Analysis::new(module);
     let full = size::size_module(module, &params, options, None, size::Grain::DENSE)?;
+    if let Plan::Stacked { layers_per_region } = options.plan {
+        if layers_per_region == 0 {
+            return Err(WaferError::Options("stacked needs at least 1 layer per region".into()));
+        }
+        // The densest sizing must fit before a spread one can.
+        size::assign_wafers(module, &full.pes, &params).map_err(|overflow| {
+            WaferError::DoesNotFit(Box::new(NotFit {
+                target: target.name.clone(),
+                needed_pes: full.total_pes(),
+                available_pes: overflow.available,
+                sram_bytes_per_pe: params.sram_bytes_per_pe,
+                wafer: overflow.wafer,
+                would_fit: size::what_would_fit(module, target, options),
+            }))
+        })?;
+        return stacked::place(module, &analysis, &params, options, layers_per_region);
+    }
     // The default plan spreads its tiles and vectors over a target with PEs to spare, finest
     // first; a spread placement that does not work out (stripes wasted more than sizing
     // estimated, or colours ran out) gives way to a coarser one, and at last to the dense sizes.
@@ -178,7 +196,7 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
             .into_iter()
             .filter_map(|max_segment| size::spread_tiles(module, &params, options, &full, max_segment))
             .collect(),
-        Plan::MeshGemv { .. } => Vec::new(),
+        Plan::MeshGemv { .. } | Plan::Stacked { .. } => Vec::new(),
     };
     for sizes in &finer {
         if let Ok(program) = lower(module, target, &analysis, sizes, options) {

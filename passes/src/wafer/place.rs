@@ -22,7 +22,7 @@ const F32: u64 = 4;
 /// neighbours. A matvec takes whole columns instead: a stripe of `C` columns holds `shelf`
 /// consecutive tile rows, so each tile row is a straight run along a PE row (its reduction) and
 /// each tile column a straight run down a PE column (where its operand slice arrives).
-struct Cells {
+pub(super) struct Cells {
     cols: u64,
     shelf: u64,
     capacity: u64,
@@ -31,7 +31,7 @@ struct Cells {
 }
 
 impl Cells {
-    fn new(params: &TargetParams) -> Cells {
+    pub(super) fn new(params: &TargetParams) -> Cells {
         let shelf = shelf_height(params.grid_rows as u64);
         Cells {
             cols: params.grid_cols as u64,
@@ -88,17 +88,19 @@ pub(super) fn shelf_height(grid_rows: u64) -> u64 {
     (1..=grid_rows.min(8)).rev().find(|h| grid_rows.is_multiple_of(*h)).unwrap_or(1)
 }
 
-struct Placer<'a> {
-    module: &'a Module,
-    analysis: &'a Analysis,
-    params: &'a TargetParams,
-    options: &'a CompileOptions,
+pub(super) struct Placer<'a> {
+    pub(super) module: &'a Module,
+    pub(super) analysis: &'a Analysis,
+    pub(super) params: &'a TargetParams,
+    pub(super) options: &'a CompileOptions,
     cells: Cells,
     images: Vec<PeImage>,
-    placements: Vec<InstrPlacement>,
+    pub(super) placements: Vec<InstrPlacement>,
     /// Index in `images` of each PE's image.
     image_of: HashMap<Pe, usize>,
     routes: Vec<Route>,
+    /// Rows per band that multicasts and gathers keep their trees inside (`route::multicast`).
+    pub(super) route_band: u16,
 }
 
 /// PEs each instruction takes when the whole module is laid out on one unbounded wafer, alignment
@@ -138,81 +140,92 @@ pub(super) fn place(
         let placement = placer.place_instr(i, &sizes.shapes[i], wafer_of[i])?;
         placer.placements.push(placement);
     }
-    for i in 0..module.body.len() {
-        placer.route_instr(i)?;
-    }
-    for i in 0..module.body.len() {
-        placer.deliver(i);
-    }
-    if let Err(clash) = assign_colours(&mut placer.routes, params) {
-        let route = &placer.routes[clash.route];
-        let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
-        // Name the routes that took the colours: every route sharing a PE with the failed one.
-        let mut mine = std::collections::HashSet::new();
-        route::for_each_pe(&placer.routes[clash.route], |pe| {
-            mine.insert(pe);
-        });
-        let mut holders: std::collections::BTreeMap<(u32, &'static str), u32> = std::collections::BTreeMap::new();
-        for (j, r) in placer.routes.iter().enumerate() {
-            let mut touches = false;
-            route::for_each_pe(r, |pe| touches |= mine.contains(&pe));
-            if touches && j != clash.route {
-                *holders.entry((r.instr, kind_name(&r.kind))).or_default() += 1;
-            }
-        }
-        let holders = holders
-            .into_iter()
-            .map(|((instr, kind), n)| {
-                format!("{n} {kind} of %{instr} {}", module.body[waferc_ir::Handle::new(instr as usize)].op.name())
-            })
-            .collect::<Vec<_>>()
-            .join(", ");
-        return Err(WaferError::Colours {
-            pe: clash.pe,
-            route: clash.route as u32,
-            instr: route.instr,
-            op: instr.op.name(),
-            layer: instr.layer,
-            limit: params.colours_per_pe,
-            holders,
-        });
-    }
-    let schedule = placer.schedule();
-    let Placer { mut images, placements, routes, .. } = placer;
-    images.sort_unstable_by_key(|image| image.pe);
-    let mut blob = 0u64;
-    for image in &mut images {
-        for region in &mut image.regions {
-            if let RegionKind::Weight { blob: range, .. } = &mut region.kind {
-                *range = blob..blob + region.bytes as u64;
-                blob += region.bytes as u64;
-            }
-        }
-    }
-    Ok(WaferProgram {
-        target: params.clone(),
-        plan: options.plan,
-        max_context: options.max_context,
-        pes: images,
-        instrs: placements,
-        routes,
-        schedule,
-        tile_blob_len: blob,
-        weights_present: module.weights.iter().all(|(_, w)| w.data.is_present()),
-    })
+    placer.finish()
 }
 
 /// A region request: the instruction it serves, its kind, its bytes.
-type Request = (RegionKind, u64);
+pub(super) type Request = (RegionKind, u64);
 
 impl<'a> Placer<'a> {
-    fn new(
+    /// Routes every placed instruction's results and collectives, colours the routes, writes the
+    /// schedule and lays the weight regions into the tile blob: the part of placement every
+    /// plan shares once its instructions have PEs.
+    pub(super) fn finish(mut self) -> Result<WaferProgram, WaferError> {
+        let module = self.module;
+        let params = self.params;
+        for i in 0..module.body.len() {
+            self.route_instr(i)?;
+        }
+        for i in 0..module.body.len() {
+            self.deliver(i);
+        }
+        if let Err(clash) = assign_colours(&mut self.routes, params) {
+            let route = &self.routes[clash.route];
+            let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
+            // Name the routes that took the colours: every route sharing a PE with the failed one.
+            let mut mine = std::collections::HashSet::new();
+            route::for_each_pe(&self.routes[clash.route], |pe| {
+                mine.insert(pe);
+            });
+            let mut holders: std::collections::BTreeMap<(u32, &'static str), u32> = std::collections::BTreeMap::new();
+            for (j, r) in self.routes.iter().enumerate() {
+                let mut touches = false;
+                route::for_each_pe(r, |pe| touches |= mine.contains(&pe));
+                if touches && j != clash.route {
+                    *holders.entry((r.instr, kind_name(&r.kind))).or_default() += 1;
+                }
+            }
+            let holders = holders
+                .into_iter()
+                .map(|((instr, kind), n)| {
+                    format!("{n} {kind} of %{instr} {}", module.body[waferc_ir::Handle::new(instr as usize)].op.name())
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(WaferError::Colours {
+                pe: clash.pe,
+                route: clash.route as u32,
+                instr: route.instr,
+                op: instr.op.name(),
+                layer: instr.layer,
+                limit: params.colours_per_pe,
+                holders,
+            });
+        }
+        let schedule = self.schedule();
+        let options = self.options;
+        let Placer { mut images, placements, routes, .. } = self;
+        images.sort_unstable_by_key(|image| image.pe);
+        let mut blob = 0u64;
+        for image in &mut images {
+            for region in &mut image.regions {
+                if let RegionKind::Weight { blob: range, .. } = &mut region.kind {
+                    *range = blob..blob + region.bytes as u64;
+                    blob += region.bytes as u64;
+                }
+            }
+        }
+        Ok(WaferProgram {
+            target: params.clone(),
+            plan: options.plan,
+            max_context: options.max_context,
+            pes: images,
+            instrs: placements,
+            routes,
+            schedule,
+            tile_blob_len: blob,
+            weights_present: module.weights.iter().all(|(_, w)| w.data.is_present()),
+        })
+    }
+
+    pub(super) fn new(
         module: &'a Module,
         analysis: &'a Analysis,
         params: &'a TargetParams,
         options: &'a CompileOptions,
         cells: Cells,
     ) -> Placer<'a> {
+        let route_band = cells.shelf as u16;
         Placer {
             module,
             analysis,
@@ -223,6 +236,7 @@ impl<'a> Placer<'a> {
             placements: Vec::with_capacity(module.body.len()),
             image_of: HashMap::new(),
             routes: Vec::new(),
+            route_band,
         }
     }
 
@@ -249,12 +263,22 @@ impl<'a> Placer<'a> {
         }))
     }
 
-    /// Gives `pe` its image: the code reserve, then `requests` in order. Returns the regions'
-    /// indices in the image.
-    fn fill(&mut self, pe: Pe, instr: u32, requests: Vec<Request>) -> Result<Vec<u32>, WaferError> {
-        let mut regions = Vec::with_capacity(requests.len() + 1);
-        regions.push(Region { offset: 0, bytes: self.params.code_reserve_bytes, instr: None, kind: RegionKind::Code });
-        let mut offset = self.params.code_reserve_bytes as u64;
+    /// Adds `requests` to `pe`'s image, in order, after what it already holds (a new image starts
+    /// with the code reserve). Returns the regions' indices in the image.
+    pub(super) fn fill(&mut self, pe: Pe, instr: u32, requests: Vec<Request>) -> Result<Vec<u32>, WaferError> {
+        let index = match self.image_of.get(&pe) {
+            Some(&index) => index,
+            None => {
+                let code =
+                    Region { offset: 0, bytes: self.params.code_reserve_bytes, instr: None, kind: RegionKind::Code };
+                self.image_of.insert(pe, self.images.len());
+                self.images.push(PeImage { pe, regions: vec![code] });
+                self.images.len() - 1
+            }
+        };
+        let regions = &mut self.images[index].regions;
+        let first = regions.len() as u32;
+        let mut offset = regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
         for (kind, bytes) in requests {
             regions.push(Region { offset: offset as u32, bytes: bytes as u32, instr: Some(instr), kind });
             offset += bytes;
@@ -268,10 +292,7 @@ impl<'a> Placer<'a> {
                 message: format!("{pe} would need {offset} bytes of SRAM, more than {}", self.params.sram_bytes_per_pe),
             });
         }
-        let indices = (1..regions.len() as u32).collect();
-        self.image_of.insert(pe, self.images.len());
-        self.images.push(PeImage { pe, regions });
-        Ok(indices)
+        Ok((first..regions.len() as u32).collect())
     }
 
     /// The layout of a vector op's result: on the PEs of its newest operand's segments when
@@ -285,6 +306,23 @@ impl<'a> Placer<'a> {
         segments: &[Range<u64>],
         requests: impl Fn(&Range<u64>) -> Vec<Request>,
     ) -> Result<VectorLayout, WaferError> {
+        let len = segments.last().map_or(0, |s| s.end);
+        match self.host_layout(i, &|pe| pe.wafer == wafer, len, &requests) {
+            Some(layout) => Ok(layout),
+            None => self.result_segments(wafer, i as u32, segments, requests),
+        }
+    }
+
+    /// A vector op's result on its newest operand's segments (see [`Placer::vector_layout`]), if
+    /// their cut suits the op, they lie where `allowed` says and SRAM has room; the regions are
+    /// added to those PEs.
+    pub(super) fn host_layout(
+        &mut self,
+        i: usize,
+        allowed: &dyn Fn(Pe) -> bool,
+        len: u64,
+        requests: &dyn Fn(&Range<u64>) -> Vec<Request>,
+    ) -> Option<VectorLayout> {
         let ir = &self.module.body[waferc_ir::Handle::new(i)];
         let host = ir
             .op
@@ -293,10 +331,11 @@ impl<'a> Placer<'a> {
             .filter(|v| matches!(self.module.body[*v].ty, ValueType::Tensor(_)))
             .max()
             .map(|v| self.analysis.source[v.index()] as usize);
-        let len = segments.last().map_or(0, |s| s.end);
         if let Some(ResultLayout::Vector(host)) = host.map(|h| &self.placements[h].result) {
             let host = host.clone();
-            if host.len() == len && suits(&ir.op, self.module, &host, len) && self.wafer_of_layout(&host) == Some(wafer)
+            if host.len() == len
+                && suits(&ir.op, self.module, &host, len)
+                && host.segments.iter().all(|s| allowed(s.pe))
             {
                 let plan: Vec<(Pe, Range<u64>, Vec<Request>)> = host
                     .segments
@@ -334,15 +373,18 @@ impl<'a> Placer<'a> {
                         }
                         layout.segments.push(Segment { pe, elements });
                     }
-                    return Ok(layout);
+                    return Some(layout);
                 }
             }
         }
-        self.result_segments(wafer, i as u32, segments, requests)
+        None
     }
 
-    fn wafer_of_layout(&self, layout: &VectorLayout) -> Option<u16> {
-        layout.segments.first().map(|s| s.pe.wafer)
+    /// SRAM bytes `pe` holds so far (0 for a PE with no image yet).
+    pub(super) fn used_bytes(&self, pe: Pe) -> u64 {
+        self.image_of
+            .get(&pe)
+            .map_or(0, |&i| self.images[i].regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64))
     }
 
     /// Whether `pe` holds `elements` of value `value`'s data (its source's result).
@@ -387,28 +429,14 @@ impl<'a> Placer<'a> {
     }
 
     fn unsupported(&self, instr: usize, message: String) -> WaferError {
-        let ir = &self.module.body[waferc_ir::Handle::new(instr)];
-        WaferError::Unsupported { instr: instr as u32, op: ir.op.name(), layer: ir.layer, message }
+        unsupported(self.module, instr, message)
     }
 
     fn place_instr(&mut self, i: usize, shape: &Shape, wafer: u16) -> Result<InstrPlacement, WaferError> {
         let module = self.module;
         let ir = &module.body[waferc_ir::Handle::new(i)];
         let instr = i as u32;
-        let operand_regions = |seg: &Range<u64>| -> Vec<Request> {
-            let mut operands = ir.op.operands();
-            operands.dedup();
-            operands
-                .into_iter()
-                .filter(|v| matches!(module.body[*v].ty, ValueType::Tensor(_)))
-                .map(|v| {
-                    (
-                        RegionKind::Operand { value: v.index() as u32, elements: seg.clone() },
-                        (seg.end - seg.start) * F32,
-                    )
-                })
-                .collect()
-        };
+        let operand_regions = |seg: &Range<u64>| operand_requests(module, i, seg);
         let (result, work) = match (&ir.op, shape) {
             (Op::Embed { table }, Shape::Embed { segments, rows_per_block }) => {
                 let w = &module.weights[*table];
@@ -437,7 +465,7 @@ impl<'a> Placer<'a> {
                 (ResultLayout::Vector(layout), Work::Embed { blocks, collects: Vec::new() })
             }
             (
-                Op::MatVec { x, weight, bias },
+                Op::MatVec { weight, bias, .. },
                 Shape::MatVec { rows_per_tile, chunks_per_tile, row_blocks, col_blocks, segments },
             ) => {
                 let w = &module.weights[*weight];
@@ -454,7 +482,6 @@ impl<'a> Placer<'a> {
                 let mut tiles: Vec<Tile> = Vec::with_capacity((r_count * c_count) as usize);
                 for r in 0..r_count {
                     let tile_rows = r * rows_per_tile..((r + 1) * rows_per_tile).min(rows);
-                    let n_rows = tile_rows.end - tile_rows.start;
                     let row_start = if packed.is_some() {
                         Pe::new(wafer, 0, 0)
                     } else if r % shelf == 0 {
@@ -469,38 +496,7 @@ impl<'a> Placer<'a> {
                             None => Pe::new(wafer, row_start.x + c as u16, row_start.y),
                         };
                         let tile_cols = width_of(c);
-                        let width = tile_cols.end - tile_cols.start;
-                        let mut requests = vec![
-                            (
-                                RegionKind::Weight {
-                                    weight: weight.index() as u32,
-                                    rows: tile_rows.clone(),
-                                    cols: tile_cols.clone(),
-                                    blob: 0..0,
-                                },
-                                n_rows * w.ty.dtype.row_bytes(width).expect("tiles cut at block boundaries"),
-                            ),
-                            (RegionKind::Operand { value: x.index() as u32, elements: tile_cols.clone() }, width * F32),
-                            (RegionKind::Partial { elements: n_rows as u32 }, 2 * n_rows * F32),
-                        ];
-                        if let (Some(b), 0) = (bias, c) {
-                            let bw = &module.weights[*b];
-                            let bytes = bw.ty.dtype.row_bytes(n_rows).ok_or_else(|| {
-                                self.unsupported(
-                                    i,
-                                    format!("bias {} ({}) cannot be cut at row {}", bw.name, bw.ty, tile_rows.start),
-                                )
-                            })?;
-                            requests.push((
-                                RegionKind::Weight {
-                                    weight: b.index() as u32,
-                                    rows: 0..1,
-                                    cols: tile_rows.clone(),
-                                    blob: 0..0,
-                                },
-                                bytes,
-                            ));
-                        }
+                        let requests = tile_requests(module, i, tile_rows.clone(), tile_cols.clone(), c == 0)?;
                         let region = self.fill(pe, instr, requests)?[0];
                         tiles.push(Tile {
                             pe,
@@ -538,20 +534,7 @@ impl<'a> Placer<'a> {
                 let w = &module.weights[*weight];
                 let g = w.ty.shape[0];
                 let len = segments.last().map_or(0, |s| s.end);
-                let layout = self.vector_layout(i, wafer, segments, |seg| {
-                    let n = seg.end - seg.start;
-                    // The weight slice this segment scales by: the whole weight when the segment
-                    // holds whole groups, else the segment's part of its group.
-                    let cols = if g <= n && g < len { 0..g } else { seg.start % g..seg.start % g + n };
-                    let bytes = w.ty.dtype.row_bytes(cols.end - cols.start).unwrap_or((cols.end - cols.start) * F32);
-                    let mut requests = operand_regions(seg);
-                    requests.push((
-                        RegionKind::Weight { weight: weight.index() as u32, rows: 0..1, cols, blob: 0..0 },
-                        bytes,
-                    ));
-                    requests.push((RegionKind::Scratch, 2 * n.div_ceil(g.min(n)) * F32));
-                    requests
-                })?;
+                let layout = self.vector_layout(i, wafer, segments, |seg| norm_requests(module, i, seg, len))?;
                 (ResultLayout::Vector(layout), Work::RmsNorm(NormPlacement { group_len: g, group_routes: Vec::new() }))
             }
             (Op::ExpertCombine { routing, .. }, Shape::Vector { segments }) => {
@@ -569,33 +552,18 @@ impl<'a> Placer<'a> {
                 (ResultLayout::Vector(layout), Work::Elementwise)
             }
             (
-                Op::Attention { q, k, v, cache, heads, .. },
+                Op::Attention { cache, heads, .. },
                 Shape::Attention { positions_per_block, blocks_per_head, segments },
             ) => {
                 let c = &module.caches[*cache];
-                let (hd, kv_heads) = (c.head_dim as u64, c.kv_heads);
-                let q_per_kv = (*heads / kv_heads) as u64;
+                let kv_heads = c.kv_heads;
                 let per = *positions_per_block as u64;
                 let mut placed = Vec::with_capacity(kv_heads as usize);
                 for h in 0..kv_heads as u64 {
                     let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
                     for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
                         let positions = (b * per) as u32..((b + 1) * per).min(self.options.max_context as u64) as u32;
-                        let n = (positions.end - positions.start) as u64;
-                        let q_range = h * q_per_kv * hd..(h + 1) * q_per_kv * hd;
-                        let kv_range = h * hd..(h + 1) * hd;
-                        let requests = vec![
-                            (RegionKind::KvCache { kv_head: h as u32, positions: positions.clone() }, n * hd * 2 * F32),
-                            // The query heads; after the scores, the same buffer receives partials.
-                            (
-                                RegionKind::Operand { value: q.index() as u32, elements: q_range },
-                                q_per_kv * (hd + 2) * F32,
-                            ),
-                            (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
-                            (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),
-                            (RegionKind::Scratch, q_per_kv * n * F32),
-                            (RegionKind::Partial { elements: (q_per_kv * (hd + 2)) as u32 }, q_per_kv * (hd + 2) * F32),
-                        ];
+                        let requests = kv_block_requests(module, i, h, positions.clone());
                         let region = self.fill(pe, instr, requests)?[0];
                         blocks.push(KvBlock { pe, positions, region });
                     }
@@ -691,7 +659,7 @@ impl<'a> Placer<'a> {
     }
 
     fn statistic_route(&mut self, instr: usize, elements: u64, source: Pe, destinations: Vec<Pe>) -> RouteId {
-        let path = route::multicast(source, &destinations, self.cells.shelf as u16);
+        let path = route::multicast(source, &destinations, self.route_band);
         self.add_route(
             instr,
             RouteKind::Statistic { elements: elements as u32 },
@@ -718,7 +686,7 @@ impl<'a> Placer<'a> {
                     largest = largest.max(overlap.end - overlap.start);
                 }
             }
-            let path = route::gather(&sources, seg.pe, self.cells.shelf as u16);
+            let path = route::gather(&sources, seg.pe, self.route_band);
             ids.push(self.add_route(
                 instr,
                 RouteKind::Collect { elements: seg.elements.clone() },
@@ -793,7 +761,7 @@ impl<'a> Placer<'a> {
                     ValueType::Routing { top_k, .. } => top_k as u64,
                     _ => 0,
                 };
-                let path = route::multicast(pe, &destinations, self.cells.shelf as u16);
+                let path = route::multicast(pe, &destinations, self.route_band);
                 *routing = self.add_route(i, RouteKind::Routing, vec![pe], destinations, vec![path], top_k * 8);
             }
             Work::Dispatch { routing } | Work::Combine { routing, .. } => {
@@ -829,7 +797,7 @@ impl<'a> Placer<'a> {
         let rows_of =
             |mv: &MatVecPlacement, r: usize| mv.tiles[r * c_count].rows.end - mv.tiles[r * c_count].rows.start;
         match self.options.plan {
-            Plan::Tiled => {
+            Plan::Tiled | Plan::Stacked { .. } => {
                 for r in 0..mv.row_blocks as usize {
                     let leaves = row_pes(mv, r);
                     if leaves.len() > 1 {
@@ -895,7 +863,7 @@ impl<'a> Placer<'a> {
             if destinations.is_empty() {
                 continue;
             }
-            let path = route::multicast(seg.pe, &destinations, self.cells.shelf as u16);
+            let path = route::multicast(seg.pe, &destinations, self.route_band);
             let id = self.add_route(
                 i,
                 RouteKind::Operand { value: i as u32, elements: seg.elements.clone() },
@@ -1022,6 +990,95 @@ impl<'a> Placer<'a> {
         }
         steps
     }
+}
+
+/// An elementwise op's operand buffers for result segment `seg`.
+pub(super) fn operand_requests(module: &Module, i: usize, seg: &Range<u64>) -> Vec<Request> {
+    let mut operands = module.body[waferc_ir::Handle::new(i)].op.operands();
+    operands.dedup();
+    operands
+        .into_iter()
+        .filter(|v| matches!(module.body[*v].ty, ValueType::Tensor(_)))
+        .map(|v| (RegionKind::Operand { value: v.index() as u32, elements: seg.clone() }, (seg.end - seg.start) * F32))
+        .collect()
+}
+
+/// A norm segment's regions: operands, the weight slice it scales by (the whole weight when
+/// the segment holds whole groups, else the segment's part of its group) and its statistics.
+pub(super) fn norm_requests(module: &Module, i: usize, seg: &Range<u64>, len: u64) -> Vec<Request> {
+    let Op::RmsNorm { weight, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
+        return Vec::new();
+    };
+    let w = &module.weights[*weight];
+    let g = w.ty.shape[0];
+    let n = seg.end - seg.start;
+    let cols = if g <= n && g < len { 0..g } else { seg.start % g..seg.start % g + n };
+    let bytes = w.ty.dtype.row_bytes(cols.end - cols.start).unwrap_or((cols.end - cols.start) * F32);
+    let mut requests = operand_requests(module, i, seg);
+    requests.push((RegionKind::Weight { weight: weight.index() as u32, rows: 0..1, cols, blob: 0..0 }, bytes));
+    requests.push((RegionKind::Scratch, 2 * n.div_ceil(g.min(n)) * F32));
+    requests
+}
+
+/// A matvec tile's regions (the weight block first): weight rows `rows` by elements `cols`,
+/// the x slice, the partial sums and their receive buffer, and on a row block's root the bias.
+pub(super) fn tile_requests(
+    module: &Module,
+    i: usize,
+    rows: Range<u64>,
+    cols: Range<u64>,
+    root: bool,
+) -> Result<Vec<Request>, WaferError> {
+    let Op::MatVec { x, weight, bias } = &module.body[waferc_ir::Handle::new(i)].op else {
+        return Err(unsupported(module, i, "internal: tile requests of a non-matvec".into()));
+    };
+    let w = &module.weights[*weight];
+    let (n_rows, width) = (rows.end - rows.start, cols.end - cols.start);
+    let mut requests = vec![
+        (
+            RegionKind::Weight { weight: weight.index() as u32, rows: rows.clone(), cols: cols.clone(), blob: 0..0 },
+            n_rows * w.ty.dtype.row_bytes(width).expect("tiles cut at block boundaries"),
+        ),
+        (RegionKind::Operand { value: x.index() as u32, elements: cols }, width * F32),
+        (RegionKind::Partial { elements: n_rows as u32 }, 2 * n_rows * F32),
+    ];
+    if let (Some(b), true) = (bias, root) {
+        let bw = &module.weights[*b];
+        let bytes = bw.ty.dtype.row_bytes(n_rows).ok_or_else(|| {
+            unsupported(module, i, format!("bias {} ({}) cannot be cut at row {}", bw.name, bw.ty, rows.start))
+        })?;
+        requests.push((RegionKind::Weight { weight: b.index() as u32, rows: 0..1, cols: rows, blob: 0..0 }, bytes));
+    }
+    Ok(requests)
+}
+
+/// A KV block's regions (the cache first): keys and values of `positions` for KV head `h`,
+/// the query heads (the same buffer later receives the reductions' partials), the new key and
+/// value, the scores and the block's own partials.
+pub(super) fn kv_block_requests(module: &Module, i: usize, h: u64, positions: Range<u32>) -> Vec<Request> {
+    let Op::Attention { q, k, v, cache, heads, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
+        return Vec::new();
+    };
+    let c = &module.caches[*cache];
+    let hd = c.head_dim as u64;
+    let q_per_kv = (*heads / c.kv_heads) as u64;
+    let n = (positions.end - positions.start) as u64;
+    let q_range = h * q_per_kv * hd..(h + 1) * q_per_kv * hd;
+    let kv_range = h * hd..(h + 1) * hd;
+    vec![
+        (RegionKind::KvCache { kv_head: h as u32, positions }, n * hd * 2 * F32),
+        (RegionKind::Operand { value: q.index() as u32, elements: q_range }, q_per_kv * (hd + 2) * F32),
+        (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
+        (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),
+        (RegionKind::Scratch, q_per_kv * n * F32),
+        (RegionKind::Partial { elements: (q_per_kv * (hd + 2)) as u32 }, q_per_kv * (hd + 2) * F32),
+    ]
+}
+
+/// An instruction the placer cannot place, with why.
+pub(super) fn unsupported(module: &Module, instr: usize, message: String) -> WaferError {
+    let ir = &module.body[waferc_ir::Handle::new(instr)];
+    WaferError::Unsupported { instr: instr as u32, op: ir.op.name(), layer: ir.layer, message }
 }
 
 /// Whether a vector op can compute on `layout`'s cut: rope needs whole heads per segment; a norm

@@ -272,7 +272,9 @@ pub(super) fn size_module(
                 let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
                 let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
                 let tiling = match options.plan {
-                    Plan::Tiled => tile_for_sram(dtype, bias_dtype, rows, cols, tile_budget)
+                    // The stacked plan tiles per region (`stacked`); its sizes here only estimate
+                    // what fits, as the densest tiling does.
+                    Plan::Tiled | Plan::Stacked { .. } => tile_for_sram(dtype, bias_dtype, rows, cols, tile_budget)
                         .or_else(|| tile_for_sram(dtype, bias_dtype, rows, cols, usable)),
                     Plan::MeshGemv { p, .. } => tile_mesh(dtype, bias_dtype, rows, cols, usable, p as u64),
                 }
@@ -283,7 +285,7 @@ pub(super) fn size_module(
                         w.ty,
                         match options.plan {
                             Plan::MeshGemv { p, .. } => format!(" as {p} x {p} blocks or finer"),
-                            Plan::Tiled => String::new(),
+                            Plan::Tiled | Plan::Stacked { .. } => String::new(),
                         }
                     ))
                 })?;

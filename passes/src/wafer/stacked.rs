@@ -1,0 +1,713 @@
+//! The stacked plan ([`Plan::Stacked`]): every PE of a layer group's region works in every phase.
+//!
+//! At batch 1 a decoder runs its layers one after another, so a plan that gives each matrix PEs
+//! of its own leaves almost all of them idle at any moment. Here the module is cut into *units*
+//! (the prologue before the first layer, groups of `layers_per_region` consecutive layers, the
+//! epilogue after the last), each unit gets one rectangle of PEs sized by the bytes it holds, and
+//! inside a unit's rectangle:
+//!
+//! * **every matvec is tiled over the whole tile area** (the rectangle less its KV strip), so
+//!   each PE holds a slice of every matrix of its layers and the q/k/v, o, gate/up and down
+//!   phases each use all of the area's PEs. A tile grid of `C` column blocks is folded into
+//!   panels `C` PEs wide placed side by side: tile `(r, c)` sits in panel `r / h`, row `r % h`,
+//!   column `c` of the panel, so a row block's reduction is a straight run along a PE row and a
+//!   column block's activation slice is one multicast along a row and down `panels` columns.
+//!   The chunks per tile (hence `C`) are chosen per matrix by a small cost estimate: arithmetic
+//!   of the busiest tile, the reduction tree's depth and span, and the multicast's span.
+//!   MoE experts are spread the same way over *lanes* (horizontal bands of the area, as many as
+//!   the router picks), expert `e` in lane `e % lanes`, so the chosen experts mostly run side by
+//!   side instead of queueing on the same PEs.
+//! * **vectors are cut in small segments spread over the area**: a matvec's result segments are
+//!   whole row blocks on their roots (32 elements or a head, so norms and rope can run on them in
+//!   place); elementwise ops run on their operand's segments; other vectors take PEs from a walk
+//!   over the area.
+//! * **KV blocks sit in a strip at the area's east side** (a block of 32 positions of one KV head
+//!   is tens of KiB, more than a tile share), one block per PE.
+//!
+//! Grouping trades arithmetic for distance: a larger group has more PEs per layer (less
+//! arithmetic per PE) but longer collectives. The plan search (`super::search`) picks the group
+//! size by the timing model. Routes, colours and the schedule are the shared placer's
+//! ([`Placer::finish`]).
+
+use std::ops::Range;
+
+use waferc_ir::wafer::{
+    AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement, NormPlacement, Pe,
+    RegionKind, ResultLayout, Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
+};
+use waferc_ir::{Module, Op, ValueType, BLOCK};
+
+use super::place::{kv_block_requests, norm_requests, operand_requests, tile_requests, unsupported, Placer, Request};
+use super::size::{kv_block_bytes, Analysis};
+use super::{CompileOptions, WaferError};
+
+const CHUNK: u64 = BLOCK as u64;
+const F32: u64 = 4;
+const VECTOR_CUT: u64 = 256;
+/// The share of a PE's usable SRAM the matvec tiles of its unit may take together; the rest
+/// holds vector segments, norm weights and receive buffers.
+const TILE_SHARE: f64 = 0.8;
+/// The most 32-element chunks a tile spans: each chunk of a matvec's input is one multicast
+/// down the tile's column, and more than four per column crowd the router's colours.
+const MAX_CHUNKS_PER_TILE: u64 = 1;
+
+/// A rectangle of PEs on one wafer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Rect {
+    wafer: u16,
+    x: u16,
+    y: u16,
+    w: u16,
+    h: u16,
+}
+
+impl Rect {
+    fn pes(&self) -> u64 {
+        self.w as u64 * self.h as u64
+    }
+
+    /// The PE `dx` columns and `dy` rows from the north-west corner.
+    fn at(&self, dx: u64, dy: u64) -> Pe {
+        Pe::new(self.wafer, self.x + dx as u16, self.y + dy as u16)
+    }
+
+    /// Cell `cell` of a column-major walk (down a column, then the next), wrapping around.
+    fn walk(&self, cell: u64) -> Pe {
+        let cell = cell % self.pes().max(1);
+        self.at(cell / self.h as u64, cell % self.h as u64)
+    }
+
+    /// Band `index` of `count` horizontal bands.
+    fn band(&self, index: u64, count: u64) -> Rect {
+        let h = self.h as u64;
+        let (top, bottom) = (h * index / count, h * (index + 1) / count);
+        Rect { y: self.y + top as u16, h: (bottom - top).max(1) as u16, ..*self }
+    }
+}
+
+/// A run of instructions placed together, and what it holds.
+struct Unit {
+    instrs: Range<usize>,
+    /// Weight bytes plus KV bytes: what the unit's rectangle is sized by.
+    bytes: u64,
+    /// KV blocks of all its attentions (one PE each).
+    kv_blocks: u64,
+}
+
+/// A unit's rectangle, split into the tile area (west) and the KV strip (east).
+struct Region {
+    area: Rect,
+    kv: Option<Rect>,
+    /// Next cell of the area's walk for a vector that has no host.
+    cursor: u64,
+    /// Next cell of the KV strip.
+    kv_cursor: u64,
+}
+
+/// Positions per KV block: the largest aligned power-of-two run of 32-position chunks whose
+/// block fits a PE beside nothing else (as the tiled plan sizes it).
+fn positions_per_block(head_dim: u64, q_per_kv: u64, max_context: u64, usable: u64) -> Option<u64> {
+    let max_positions = CHUNK * max_context.div_ceil(CHUNK).next_power_of_two();
+    let mut positions = CHUNK;
+    if kv_block_bytes(positions, head_dim, q_per_kv) > usable {
+        return None;
+    }
+    while positions * 2 <= max_positions && kv_block_bytes(positions * 2, head_dim, q_per_kv) <= usable {
+        positions *= 2;
+    }
+    Some(positions)
+}
+
+/// Bytes of a 2-D or 1-D weight at its storage type.
+fn weight_bytes(module: &Module, weight: waferc_ir::Handle<waferc_ir::Weight>) -> u64 {
+    let w = &module.weights[weight];
+    let cols = *w.ty.shape.last().unwrap_or(&0);
+    let rows: u64 = w.ty.shape.iter().rev().skip(1).product();
+    rows * w.ty.dtype.row_bytes(cols).unwrap_or(cols * F32)
+}
+
+/// The prologue, the layer groups and the epilogue, with their bytes.
+fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_region: u16) -> Vec<Unit> {
+    let n = module.body.len();
+    let first = module.body.iter().position(|(_, ins)| ins.layer.is_some()).unwrap_or(n);
+    let last = module.body.iter().rposition(|(_, ins)| ins.layer.is_some()).map_or(n, |i| i + 1);
+    let group_of = |i: usize| -> u64 {
+        match module.body[waferc_ir::Handle::new(i)].layer {
+            Some(l) => l as u64 / layers_per_region.max(1) as u64,
+            None => u64::MAX,
+        }
+    };
+    let mut bounds = vec![0];
+    if first > 0 && first < n {
+        bounds.push(first);
+    }
+    let mut group = None;
+    for i in first..last {
+        let g = group_of(i);
+        if g != u64::MAX {
+            if group.is_some_and(|prev| prev != g) {
+                bounds.push(i);
+            }
+            group = Some(g);
+        }
+    }
+    if last < n && last > 0 {
+        bounds.push(last);
+    }
+    bounds.push(n);
+    bounds.dedup();
+    bounds
+        .windows(2)
+        .map(|w| {
+            let instrs = w[0]..w[1];
+            let (mut bytes, mut kv_blocks) = (0, 0);
+            for i in instrs.clone() {
+                match &module.body[waferc_ir::Handle::new(i)].op {
+                    Op::MatVec { weight, bias, .. } => {
+                        bytes += weight_bytes(module, *weight) + bias.map_or(0, |b| weight_bytes(module, b));
+                    }
+                    Op::Embed { table } => bytes += weight_bytes(module, *table),
+                    Op::Attention { cache, heads, .. } => {
+                        let c = &module.caches[*cache];
+                        let (hd, q_per_kv) = (c.head_dim as u64, (*heads / c.kv_heads) as u64);
+                        let max = options.max_context as u64;
+                        if let Some(per) = positions_per_block(hd, q_per_kv, max, usable) {
+                            let blocks = c.kv_heads as u64 * max.div_ceil(per);
+                            kv_blocks += blocks;
+                            bytes += blocks * kv_block_bytes(per, hd, q_per_kv);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            Unit { instrs, bytes, kv_blocks }
+        })
+        .collect()
+}
+
+/// Wafer of each unit: consecutive units balanced by bytes (each goes where its midpoint falls).
+fn unit_wafers(units: &[Unit], wafers: u16) -> Vec<u16> {
+    let total: u64 = units.iter().map(|u| u.bytes).sum::<u64>().max(1);
+    let mut prefix = 0;
+    units
+        .iter()
+        .map(|u| {
+            let mid = 2 * prefix + u.bytes;
+            prefix += u.bytes;
+            ((mid as u128 * wafers as u128 / (2 * total as u128)) as u16).min(wafers - 1)
+        })
+        .collect()
+}
+
+/// Rectangles for the units of one wafer, areas in proportion to their bytes: the wafer is cut
+/// into vertical strips about as wide as a unit's square side, and units fill the strips in a
+/// snake (down the first, up the next), so consecutive units are neighbours. `None` when some
+/// unit would get no row.
+fn rectangles(params: &TargetParams, wafer: u16, bytes: &[u64]) -> Option<Vec<Rect>> {
+    let (cols, rows) = (params.grid_cols as u64, params.grid_rows as u64);
+    let total: u64 = bytes.iter().sum::<u64>().max(1);
+    let typical = (cols * rows) / bytes.len().max(1) as u64;
+    let strips = ((cols as f64 / (typical as f64).sqrt()).round() as u64).clamp(1, cols);
+    let width = |s: u64| cols * (s + 1) / strips - cols * s / strips;
+    let start = |s: u64| cols * s / strips;
+    // Shrink the heights until the snake fits the strips (units never straddle two strips).
+    let mut scale = 1.0f64;
+    for _ in 0..64 {
+        let mut out = Vec::with_capacity(bytes.len());
+        let (mut strip, mut used) = (0u64, 0u64);
+        let mut fits = true;
+        for &b in bytes {
+            let mut placed = false;
+            while strip < strips {
+                let w = width(strip);
+                let h = ((scale * (b as f64 / total as f64) * (cols * rows) as f64 / w as f64).floor() as u64).max(1);
+                if used + h <= rows {
+                    let y = if strip % 2 == 0 { used } else { rows - used - h };
+                    out.push(Rect { wafer, x: start(strip) as u16, y: y as u16, w: w as u16, h: h as u16 });
+                    used += h;
+                    placed = true;
+                    break;
+                }
+                strip += 1;
+                used = 0;
+            }
+            if !placed {
+                fits = false;
+                break;
+            }
+        }
+        if fits {
+            return Some(out);
+        }
+        scale *= 0.97;
+    }
+    None
+}
+
+/// The tiling of a `rows x cols` matvec over `area`.
+#[derive(Clone, Copy, Debug)]
+struct Grid {
+    rows_per_tile: u64,
+    chunks_per_tile: u64,
+    row_blocks: u64,
+    col_blocks: u64,
+}
+
+/// The chunks per tile that minimise the estimated time over `area` (ties: fewer column blocks)
+/// among the tilings whose tile fits `budget` bytes: the busiest tile's multiply-adds, the
+/// reduction tree (its span, and per level one message and one add of a row block), and the
+/// activation multicast's span.
+fn grid(rows: u64, cols: u64, area: Rect, tile_bytes: &dyn Fn(u64, u64) -> Option<u64>, budget: u64) -> Option<Grid> {
+    let chunks = cols.div_ceil(CHUNK);
+    let mut best: Option<(u64, Grid)> = None;
+    let mut run = 1;
+    while run <= chunks.next_power_of_two().min(MAX_CHUNKS_PER_TILE) {
+        let col_blocks = chunks.div_ceil(run);
+        if col_blocks <= area.w as u64 {
+            let panels = area.w as u64 / col_blocks;
+            let rows_per_tile = rows.div_ceil(panels * area.h as u64);
+            let depth = 64 - (col_blocks - 1).leading_zeros() as u64;
+            let cost = rows_per_tile * run * CHUNK
+                + col_blocks
+                + 2 * depth * rows_per_tile
+                + panels * col_blocks
+                + area.h as u64;
+            let g = Grid { rows_per_tile, chunks_per_tile: run, row_blocks: rows.div_ceil(rows_per_tile), col_blocks };
+            let fits = tile_bytes(rows_per_tile, (run * CHUNK).min(cols)).is_some_and(|b| b <= budget);
+            if fits && best.as_ref().is_none_or(|(c, _)| cost < *c) {
+                best = Some((cost, g));
+            }
+        }
+        run *= 2;
+    }
+    best.map(|(_, g)| g)
+}
+
+/// The smallest tile any tiling of a `rows x cols` matvec over `area` needs.
+fn smallest_tile(rows: u64, cols: u64, area: Rect, tile_bytes: &dyn Fn(u64, u64) -> Option<u64>) -> u64 {
+    let chunks = cols.div_ceil(CHUNK);
+    let mut run = 1;
+    let mut best = u64::MAX;
+    while run <= chunks.next_power_of_two().min(MAX_CHUNKS_PER_TILE) {
+        let col_blocks = chunks.div_ceil(run);
+        if col_blocks <= area.w as u64 {
+            let rows_per_tile = rows.div_ceil((area.w as u64 / col_blocks) * area.h as u64);
+            best = best.min(tile_bytes(rows_per_tile, (run * CHUNK).min(cols)).unwrap_or(u64::MAX));
+        }
+        run *= 2;
+    }
+    best
+}
+
+/// Places `module` with the stacked plan.
+pub(super) fn place(
+    module: &Module,
+    analysis: &Analysis,
+    params: &TargetParams,
+    options: &CompileOptions,
+    layers_per_region: u16,
+) -> Result<WaferProgram, WaferError> {
+    let usable = params.usable_bytes_per_pe() as u64;
+    let units = units(module, options, usable, layers_per_region);
+    let wafer_of_unit = unit_wafers(&units, params.wafers.max(1));
+    let mut regions: Vec<Option<Region>> = (0..units.len()).map(|_| None).collect();
+    for wafer in 0..params.wafers {
+        let on: Vec<usize> = (0..units.len()).filter(|&u| wafer_of_unit[u] == wafer).collect();
+        if on.is_empty() {
+            continue;
+        }
+        let bytes: Vec<u64> = on.iter().map(|&u| units[u].bytes).collect();
+        let rects = rectangles(params, wafer, &bytes).ok_or_else(|| {
+            WaferError::Options(format!(
+                "stacked:{layers_per_region}: {} regions do not fit wafer {wafer} of {}",
+                on.len(),
+                params.name
+            ))
+        })?;
+        for (&u, rect) in on.iter().zip(rects) {
+            let kv_cols = units[u].kv_blocks.div_ceil(rect.h as u64);
+            if kv_cols >= rect.w as u64 {
+                return Err(WaferError::Options(format!(
+                    "stacked:{layers_per_region}: the {} KV blocks of a region of {}x{} PEs leave no PE for tiles",
+                    units[u].kv_blocks, rect.w, rect.h
+                )));
+            }
+            let area = Rect { w: rect.w - kv_cols as u16, ..rect };
+            let kv = (kv_cols > 0).then(|| Rect { x: rect.x + area.w, w: kv_cols as u16, ..rect });
+            // Vectors without a host start in the middle column: multicasts from there reach the
+            // area's corners soonest, and column 0 already holds the panels' row roots.
+            let cursor = (area.w as u64 / 2) * area.h as u64;
+            regions[u] = Some(Region { area, kv, cursor, kv_cursor: 0 });
+        }
+    }
+    let mut placer = Placer::new(module, analysis, params, options, super::place::Cells::new(params));
+    // Regions are rectangles: a multicast runs along its source's row, then up and down the
+    // destination columns, with no shelves to stay inside.
+    placer.route_band = params.grid_rows;
+    let unit_weight_bytes = units
+        .iter()
+        .map(|u| {
+            u.instrs
+                .clone()
+                .map(|i| match &module.body[waferc_ir::Handle::new(i)].op {
+                    Op::MatVec { weight, .. } => weight_bytes(module, *weight),
+                    _ => 0,
+                })
+                .sum()
+        })
+        .collect();
+    let mut stacked = Stacked { placer, regions, unit_weight_bytes, unit_slack: Vec::new() };
+    let limit = (TILE_SHARE * usable as f64) as u64;
+    for (u, unit) in units.iter().enumerate() {
+        let mut smallest = 0;
+        for i in unit.instrs.clone() {
+            if let Op::MatVec { weight, bias, .. } = &module.body[waferc_ir::Handle::new(i)].op {
+                let w = &module.weights[*weight];
+                let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
+                let tile = |r, width| super::size::tile_bytes(w.ty.dtype, bias_dtype, r, width);
+                let (area, lanes) = stacked.area_of(i, u);
+                smallest += smallest_tile(w.ty.shape[0], w.ty.shape[1], area, &tile) / lanes;
+            }
+        }
+        stacked.unit_slack.push(limit.saturating_sub(smallest));
+    }
+    for (u, unit) in units.iter().enumerate() {
+        for i in unit.instrs.clone() {
+            let placement = stacked.place_instr(i, u)?;
+            stacked.placer.placements.push(placement);
+        }
+    }
+    stacked.placer.finish()
+}
+
+struct Stacked<'a> {
+    placer: Placer<'a>,
+    regions: Vec<Option<Region>>,
+    /// Matvec weight bytes per unit (what the tile budgets are shares of).
+    unit_weight_bytes: Vec<u64>,
+    /// Per unit, the tile SRAM per PE left once every matvec has its smallest tile: shared out
+    /// by weight bytes, so every PE's tiles fit together.
+    unit_slack: Vec<u64>,
+}
+
+impl Stacked<'_> {
+    fn region(&mut self, unit: usize) -> &mut Region {
+        self.regions[unit].as_mut().expect("every unit has a region")
+    }
+
+    /// The next PE of the unit's walk with room for `bytes` more.
+    fn fresh_pe(&mut self, i: usize, unit: usize, bytes: u64) -> Result<Pe, WaferError> {
+        let limit = self.placer.params.sram_bytes_per_pe as u64;
+        let area = self.region(unit).area;
+        for _ in 0..area.pes() {
+            let region = self.region(unit);
+            let pe = area.walk(region.cursor);
+            region.cursor += 1;
+            if self.placer.used_bytes(pe).max(self.placer.params.code_reserve_bytes as u64) + bytes <= limit {
+                return Ok(pe);
+            }
+        }
+        Err(unsupported(
+            self.placer.module,
+            i,
+            format!("no PE of its {}x{} region has {bytes} bytes free", area.w, area.h),
+        ))
+    }
+
+    /// Result segments on fresh PEs of the unit's walk.
+    fn fresh_layout(
+        &mut self,
+        i: usize,
+        unit: usize,
+        segments: &[Range<u64>],
+        extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
+    ) -> Result<VectorLayout, WaferError> {
+        let mut layout = VectorLayout::default();
+        for seg in segments {
+            let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
+            requests.extend(extra(seg));
+            let bytes = requests.iter().map(|(_, b)| b).sum();
+            let pe = self.fresh_pe(i, unit, bytes)?;
+            self.placer.fill(pe, i as u32, requests)?;
+            layout.segments.push(Segment { pe, elements: seg.clone() });
+        }
+        Ok(layout)
+    }
+
+    /// A vector op's layout: on its operand's segments if they suit, else fresh `unit`-element
+    /// segments (the smallest multiple of 32 that is a whole number of `unit`s).
+    fn vector_layout(
+        &mut self,
+        i: usize,
+        unit: usize,
+        len: u64,
+        cut: u64,
+        requests: &dyn Fn(&Range<u64>) -> Vec<Request>,
+    ) -> Result<VectorLayout, WaferError> {
+        // Only a host in this unit's own region: a vector of the previous unit stays there.
+        let region = self.region(unit);
+        let whole = Rect { w: region.area.w + region.kv.map_or(0, |kv| kv.w), ..region.area };
+        let inside = |pe: Pe| {
+            pe.wafer == whole.wafer
+                && (whole.x..whole.x + whole.w).contains(&pe.x)
+                && (whole.y..whole.y + whole.h).contains(&pe.y)
+        };
+        if let Some(layout) = self.placer.host_layout(i, &inside, len, requests) {
+            return Ok(layout);
+        }
+        self.fresh_layout(i, unit, &super::size::segments(len, cut), requests)
+    }
+
+    /// The tile area of instruction `i` and how many lanes its area is cut into: the unit's area,
+    /// or its expert's lane.
+    fn area_of(&mut self, i: usize, unit: usize) -> (Rect, u64) {
+        let area = self.region(unit).area;
+        let analysis = self.placer.analysis;
+        let (Some(expert), Some(router)) = (analysis.expert[i], analysis.router[i]) else { return (area, 1) };
+        let top_k = match self.placer.module.body[waferc_ir::Handle::new(router as usize)].ty {
+            ValueType::Routing { top_k, .. } => top_k as u64,
+            _ => 1,
+        };
+        let lanes = top_k.clamp(1, area.h as u64);
+        (area.band(expert as u64 % lanes, lanes), lanes)
+    }
+
+    fn place_instr(&mut self, i: usize, unit: usize) -> Result<InstrPlacement, WaferError> {
+        let module = self.placer.module;
+        let ir = &module.body[waferc_ir::Handle::new(i)];
+        let instr = i as u32;
+        let len = match &ir.ty {
+            ValueType::Tensor(t) => t.elements(),
+            ValueType::Routing { .. } => 0,
+        };
+        let (result, work) = match &ir.op {
+            Op::MatVec { weight, bias, .. } => {
+                let (rows, cols) = (module.weights[*weight].ty.shape[0], module.weights[*weight].ty.shape[1]);
+                let (area, lanes) = self.area_of(i, unit);
+                // Each matvec's tiles get SRAM in proportion to its weight's share of the unit's
+                // (times the lanes it is squeezed into), so every PE's tiles fit together.
+                let w = &module.weights[*weight];
+                let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
+                let tile = |r, width| super::size::tile_bytes(w.ty.dtype, bias_dtype, r, width);
+                let share = weight_bytes(module, *weight) as f64 / self.unit_weight_bytes[unit].max(1) as f64;
+                let slack = self.unit_slack[unit] as f64;
+                let budget = smallest_tile(rows, cols, area, &tile) + (share * lanes as f64 * slack) as u64;
+                let g = grid(rows, cols, area, &tile, budget).ok_or_else(|| {
+                    unsupported(
+                        module,
+                        i,
+                        format!(
+                            "no tile of weight {} ({}) over a {}x{} area fits its {budget}-byte share of a PE",
+                            w.name, w.ty, area.w, area.h
+                        ),
+                    )
+                })?;
+                let width_of =
+                    |c: u64| (c * g.chunks_per_tile * CHUNK)..((c + 1) * g.chunks_per_tile * CHUNK).min(cols);
+                let mut tiles = Vec::with_capacity((g.row_blocks * g.col_blocks) as usize);
+                for r in 0..g.row_blocks {
+                    let tile_rows = r * g.rows_per_tile..((r + 1) * g.rows_per_tile).min(rows);
+                    let (panel, y) = (r / area.h as u64, r % area.h as u64);
+                    for c in 0..g.col_blocks {
+                        let pe = area.at(panel * g.col_blocks + c, y);
+                        let tile_cols = width_of(c);
+                        let requests = tile_requests(module, i, tile_rows.clone(), tile_cols.clone(), c == 0)?;
+                        let region = self.placer.fill(pe, instr, requests)?[0];
+                        let chunks = tile_cols.start / CHUNK..tile_cols.end.div_ceil(CHUNK);
+                        tiles.push(Tile { pe, rows: tile_rows.clone(), chunks, region });
+                    }
+                }
+                // Result segments of 32 elements (a head when rope reads the result), so norms
+                // and rope run in place; each sits in the tile row of its first element, the
+                // segments starting in one row block spread along that row.
+                let mut layout = VectorLayout::default();
+                let mut along = (u64::MAX, 0);
+                for seg in super::size::segments(rows, self.segment_cut(i)) {
+                    let r = seg.start / g.rows_per_tile;
+                    along = if along.0 == r { (r, along.1 + 1) } else { (r, 0) };
+                    let pe = tiles[(r * g.col_blocks + along.1 % g.col_blocks) as usize].pe;
+                    let output = (RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32);
+                    self.placer.fill(pe, instr, vec![output])?;
+                    layout.segments.push(Segment { pe, elements: seg });
+                }
+                let placement = MatVecPlacement {
+                    rows,
+                    cols,
+                    row_blocks: g.row_blocks as u32,
+                    col_blocks: g.col_blocks as u32,
+                    tiles,
+                    reductions: Vec::new(),
+                    broadcasts: Vec::new(),
+                    bias: bias.map(|b| b.index() as u32),
+                    collects: Vec::new(),
+                };
+                (ResultLayout::Vector(layout), Work::MatVec(placement))
+            }
+            Op::RmsNorm { weight, .. } => {
+                let g = module.weights[*weight].ty.shape[0];
+                // Whole groups per segment when groups are small (per-head norms), else chunks.
+                let cut = if g < len && g <= 2048 { g } else { VECTOR_CUT };
+                let layout = self.vector_layout(i, unit, len, cut, &|seg| norm_requests(module, i, seg, len))?;
+                (ResultLayout::Vector(layout), Work::RmsNorm(NormPlacement { group_len: g, group_routes: Vec::new() }))
+            }
+            Op::Rope { head_dim, .. } => {
+                let layout =
+                    self.vector_layout(i, unit, len, *head_dim as u64, &|seg| operand_requests(module, i, seg))?;
+                (ResultLayout::Vector(layout), Work::Elementwise)
+            }
+            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } => {
+                let layout = self.vector_layout(i, unit, len, VECTOR_CUT, &|seg| operand_requests(module, i, seg))?;
+                (ResultLayout::Vector(layout), Work::Elementwise)
+            }
+            Op::ExpertCombine { routing, .. } => {
+                let top_k = match module.body[*routing].ty {
+                    ValueType::Routing { top_k, .. } => top_k as u64,
+                    _ => 0,
+                };
+                let segments = super::size::segments(len, CHUNK);
+                let layout = self.fresh_layout(i, unit, &segments, &|seg| {
+                    vec![(RegionKind::Scratch, top_k * (seg.end - seg.start) * F32 + top_k * 8)]
+                })?;
+                (ResultLayout::Vector(layout), Work::Combine { routing: 0, collects: Vec::new() })
+            }
+            Op::Attention { cache, heads, .. } => self.attention(i, unit, *cache, *heads, len)?,
+            Op::Embed { table } => self.embed(i, unit, *table, len)?,
+            Op::RouterTopK { logits, top_k, .. } => {
+                let experts = match &module.body[*logits].ty {
+                    ValueType::Tensor(t) => t.elements(),
+                    ValueType::Routing { .. } => 0,
+                };
+                let requests = vec![
+                    (RegionKind::Operand { value: logits.index() as u32, elements: 0..experts }, experts * F32),
+                    (RegionKind::Output { elements: 0..*top_k as u64 }, *top_k as u64 * 8),
+                ];
+                let pe = self.fresh_pe(i, unit, requests.iter().map(|(_, b)| b).sum())?;
+                self.placer.fill(pe, instr, requests)?;
+                (ResultLayout::Routing { pe }, Work::Router { routing: 0 })
+            }
+            Op::ExpertDispatch { .. } => {
+                let source = self.placer.analysis.source[i] as usize;
+                (self.placer.placements[source].result.clone(), Work::Dispatch { routing: 0 })
+            }
+        };
+        Ok(InstrPlacement {
+            instr,
+            op: ir.op.name().to_string(),
+            layer: ir.layer,
+            expert: self.placer.analysis.expert[i],
+            result,
+            operand_routes: Vec::new(),
+            deliveries: Vec::new(),
+            work,
+        })
+    }
+
+    /// The result cut a matvec's readers need: a head when rope reads it, else a chunk.
+    fn segment_cut(&self, i: usize) -> u64 {
+        let module = self.placer.module;
+        self.placer.analysis.readers[i]
+            .iter()
+            .filter_map(|&r| match &module.body[waferc_ir::Handle::new(r as usize)].op {
+                Op::Rope { head_dim, .. } => Some(*head_dim as u64),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(VECTOR_CUT)
+    }
+
+    fn attention(
+        &mut self,
+        i: usize,
+        unit: usize,
+        cache: waferc_ir::Handle<waferc_ir::KvCache>,
+        heads: u32,
+        len: u64,
+    ) -> Result<(ResultLayout, Work), WaferError> {
+        let module = self.placer.module;
+        let c = &module.caches[cache];
+        let (hd, kv_heads) = (c.head_dim as u64, c.kv_heads);
+        let q_per_kv = (heads / kv_heads) as u64;
+        let max = self.placer.options.max_context as u64;
+        let usable = self.placer.params.usable_bytes_per_pe() as u64;
+        let per = positions_per_block(hd, q_per_kv, max, usable).ok_or_else(|| {
+            unsupported(module, i, format!("32 positions of a KV head (head_dim {hd}) do not fit one PE"))
+        })?;
+        let kv = self.region(unit).kv.ok_or_else(|| unsupported(module, i, "internal: no KV strip".into()))?;
+        let mut placed = Vec::with_capacity(kv_heads as usize);
+        for h in 0..kv_heads as u64 {
+            let mut blocks = Vec::new();
+            for b in 0..max.div_ceil(per) {
+                let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
+                let region = self.region(unit);
+                let pe = kv.walk(region.kv_cursor);
+                region.kv_cursor += 1;
+                let index = self.placer.fill(pe, i as u32, kv_block_requests(module, i, h, positions.clone()))?[0];
+                blocks.push(KvBlock { pe, positions, region: index });
+            }
+            placed.push(KvHeadPlacement {
+                kv_head: h as u32,
+                blocks,
+                q_routes: Vec::new(),
+                k_routes: Vec::new(),
+                v_routes: Vec::new(),
+                max_reduce: None,
+                max_broadcast: None,
+                sum_reduce: None,
+                sum_broadcast: None,
+                out_reduce: None,
+            });
+        }
+        let layout = self.fresh_layout(i, unit, &super::size::segments(len, hd), &|_| Vec::new())?;
+        let placement =
+            AttentionPlacement { heads, kv_heads, head_dim: c.head_dim, kv_heads_placed: placed, collects: Vec::new() };
+        Ok((ResultLayout::Vector(layout), Work::Attention(placement)))
+    }
+
+    /// The table spread over the whole area: per result segment (32 elements), row blocks as
+    /// small as the area allows, so no PE holds much more than its share.
+    fn embed(
+        &mut self,
+        i: usize,
+        unit: usize,
+        table: waferc_ir::Handle<waferc_ir::Weight>,
+        len: u64,
+    ) -> Result<(ResultLayout, Work), WaferError> {
+        let module = self.placer.module;
+        let w = &module.weights[table];
+        let rows = w.ty.shape[0];
+        let area = self.region(unit).area;
+        let cut = if w.ty.dtype.row_bytes(CHUNK).is_some() {
+            CHUNK.max(len.div_ceil(area.w as u64).next_multiple_of(CHUNK))
+        } else {
+            len
+        };
+        let segments = super::size::segments(len, cut);
+        let per_segment = (area.pes() / segments.len() as u64).max(1);
+        let rows_per_block = rows.div_ceil(per_segment);
+        let mut blocks = Vec::new();
+        let mut cell = 0;
+        for seg in &segments {
+            let width = seg.end - seg.start;
+            let row_bytes = w.ty.dtype.row_bytes(width).ok_or_else(|| {
+                unsupported(module, i, format!("table {} ({}) cannot be cut at element {}", w.name, w.ty, seg.start))
+            })?;
+            for b in 0..rows.div_ceil(rows_per_block) {
+                let block_rows = b * rows_per_block..((b + 1) * rows_per_block).min(rows);
+                let pe = area.walk(cell);
+                cell += 1;
+                let weight = RegionKind::Weight {
+                    weight: table.index() as u32,
+                    rows: block_rows.clone(),
+                    cols: seg.clone(),
+                    blob: 0..0,
+                };
+                let bytes = (block_rows.end - block_rows.start) * row_bytes;
+                self.placer.fill(pe, i as u32, vec![(weight, bytes), (RegionKind::Scratch, width * F32)])?;
+                blocks.push(EmbedBlock { pe, rows: block_rows, elements: seg.clone() });
+            }
+        }
+        self.region(unit).cursor = cell;
+        let layout = self.fresh_layout(i, unit, &segments, &|_| Vec::new())?;
+        Ok((ResultLayout::Vector(layout), Work::Embed { blocks, collects: Vec::new() }))
+    }
+}
