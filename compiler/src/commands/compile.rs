@@ -32,8 +32,7 @@ pub struct CompileArgs {
     pub passes: String,
     /// The matvec plan: `tiled` (default: each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
-    /// `stacked:K` (experimental: K layers per region, every matvec over the whole region; runs
-    /// out of router colours on every model so far).
+    /// `stacked:K` (K consecutive layers per region, every matvec tiled over the whole region).
     #[arg(long, default_value = "tiled")]
     pub plan: String,
     /// Write the IR after every pass into DIR (00-frontend.ir, 01-<pass>.ir, ...).

@@ -307,8 +307,9 @@ pub struct InstrPlacement {
     /// deliveries of the dispatched `x`). For a matvec they end at the tiles, for attention at the
     /// KV blocks, otherwise at the result's segments or the router PE.
     pub operand_routes: Vec<RouteId>,
-    /// The [`RouteKind::Operand`] routes carrying this instruction's result to its consumers, one
-    /// per result segment (empty when nothing reads the result, e.g. the logits).
+    /// The [`RouteKind::Operand`] routes carrying this instruction's result to its consumers, in
+    /// segment order, one per result segment read on another PE (empty when nothing reads the
+    /// result elsewhere, e.g. the logits).
     pub deliveries: Vec<RouteId>,
     pub work: Work,
 }

@@ -9,9 +9,9 @@
 //! `0..max_context` exactly once in aligned power-of-two chunk runs; every route's path is made of
 //! straight neighbour runs (or hops between consecutive wafers), each starting where the route
 //! already is, and reaches every destination; route endpoints hold what the route moves (a
-//! reduction's PEs the instruction's state, a collect's destination the result elements); no two
-//! routes touching a PE share a colour, and no
-//! colour exceeds the target's limit; every operand a PE expects arrives on a route from a PE
+//! reduction's PEs the instruction's state, a collect's destination the result elements); two
+//! routes touching a PE share a colour only if one's instruction reads the other's result
+//! (they are never active together), and no colour exceeds the target's limit; every operand a PE expects arrives on a route from a PE
 //! holding it (or is already there); every route is used by exactly one schedule step, after the
 //! steps that produce what it carries.
 
@@ -86,6 +86,47 @@ struct Checker<'a> {
     program: &'a WaferProgram,
     module: &'a Module,
     problems: Vec<Problem>,
+}
+
+/// Whether one instruction reads another's result, through any chain of operands: found by a
+/// search back from the reader that never goes below the instruction sought (operands always
+/// come earlier), remembered per pair.
+struct Reads<'a> {
+    module: &'a Module,
+    known: HashMap<(u32, u32), bool>,
+}
+
+impl<'a> Reads<'a> {
+    fn new(module: &'a Module) -> Self {
+        Reads { module, known: HashMap::new() }
+    }
+
+    /// Whether `reader` depends on `source` (`source < reader`).
+    fn transitively(&mut self, reader: u32, source: u32) -> bool {
+        if let Some(&known) = self.known.get(&(reader, source)) {
+            return known;
+        }
+        let mut seen = HashSet::new();
+        let mut stack = vec![reader];
+        let mut found = false;
+        while let Some(v) = stack.pop() {
+            for operand in self.module.body[Handle::new(v as usize)].op.operands() {
+                let u = operand.index() as u32;
+                if u == source {
+                    found = true;
+                    break;
+                }
+                if u > source && seen.insert(u) {
+                    stack.push(u);
+                }
+            }
+            if found {
+                break;
+            }
+        }
+        self.known.insert((reader, source), found);
+        found
+    }
 }
 
 /// Checks `program` against the `module` it was compiled from.
@@ -562,12 +603,23 @@ impl<'a> Checker<'a> {
         }
     }
 
+    /// Paths are walkable and colours legal: within the limit, and two routes sharing a colour
+    /// on a PE belong to instructions one of which reads the other's result (transitively), so
+    /// they are never active at the same time (the router switches the colour between them).
     fn paths_and_colours(&mut self) {
         let params = &self.program.target;
         let (cols, rows) = (params.grid_cols as usize, params.grid_rows as usize);
-        let mut masks = vec![0u32; cols * rows * params.wafers as usize];
-        let index = |pe: Pe| (pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize;
-        for route in &self.program.routes {
+        let colours = params.colours_per_pe.min(32) as usize;
+        // Per (PE, colour): the position in `program.routes` of the route that used it last, in
+        // instruction order (`u32::MAX`: none yet).
+        let mut last: Vec<u32> = vec![u32::MAX; cols * rows * params.wafers as usize * colours.max(1)];
+        let index = |pe: Pe, colour: u8| {
+            ((pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize) * colours + colour as usize
+        };
+        let mut order: Vec<(usize, &Route)> = self.program.routes.iter().enumerate().collect();
+        order.sort_by_key(|(_, r)| (r.instr, r.id));
+        let mut reads = Reads::new(self.module);
+        for (position, route) in order {
             if route.sources.is_empty() || route.destinations.is_empty() {
                 self.report(None, Some(route.id), Some(route.instr), "has no source or no destination".into());
                 continue;
@@ -588,21 +640,28 @@ impl<'a> Checker<'a> {
                     continue;
                 }
             };
-            let bit = 1u32 << route.colour;
-            let mut clash = None;
+            let mut clash: Option<(Pe, &Route)> = None;
             for pe in &pes {
-                let m = &mut masks[index(*pe)];
-                if *m & bit != 0 && clash.is_none_or(|c: Pe| *pe < c) {
-                    clash = Some(*pe);
+                let slot = &mut last[index(*pe, route.colour)];
+                if *slot != u32::MAX && *slot != position as u32 {
+                    let other = &self.program.routes[*slot as usize];
+                    let apart = other.instr != route.instr && reads.transitively(route.instr, other.instr);
+                    if !apart && clash.is_none_or(|(c, _)| *pe < c) {
+                        clash = Some((*pe, other));
+                    }
                 }
-                *m |= bit;
+                *slot = position as u32;
             }
-            if let Some(pe) = clash {
+            if let Some((pe, other)) = clash {
                 self.report(
                     Some(pe),
                     Some(route.id),
                     Some(route.instr),
-                    format!("colour {} is already used at this PE by another route", route.colour),
+                    format!(
+                        "colour {} is already used at this PE by route {} of %{}, which can be active at \
+                         the same time",
+                        route.colour, other.id, other.instr
+                    ),
                 );
             }
         }
@@ -658,22 +717,33 @@ impl<'a> Checker<'a> {
                     continue;
                 };
                 let src = source(*value as usize);
-                let local = self.program.pe(image.pe).is_some_and(|img| {
-                    img.regions.iter().any(|g| g.instr == Some(src) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
-                });
-                if local {
-                    continue;
-                }
+                // What the PE holds of the source's result itself, then what routes bring.
+                let mut held: Vec<Range<u64>> = image
+                    .regions
+                    .iter()
+                    .filter(|g| g.instr == Some(src))
+                    .filter_map(|g| match &g.kind {
+                        RegionKind::Output { elements: e } if overlap(e, elements) => Some(e.clone()),
+                        _ => None,
+                    })
+                    .collect();
                 let mut pieces: Vec<(Range<u64>, u32)> = arriving
                     .get(&(src, image.pe))
                     .map(|v| v.iter().filter(|(e, _)| overlap(e, elements)).cloned().collect())
                     .unwrap_or_default();
-                pieces.sort_by_key(|(e, _)| e.start);
+                held.extend(pieces.iter().map(|(e, _)| e.clone()));
+                held.sort_by_key(|e| e.start);
                 let mut covered = elements.start;
-                for (e, id) in &pieces {
+                for e in &held {
                     if e.start <= covered {
                         covered = covered.max(e.end);
                     }
+                }
+                if covered >= elements.end && pieces.is_empty() {
+                    continue;
+                }
+                pieces.sort_by_key(|(e, _)| e.start);
+                for (_, id) in &pieces {
                     if !listed[instr as usize].contains(id) {
                         self.report(
                             Some(image.pe),

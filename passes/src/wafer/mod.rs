@@ -28,6 +28,7 @@
 
 mod check;
 mod place;
+mod precedence;
 mod route;
 mod size;
 mod stacked;

@@ -159,7 +159,8 @@ impl<'a> Placer<'a> {
         for i in 0..module.body.len() {
             self.deliver(i);
         }
-        if let Err(clash) = assign_colours(&mut self.routes, params) {
+        let precedence = super::precedence::Precedence::new(module);
+        if let Err(clash) = assign_colours(&mut self.routes, params, &precedence) {
             let route = &self.routes[clash.route];
             let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
             // Name the routes that took the colours: every route sharing a PE with the failed one.
@@ -756,7 +757,6 @@ impl<'a> Placer<'a> {
                 }
                 destinations.sort_unstable();
                 destinations.dedup();
-                destinations.retain(|d| *d != pe);
                 let top_k = match self.module.body[waferc_ir::Handle::new(i)].ty {
                     ValueType::Routing { top_k, .. } => top_k as u64,
                     _ => 0,

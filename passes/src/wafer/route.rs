@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 
 use waferc_ir::wafer::{reduce_tree, Pe, Route, Run, TargetParams};
 
+use super::precedence::Precedence;
+
 /// The PE through which a wafer talks to its neighbours in the pipeline.
 pub(super) fn gateway(wafer: u16) -> Pe {
     Pe::new(wafer, 0, 0)
@@ -230,11 +232,17 @@ pub(super) struct ColourClash {
     pub pe: Pe,
 }
 
-/// Colours routes so that no two routes touching a PE share one, by DSatur: repeatedly colour
-/// the uncoloured route whose neighbours (routes sharing a PE with it) already use the most
-/// distinct colours (ties: more PEs, then lower route index), with the lowest colour they leave
-/// free. Deterministic.
-pub(super) fn assign_colours(routes: &mut [Route], params: &TargetParams) -> Result<(), ColourClash> {
+/// Colours routes so that no two routes touching a PE share one while both can be active, by
+/// DSatur: repeatedly colour the uncoloured route whose neighbours (routes sharing a PE with it
+/// whose instructions are not ordered by [`Precedence`]) already use the most distinct colours
+/// (ties: more PEs, then lower route index), with the lowest colour they leave free. Routes of
+/// ordered instructions may share a colour: the router switches the colour between them.
+/// Deterministic.
+pub(super) fn assign_colours(
+    routes: &mut [Route],
+    params: &TargetParams,
+    precedence: &Precedence,
+) -> Result<(), ColourClash> {
     let (cols, rows) = (params.grid_cols as usize, params.grid_rows as usize);
     let index = |pe: Pe| (pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize;
     let pe_count = cols * rows * params.wafers as usize;
@@ -293,7 +301,10 @@ pub(super) fn assign_colours(routes: &mut [Route], params: &TargetParams) -> Res
             used[p as usize] |= bit;
             for &other in &pe_routes[starts[p as usize] as usize..starts[p as usize + 1] as usize] {
                 let other = other as usize;
-                if !coloured[other] && neighbour_colours[other] & bit == 0 {
+                if !coloured[other]
+                    && neighbour_colours[other] & bit == 0
+                    && !precedence.ordered(routes[r].instr as usize, routes[other].instr as usize)
+                {
                     neighbour_colours[other] |= bit;
                     queue.push((
                         neighbour_colours[other].count_ones(),

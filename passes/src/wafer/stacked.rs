@@ -14,9 +14,9 @@
 //!   column block's activation slice is one multicast along a row and down `panels` columns.
 //!   The chunks per tile (hence `C`) are chosen per matrix by a small cost estimate: arithmetic
 //!   of the busiest tile, the reduction tree's depth and span, and the multicast's span.
-//!   MoE experts are spread the same way over *lanes* (horizontal bands of the area, as many as
-//!   the router picks), expert `e` in lane `e % lanes`, so the chosen experts mostly run side by
-//!   side instead of queueing on the same PEs.
+//!   MoE experts are spread the same way over *lanes* (horizontal bands of the area, one per
+//!   expert while the area has rows for them), so the chosen experts run side by side and the
+//!   routes of experts that may run together meet only where their lanes' paths cross.
 //! * **vectors are cut in small segments spread over the area**: a matvec's result segments are
 //!   whole row blocks on their roots (32 elements or a head, so norms and rope can run on them in
 //!   place); elementwise ops run on their operand's segments; other vectors take PEs from a walk
@@ -29,6 +29,7 @@
 //! size by the timing model. Routes, colours and the schedule are the shared placer's
 //! ([`Placer::finish`]).
 
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use waferc_ir::wafer::{
@@ -43,13 +44,19 @@ use super::{CompileOptions, WaferError};
 
 const CHUNK: u64 = BLOCK as u64;
 const F32: u64 = 4;
-const VECTOR_CUT: u64 = 256;
 /// The share of a PE's usable SRAM the matvec tiles of its unit may take together; the rest
 /// holds vector segments, norm weights and receive buffers.
 const TILE_SHARE: f64 = 0.8;
 /// The most 32-element chunks a tile spans: each chunk of a matvec's input is one multicast
 /// down the tile's column, and more than four per column crowd the router's colours.
-const MAX_CHUNKS_PER_TILE: u64 = 1;
+const MAX_CHUNKS_PER_TILE: u64 = 4;
+/// The most segments a vector is cut in. Every segment is one multicast to the PEs that read it,
+/// and the multicasts of one vector into a tile grid of several panels cross each other (each
+/// runs along its row across the panels, then down whole columns), so they need a colour each.
+const MAX_SEGMENTS: u64 = 16;
+/// The most segments the embedding's result is cut in: each is gathered from its own band of
+/// the table, and all of an instruction's routes need distinct colours where they meet.
+const EMBED_SEGMENTS: u64 = 8;
 
 /// A rectangle of PEs on one wafer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,6 +109,12 @@ struct Region {
     cursor: u64,
     /// Next cell of the KV strip.
     kv_cursor: u64,
+}
+
+/// The segment length of an `len`-element vector: a power-of-two run of chunks cutting it in at
+/// most [`MAX_SEGMENTS`] pieces.
+fn vector_cut(len: u64) -> u64 {
+    len.div_ceil(MAX_SEGMENTS).next_power_of_two().max(CHUNK)
 }
 
 /// Positions per KV block: the largest aligned power-of-two run of 32-position chunks whose
@@ -356,7 +369,14 @@ pub(super) fn place(
                 .sum()
         })
         .collect();
-    let mut stacked = Stacked { placer, regions, unit_weight_bytes, unit_slack: Vec::new() };
+    let mut stacked = Stacked {
+        placer,
+        regions,
+        unit_weight_bytes,
+        unit_slack: Vec::new(),
+        expert_pes: HashMap::new(),
+        lane_cursors: HashMap::new(),
+    };
     let limit = (TILE_SHARE * usable as f64) as u64;
     for (u, unit) in units.iter().enumerate() {
         let mut smallest = 0;
@@ -388,6 +408,10 @@ struct Stacked<'a> {
     /// Per unit, the tile SRAM per PE left once every matvec has its smallest tile: shared out
     /// by weight bytes, so every PE's tiles fit together.
     unit_slack: Vec<u64>,
+    /// Per router, the PEs holding its experts' matvec results.
+    expert_pes: HashMap<u32, HashSet<Pe>>,
+    /// The walk's next cell in each expert lane, by the lane's corner.
+    lane_cursors: HashMap<(u16, u16, u16), u64>,
 }
 
 impl Stacked<'_> {
@@ -395,15 +419,22 @@ impl Stacked<'_> {
         self.regions[unit].as_mut().expect("every unit has a region")
     }
 
-    /// The next PE of the unit's walk with room for `bytes` more.
-    fn fresh_pe(&mut self, i: usize, unit: usize, bytes: u64) -> Result<Pe, WaferError> {
+    /// The next PE of the unit's walk with room for `bytes` more, not in `taken` (a PE sends at
+    /// most one message per route, so one instruction's segments sit on distinct PEs).
+    fn fresh_pe(&mut self, i: usize, unit: usize, bytes: u64, taken: &HashSet<Pe>) -> Result<Pe, WaferError> {
         let limit = self.placer.params.sram_bytes_per_pe as u64;
-        let area = self.region(unit).area;
+        // An expert's vectors stay in its lane, each lane walked from its middle column.
+        let (area, lanes) = self.area_of(i, unit);
+        let start = (area.w as u64 / 2) * area.h as u64;
         for _ in 0..area.pes() {
-            let region = self.region(unit);
-            let pe = area.walk(region.cursor);
-            region.cursor += 1;
-            if self.placer.used_bytes(pe).max(self.placer.params.code_reserve_bytes as u64) + bytes <= limit {
+            let cursor = match lanes {
+                1 => &mut self.region(unit).cursor,
+                _ => self.lane_cursors.entry((area.x, area.y, area.wafer)).or_insert(start),
+            };
+            let pe = area.walk(*cursor);
+            *cursor += 1;
+            let used = self.placer.used_bytes(pe).max(self.placer.params.code_reserve_bytes as u64);
+            if used + bytes <= limit && !taken.contains(&pe) {
                 return Ok(pe);
             }
         }
@@ -414,7 +445,7 @@ impl Stacked<'_> {
         ))
     }
 
-    /// Result segments on fresh PEs of the unit's walk.
+    /// Result segments on fresh PEs of the unit's (or the expert lane's) walk.
     fn fresh_layout(
         &mut self,
         i: usize,
@@ -423,11 +454,13 @@ impl Stacked<'_> {
         extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
     ) -> Result<VectorLayout, WaferError> {
         let mut layout = VectorLayout::default();
+        let mut taken = HashSet::new();
         for seg in segments {
             let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
             requests.extend(extra(seg));
             let bytes = requests.iter().map(|(_, b)| b).sum();
-            let pe = self.fresh_pe(i, unit, bytes)?;
+            let pe = self.fresh_pe(i, unit, bytes, &taken)?;
+            taken.insert(pe);
             self.placer.fill(pe, i as u32, requests)?;
             layout.segments.push(Segment { pe, elements: seg.clone() });
         }
@@ -464,11 +497,13 @@ impl Stacked<'_> {
         let area = self.region(unit).area;
         let analysis = self.placer.analysis;
         let (Some(expert), Some(router)) = (analysis.expert[i], analysis.router[i]) else { return (area, 1) };
-        let top_k = match self.placer.module.body[waferc_ir::Handle::new(router as usize)].ty {
-            ValueType::Routing { top_k, .. } => top_k as u64,
+        // One lane per expert: the experts of a layer run side by side and never share a PE, so
+        // their routes (which may be active together) need no colours from each other.
+        let experts = match self.placer.module.body[waferc_ir::Handle::new(router as usize)].ty {
+            ValueType::Routing { experts, .. } => experts as u64,
             _ => 1,
         };
-        let lanes = top_k.clamp(1, area.h as u64);
+        let lanes = experts.clamp(1, area.h as u64);
         (area.band(expert as u64 % lanes, lanes), lanes)
     }
 
@@ -521,13 +556,24 @@ impl Stacked<'_> {
                 // and rope run in place; each sits in the tile row of its first element, the
                 // segments starting in one row block spread along that row.
                 let mut layout = VectorLayout::default();
+                // An expert's result segments avoid the PEs of its layer's other experts' (lanes
+                // repeat tile positions): a combine's gather takes one message per sending PE.
+                let router = self.placer.analysis.router[i].filter(|_| self.placer.analysis.expert[i].is_some());
+                let mut taken = router.map(|r| self.expert_pes.entry(r).or_default().clone()).unwrap_or_default();
                 let mut along = (u64::MAX, 0);
-                for seg in super::size::segments(rows, self.segment_cut(i)) {
+                for seg in super::size::segments(rows, self.segment_cut(i, rows)) {
                     let r = seg.start / g.rows_per_tile;
                     along = if along.0 == r { (r, along.1 + 1) } else { (r, 0) };
-                    let pe = tiles[(r * g.col_blocks + along.1 % g.col_blocks) as usize].pe;
-                    let output = (RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32);
-                    self.placer.fill(pe, instr, vec![output])?;
+                    let bytes = (seg.end - seg.start) * F32;
+                    let pe = match tiles.get((r * g.col_blocks + along.1) as usize).filter(|_| along.1 < g.col_blocks) {
+                        Some(tile) if !taken.contains(&tile.pe) => tile.pe,
+                        _ => self.fresh_pe(i, unit, bytes, &taken)?,
+                    };
+                    taken.insert(pe);
+                    if let Some(r) = router {
+                        self.expert_pes.entry(r).or_default().insert(pe);
+                    }
+                    self.placer.fill(pe, instr, vec![(RegionKind::Output { elements: seg.clone() }, bytes)])?;
                     layout.segments.push(Segment { pe, elements: seg });
                 }
                 let placement = MatVecPlacement {
@@ -546,7 +592,7 @@ impl Stacked<'_> {
             Op::RmsNorm { weight, .. } => {
                 let g = module.weights[*weight].ty.shape[0];
                 // Whole groups per segment when groups are small (per-head norms), else chunks.
-                let cut = if g < len && g <= 2048 { g } else { VECTOR_CUT };
+                let cut = if g < len { g.max(vector_cut(len)) } else { vector_cut(len) };
                 let layout = self.vector_layout(i, unit, len, cut, &|seg| norm_requests(module, i, seg, len))?;
                 (ResultLayout::Vector(layout), Work::RmsNorm(NormPlacement { group_len: g, group_routes: Vec::new() }))
             }
@@ -556,7 +602,8 @@ impl Stacked<'_> {
                 (ResultLayout::Vector(layout), Work::Elementwise)
             }
             Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } => {
-                let layout = self.vector_layout(i, unit, len, VECTOR_CUT, &|seg| operand_requests(module, i, seg))?;
+                let layout =
+                    self.vector_layout(i, unit, len, vector_cut(len), &|seg| operand_requests(module, i, seg))?;
                 (ResultLayout::Vector(layout), Work::Elementwise)
             }
             Op::ExpertCombine { routing, .. } => {
@@ -564,7 +611,7 @@ impl Stacked<'_> {
                     ValueType::Routing { top_k, .. } => top_k as u64,
                     _ => 0,
                 };
-                let segments = super::size::segments(len, CHUNK);
+                let segments = super::size::segments(len, vector_cut(len));
                 let layout = self.fresh_layout(i, unit, &segments, &|seg| {
                     vec![(RegionKind::Scratch, top_k * (seg.end - seg.start) * F32 + top_k * 8)]
                 })?;
@@ -581,7 +628,7 @@ impl Stacked<'_> {
                     (RegionKind::Operand { value: logits.index() as u32, elements: 0..experts }, experts * F32),
                     (RegionKind::Output { elements: 0..*top_k as u64 }, *top_k as u64 * 8),
                 ];
-                let pe = self.fresh_pe(i, unit, requests.iter().map(|(_, b)| b).sum())?;
+                let pe = self.fresh_pe(i, unit, requests.iter().map(|(_, b)| b).sum(), &HashSet::new())?;
                 self.placer.fill(pe, instr, requests)?;
                 (ResultLayout::Routing { pe }, Work::Router { routing: 0 })
             }
@@ -602,8 +649,9 @@ impl Stacked<'_> {
         })
     }
 
-    /// The result cut a matvec's readers need: a head when rope reads it, else a chunk.
-    fn segment_cut(&self, i: usize) -> u64 {
+    /// The result cut of a matvec's `len` rows: [`vector_cut`], or a head when rope reads it and
+    /// heads are longer.
+    fn segment_cut(&self, i: usize, len: u64) -> u64 {
         let module = self.placer.module;
         self.placer.analysis.readers[i]
             .iter()
@@ -611,8 +659,7 @@ impl Stacked<'_> {
                 Op::Rope { head_dim, .. } => Some(*head_dim as u64),
                 _ => None,
             })
-            .max()
-            .unwrap_or(VECTOR_CUT)
+            .fold(vector_cut(len), u64::max)
     }
 
     fn attention(
@@ -663,8 +710,10 @@ impl Stacked<'_> {
         Ok((ResultLayout::Vector(layout), Work::Attention(placement)))
     }
 
-    /// The table spread over the whole area: per result segment (32 elements), row blocks as
-    /// small as the area allows, so no PE holds much more than its share.
+    /// The table spread over the whole area: the result is cut in at most [`EMBED_SEGMENTS`]
+    /// segments, each with a horizontal band of the area holding its table slice in row blocks
+    /// as small as the band allows, and the segment on the band's next PE. Bands keep each
+    /// segment's gather (from the block holding the token's row) apart from the others'.
     fn embed(
         &mut self,
         i: usize,
@@ -676,25 +725,24 @@ impl Stacked<'_> {
         let w = &module.weights[table];
         let rows = w.ty.shape[0];
         let area = self.region(unit).area;
-        let cut = if w.ty.dtype.row_bytes(CHUNK).is_some() {
-            CHUNK.max(len.div_ceil(area.w as u64).next_multiple_of(CHUNK))
-        } else {
-            len
-        };
-        let segments = super::size::segments(len, cut);
-        let per_segment = (area.pes() / segments.len() as u64).max(1);
-        let rows_per_block = rows.div_ceil(per_segment);
+        let count = EMBED_SEGMENTS.min(len.div_ceil(CHUNK)).min(area.h as u64).max(1);
+        let segments = super::size::segments(len, len.div_ceil(count).next_multiple_of(CHUNK));
+        // One row-block cut for every segment (the table is a grid of row blocks x column
+        // segments), as fine as the smallest band allows beside its segment's PE.
+        let bands: Vec<Rect> = (0..segments.len() as u64).map(|j| area.band(j, segments.len() as u64)).collect();
+        let smallest = bands.iter().map(Rect::pes).min().unwrap_or(1);
+        let rows_per_block = rows.div_ceil(smallest.saturating_sub(1).max(1));
         let mut blocks = Vec::new();
-        let mut cell = 0;
-        for seg in &segments {
+        let mut layout = VectorLayout::default();
+        for (seg, band) in segments.iter().zip(bands) {
             let width = seg.end - seg.start;
             let row_bytes = w.ty.dtype.row_bytes(width).ok_or_else(|| {
                 unsupported(module, i, format!("table {} ({}) cannot be cut at element {}", w.name, w.ty, seg.start))
             })?;
-            for b in 0..rows.div_ceil(rows_per_block) {
+            let count = rows.div_ceil(rows_per_block);
+            for b in 0..count {
                 let block_rows = b * rows_per_block..((b + 1) * rows_per_block).min(rows);
-                let pe = area.walk(cell);
-                cell += 1;
+                let pe = band.walk(b);
                 let weight = RegionKind::Weight {
                     weight: table.index() as u32,
                     rows: block_rows.clone(),
@@ -705,9 +753,10 @@ impl Stacked<'_> {
                 self.placer.fill(pe, i as u32, vec![(weight, bytes), (RegionKind::Scratch, width * F32)])?;
                 blocks.push(EmbedBlock { pe, rows: block_rows, elements: seg.clone() });
             }
+            let pe = band.walk(count);
+            self.placer.fill(pe, i as u32, vec![(RegionKind::Output { elements: seg.clone() }, width * F32)])?;
+            layout.segments.push(Segment { pe, elements: seg.clone() });
         }
-        self.region(unit).cursor = cell;
-        let layout = self.fresh_layout(i, unit, &segments, &|_| Vec::new())?;
         Ok((ResultLayout::Vector(layout), Work::Embed { blocks, collects: Vec::new() }))
     }
 }

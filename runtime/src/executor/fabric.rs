@@ -291,21 +291,21 @@ impl<'p> Executor<'p> {
         if placement.deliveries.is_empty() {
             return Ok(());
         }
-        if placement.deliveries.len() != segments.len() {
-            return Err(ExecError::Malformed {
-                site: run.site.clone(),
-                problem: format!("{} deliveries for {} result segments", placement.deliveries.len(), segments.len()),
-            });
-        }
         let Held::Segments(held) = &state.held[run.instr as usize] else { return Ok(()) };
         let held = held.clone();
-        for ((&id, segment), data) in placement.deliveries.iter().zip(segments).zip(held) {
+        // Deliveries are in segment order; a segment all of whose readers sit on its own PE has none.
+        let mut next = 0;
+        for &id in &placement.deliveries {
             let route = self.route(run, id)?;
-            match &route.kind {
-                RouteKind::Operand { value, elements } if *value == run.instr && *elements == segment.elements => {}
-                _ => return Err(route_kind_error(run, route, "the delivery of this result segment")),
-            }
-            self.send(state, run, id, segment.pe, Payload::Data(data))?;
+            let RouteKind::Operand { value, elements } = &route.kind else {
+                return Err(route_kind_error(run, route, "the delivery of a result segment"));
+            };
+            let found = segments[next..].iter().position(|s| s.elements == *elements).map(|k| next + k);
+            let Some(index) = found.filter(|_| *value == run.instr) else {
+                return Err(route_kind_error(run, route, "the delivery of a result segment, in segment order"));
+            };
+            next = index + 1;
+            self.send(state, run, id, segments[index].pe, Payload::Data(held[index].clone()))?;
         }
         Ok(())
     }
