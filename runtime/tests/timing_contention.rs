@@ -52,12 +52,12 @@ fn program(b_row: u16) -> WaferProgram {
             pe: embed_pe,
             regions: vec![
                 code_region.clone(),
-                region(code, table_bytes, Some(0), RegionKind::Weight {
-                    weight: 0,
-                    rows: 0..VOCAB,
-                    cols: 0..HIDDEN,
-                    blob: 0..t,
-                }),
+                region(
+                    code,
+                    table_bytes,
+                    Some(0),
+                    RegionKind::Weight { weight: 0, rows: 0..VOCAB, cols: 0..HIDDEN, blob: 0..t },
+                ),
             ],
         },
         PeImage { pe: a0, regions: vec![code_region.clone(), weight(1, 1, 0..32, t)] },

@@ -201,7 +201,8 @@ fn the_critical_path_adds_up_and_prefill_grows_with_the_prompt() {
     }
     let prefill = |tokens: usize| executor.timing_report(tokens).unwrap().modeled_ttft_prefill_us;
     let step_us = timing.cycles as f64 / program.target.clock_hz * 1e6;
-    let (one, some, more, all) = (prefill(1).unwrap(), prefill(16).unwrap(), prefill(64).unwrap(), prefill(256).unwrap());
+    let (one, some, more, all) =
+        (prefill(1).unwrap(), prefill(16).unwrap(), prefill(64).unwrap(), prefill(256).unwrap());
     assert!((one - step_us).abs() < 1e-9, "one token is one decode step");
     assert!(one < some && some < more && more < all, "{one} < {some} < {more} < {all}");
     assert!(all < 256.0 * step_us, "batched and pipelined beats 256 decode steps: {all} vs {}", 256.0 * step_us);

@@ -80,7 +80,7 @@ pub fn chrome_trace(program: &WaferProgram, steps: &[StepTiming]) -> Value {
             if span.wait_cycles > 0 {
                 let start = span.start_cycle + span.duration_cycles - span.wait_cycles;
                 events.push(json!({
-                    "name": "waiting for links",
+                    "name": format!("{} %{} {:?} waiting for links", span.op, span.instr, span.phase),
                     "cat": "wait",
                     "ph": "X",
                     "pid": 0,
