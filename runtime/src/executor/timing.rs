@@ -197,6 +197,8 @@ pub struct PeLoad {
     pub cycles: u64,
 }
 
+/// One directed link's load. The model keeps one link per ordered pair of wafers (their
+/// bandwidth is the system's, not a PE's), named by PE (0, 0) of each wafer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LinkLoad {
     pub from: Pe,
