@@ -10,25 +10,22 @@
 //!
 //! Targets for the table (2 cores): compile <= 10 s and <= 2 GiB peak, one timed token <= 30 s.
 //!
-//! # The distance bound
+//! Beside the decode speed it prints the mean decoder layer's critical-path cycles split into
+//! compute, communication and waiting for links, and the modeled time to first token of a
+//! 1,024- and an 8,192-token prompt prefilled as a batch (the KV capacity is 8,192 positions so
+//! the longer prompt fits); see `waferc_runtime::executor::timing`.
 //!
-//! A lower bound on one token's latency that only the placement determines (wafer-facts.md,
-//! "Bounds worth printing"): every route's *hop span*, the hops its farthest destination is from
-//! a source along its path (a reduction or a gather: the farthest source from the destination,
-//! as the crow flies on the mesh), at `hop_latency_cycles` a hop and `inter_wafer_latency_cycles`
-//! an inter-wafer hop. A schedule step lasts at least its longest route's span; an instruction
-//! at least the sum of its steps (they are dependent: reduce, then broadcast, then collect, then
-//! deliver); it starts no earlier than its operands end. The bound is the longest such chain
-//! through the program: no arithmetic, no serialisation, no contention, no synchronisation, only
-//! distance. Its tok/s is `clock_hz` over that many cycles.
+//! The distance bound (`waferc_ir::wafer::distance_bound_cycles`) is the longest chain of route
+//! spans through the program: only distance, no arithmetic, serialisation or contention; its
+//! tok/s is `clock_hz` over that many cycles.
 
 use std::error::Error;
 use std::path::Path;
 use std::time::Instant;
 
 use waferc::synth::{synth, Preset};
-use waferc_ir::wafer::{Pe, Route, RouteKind, WaferProgram};
-use waferc_ir::Module;
+use waferc_ir::wafer::distance_bound_cycles;
+use waferc_ir::Op;
 use waferc_passes::wafer::{compile, CompileOptions, WaferError};
 use waferc_runtime::executor::{ExecOptions, Executor};
 use waferc_targets::Target;
@@ -47,7 +44,7 @@ const CASES: [Case; 4] = [
     Case { preset: "qwen3-30b-a3b", targets: &["wse3", "wse3x4"], published: None },
 ];
 
-const KV_CAPACITY: u32 = 4096;
+const KV_CAPACITY: u32 = 8192;
 
 /// One row of the table.
 struct Row {
@@ -58,6 +55,10 @@ struct Row {
     peak_mib: f64,
     token_s: f64,
     modeled: f64,
+    /// The mean decoder layer on the critical path: total, compute, communication, waiting.
+    layer: [u64; 4],
+    /// Modeled time to first token (ms) of 1,024 and 8,192 prompt tokens.
+    ttft_ms: [Option<f64>; 2],
     bound: f64,
     published: String,
 }
@@ -100,6 +101,21 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
             executor.step(module.meta.bos_token_id.unwrap_or(0))?;
             let token_s = start.elapsed().as_secs_f64();
             let report = executor.timing_report(0).ok_or("a step ran, so there is a report")?;
+            let layer = report.mean_layer.clone().unwrap_or_default();
+            let ttft = |tokens: u32| {
+                let prefill = report.prefill.iter().find(|p| p.prompt_tokens == tokens);
+                prefill.and_then(|p| p.ttft_us).map(|us| us / 1000.0)
+            };
+            // The timing-only step chooses experts 0..top_k, as the bound assumes.
+            let top_k = module
+                .body
+                .iter()
+                .find_map(|(_, instr)| match instr.op {
+                    Op::RouterTopK { top_k, .. } => Some(top_k),
+                    _ => None,
+                })
+                .unwrap_or(u32::MAX);
+            let bound = distance_bound_cycles(&program, &module, 0, |_, expert| expert < top_k);
             rows.push(Row {
                 model: case.preset.to_string(),
                 target: name.to_string(),
@@ -108,7 +124,9 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
                 peak_mib,
                 token_s,
                 modeled: report.modeled_decode_tok_s,
-                bound: program.target.clock_hz / distance_bound_cycles(&program, &module) as f64,
+                layer: [layer.cycles, layer.compute_cycles, layer.comm_cycles, layer.wait_cycles],
+                ttft_ms: [ttft(1024), ttft(8192)],
+                bound: program.target.clock_hz / bound as f64,
                 published: case.published.map_or("-".into(), |(tok_s, how)| format!("{tok_s:.0} ({how})")),
             });
             placed = true;
@@ -134,10 +152,16 @@ fn print_table(rows: &[Row]) {
         "peak MiB",
         "token s",
         "modeled tok/s",
+        "cycles/layer",
+        "compute",
+        "comm",
+        "wait",
+        "TTFT 1k ms",
+        "TTFT 8k ms",
         "distance bound tok/s",
         "published tok/s",
     ];
-    let cells: Vec<[String; 9]> = rows
+    let cells: Vec<[String; 15]> = rows
         .iter()
         .map(|r| {
             [
@@ -148,6 +172,12 @@ fn print_table(rows: &[Row]) {
                 format!("{:.0}", r.peak_mib),
                 format!("{:.2}", r.token_s),
                 format!("{:.0}", r.modeled),
+                r.layer[0].to_string(),
+                r.layer[1].to_string(),
+                r.layer[2].to_string(),
+                r.layer[3].to_string(),
+                r.ttft_ms[0].map_or("-".into(), |ms| format!("{ms:.2}")),
+                r.ttft_ms[1].map_or("-".into(), |ms| format!("{ms:.2}")),
                 format!("{:.0}", r.bound),
                 r.published.clone(),
             ]
@@ -168,76 +198,6 @@ fn print_table(rows: &[Row]) {
     line(widths.iter().map(|w| "-".repeat(*w)).collect::<Vec<_>>().iter().map(String::as_str).collect());
     for row in &cells {
         line(row.iter().map(String::as_str).collect());
-    }
-}
-
-/// The longest chain of route spans through the program, in cycles (module documentation).
-fn distance_bound_cycles(program: &WaferProgram, module: &Module) -> u64 {
-    let mut own = vec![0u64; program.instrs.len()];
-    for step in &program.schedule {
-        let span = step.routes.iter().map(|&id| route_span(program, &program.routes[id as usize])).max();
-        own[step.instr as usize] += span.unwrap_or(0);
-    }
-    let mut end = vec![0u64; program.instrs.len()];
-    for (handle, instr) in module.body.iter() {
-        let i = handle.index();
-        let start = instr.op.operands().iter().map(|v| end[v.index()]).max().unwrap_or(0);
-        end[i] = start + own[i];
-    }
-    end.iter().copied().max().unwrap_or(0).max(1)
-}
-
-/// Cycles from a route's sources to its farthest destination, distance only.
-fn route_span(program: &WaferProgram, route: &Route) -> u64 {
-    let params = &program.target;
-    let hop = params.hop_latency_cycles as u64;
-    match route.kind {
-        // Many sources into one destination: the farthest source's distance.
-        RouteKind::Reduce { .. } | RouteKind::Collect { .. } => {
-            let destination = route.destinations.first().copied();
-            route
-                .sources
-                .iter()
-                .filter_map(|&source| destination.map(|d| pe_distance(program, source, d)))
-                .max()
-                .unwrap_or(0)
-        }
-        // One source, a multicast: depth along the path to the farthest PE reached.
-        RouteKind::Operand { .. } | RouteKind::Statistic { .. } | RouteKind::Routing => {
-            let mut depth: std::collections::HashMap<Pe, u64> = route.sources.iter().map(|&pe| (pe, 0)).collect();
-            let mut farthest = 0;
-            for run in &route.path {
-                let start = depth.get(&run.from).copied().unwrap_or(0);
-                if run.is_inter_wafer() {
-                    let reached = start + params.inter_wafer_latency_cycles;
-                    depth.entry(run.to).or_insert(reached);
-                    farthest = farthest.max(reached);
-                } else {
-                    for (k, pe) in run.pes().into_iter().enumerate().skip(1) {
-                        let reached = start + k as u64 * hop;
-                        depth.entry(pe).or_insert(reached);
-                        farthest = farthest.max(reached);
-                    }
-                }
-            }
-            farthest
-        }
-    }
-}
-
-/// Cycles between two PEs by distance alone: Manhattan hops on one wafer; across wafers, to the
-/// gateway (0, 0), the inter-wafer hops, and from the next wafer's gateway.
-fn pe_distance(program: &WaferProgram, from: Pe, to: Pe) -> u64 {
-    let params = &program.target;
-    let hop = params.hop_latency_cycles as u64;
-    match from.distance(to) {
-        Some(hops) => hops as u64 * hop,
-        None => {
-            let gateway = |pe: Pe| Pe::new(pe.wafer, 0, 0);
-            let wafers = (from.wafer as i64 - to.wafer as i64).unsigned_abs();
-            let local = from.distance(gateway(from)).unwrap_or(0) + to.distance(gateway(to)).unwrap_or(0);
-            local as u64 * hop + wafers * params.inter_wafer_latency_cycles
-        }
     }
 }
 

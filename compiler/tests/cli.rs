@@ -169,7 +169,34 @@ fn trace_is_chrome_trace_events_with_every_layer() {
         }
     }
     // Five positions (three prompt tokens, two generated, the last not fed back: four steps).
-    assert_eq!(events.iter().filter(|e| e["cat"] == "token").count(), 4);
+    let tokens: Vec<&Value> = events.iter().filter(|e| e["cat"] == "token").collect();
+    assert_eq!(tokens.len(), 4);
+    // Each token's critical path by layer adds up to its cycles; each slice says what waited.
+    for token in tokens {
+        let path = token["args"]["critical_path"].as_array().expect("a critical path");
+        let sum: u64 = path.iter().map(|l| l["cycles"].as_u64().unwrap()).sum();
+        assert_eq!(sum, token["args"]["cycles"].as_u64().unwrap());
+    }
+    for span in events.iter().filter(|e| e["cat"] == "compute" || e["cat"] == "collective") {
+        assert!(span["args"]["wait_cycles"].is_u64(), "{span}");
+    }
+
+    // `run --json`: the critical path by layer, the costliest steps, the prefill estimates.
+    let json =
+        ok(&waferc(&["run", artifact.to_str().unwrap(), "--tokens", "1,2,3", "--max-new-tokens", "1", "--json"]));
+    let json: Value = serde_json::from_str(&json).unwrap();
+    let layers = json["layers"].as_array().expect("layers");
+    assert!(layers.iter().filter(|l| l["layer"].is_u64()).count() == 3, "{layers:?}");
+    for layer in layers {
+        let part = |key: &str| layer[key].as_u64().unwrap();
+        assert_eq!(part("cycles"), part("compute_cycles") + part("comm_cycles") + part("wait_cycles"));
+    }
+    assert!(json["mean_layer"]["cycles"].as_u64().unwrap() > 0);
+    let steps = json["costliest_steps"].as_array().expect("costliest_steps");
+    assert_eq!(steps.len(), 10);
+    assert!(json["modeled_ttft_prefill_us"].as_f64().unwrap() > 0.0);
+    let prefill = json["prefill"].as_array().expect("prefill");
+    assert_eq!(prefill.iter().map(|p| p["prompt_tokens"].as_u64().unwrap()).collect::<Vec<_>>(), [1024, 8192]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -38,6 +38,9 @@
 //! independent outputs and are cut anywhere.
 
 pub mod artifact;
+mod bound;
+
+pub use bound::distance_bound_cycles;
 
 use std::fmt;
 use std::ops::Range;

@@ -51,7 +51,7 @@ use schedule::{schedule_runs, InstrRun};
 use sram::load_sram;
 
 pub use error::{ExecError, InstrSite, WeightRegionError};
-pub use timing::{LinkLoad, PeLoad, StepSpan, StepTiming, TimingReport};
+pub use timing::{LayerTime, LinkLoad, PeLoad, PrefillTime, StepSpan, StepTiming, TimingReport, PREFILL_PROMPTS};
 pub use validate::{validate, Mismatch, Validation, ValidationOptions};
 
 /// How an [`Executor`] runs.
@@ -326,7 +326,7 @@ impl<'p> Executor<'p> {
             held: vec![Held::Pending; self.module.body.len()],
             messages: HashMap::new(),
             token,
-            timeline: timing::Timeline::new(self.program),
+            timeline: timing::Timeline::new(self.program, &self.costs),
         };
         for run_index in 0..self.runs.len() {
             let (instr, steps) = self.runs[run_index].clone();
@@ -359,22 +359,39 @@ impl<'p> Executor<'p> {
     /// `prompt_tokens` tokens (see [`timing`] for the model). `None` before the first step.
     pub fn timing_report(&self, prompt_tokens: usize) -> Option<TimingReport> {
         let last = self.last_timing.as_ref()?;
-        Some(timing::report(self.program, &self.history, last, prompt_tokens))
+        Some(timing::report(self.program, &self.costs, &self.history, last, prompt_tokens))
     }
 
-    /// The cycle at which all of `instr`'s operands (and, for an expert, the routing) are ready.
-    fn ready_cycle(&self, state: &StepState, instr: InstrIndex) -> u64 {
+    /// The cycle at which all of `instr`'s operands (and, for an expert, the routing) are ready,
+    /// and the instruction that ended then (none when nothing precedes it).
+    fn ready_cycle(&self, state: &StepState, instr: InstrIndex) -> (u64, Option<InstrIndex>) {
         let op = &self.module.body[waferc_ir::Handle::new(instr as usize)].op;
-        op.operands().iter().map(|o| self.done_cycle(state, o.index() as InstrIndex)).max().unwrap_or(0)
+        let mut ready = (0, None);
+        for operand in op.operands() {
+            let done = self.done_cycle(state, operand.index() as InstrIndex);
+            if ready.1.is_none() || done.0 > ready.0 {
+                ready = done;
+            }
+        }
+        ready
     }
 
-    /// When `value` is available: its instruction's end (`expert_dispatch`: its inputs' ends).
-    fn done_cycle(&self, state: &StepState, value: InstrIndex) -> u64 {
+    /// When `value` is available, and the instruction whose end that is: its instruction's end
+    /// (`expert_dispatch`: its inputs' ends).
+    fn done_cycle(&self, state: &StepState, value: InstrIndex) -> (u64, Option<InstrIndex>) {
         match &self.module.body[waferc_ir::Handle::new(value as usize)].op {
-            Op::ExpertDispatch { x, routing, .. } => self
-                .done_cycle(state, x.index() as InstrIndex)
-                .max(self.done_cycle(state, routing.index() as InstrIndex)),
-            _ => state.timeline.instr_end(value),
+            Op::ExpertDispatch { x, routing, .. } => {
+                let (a, b) = (
+                    self.done_cycle(state, x.index() as InstrIndex),
+                    self.done_cycle(state, routing.index() as InstrIndex),
+                );
+                if b.0 > a.0 {
+                    b
+                } else {
+                    a
+                }
+            }
+            _ => (state.timeline.instr_end(value), Some(value)),
         }
     }
 

@@ -105,6 +105,9 @@ impl Executor<'_> {
                 blocks.push(BlockWork { pe: block.pe, valid, scores, local });
             }
 
+            // Blocks holding a position this step (they come first, in position order); the rest
+            // compute nothing and send nothing: the reductions skip them (bit-exact).
+            let sending = blocks.iter().take_while(|b| !b.valid.is_empty()).count().max(1);
             // The maximum, then the exponentials and their sum, then the weighted values: each a
             // tree reduction over the blocks (none with a single block) and, for the first two,
             // a broadcast of the result back to every block.
@@ -120,7 +123,7 @@ impl Executor<'_> {
                 match (reduce, broadcast) {
                     (None, None) if blocks.len() == 1 => Ok(leaves),
                     (Some(reduce), Some(broadcast)) => {
-                        let (root, total) = self.reduce(state, run, reduce, leaves)?;
+                        let (root, total) = self.reduce_leading(state, run, reduce, leaves, sending)?;
                         self.send(state, run, broadcast, root, Payload::Data(total.clone()))?;
                         blocks
                             .iter()
@@ -188,7 +191,7 @@ impl Executor<'_> {
                 outs.push(out);
             }
             let (root, total) = match kh.out_reduce {
-                Some(id) => self.reduce(state, run, id, outs)?,
+                Some(id) => self.reduce_leading(state, run, id, outs, sending)?,
                 None if blocks.len() == 1 => (blocks[0].pe, outs.swap_remove(0)),
                 None => {
                     return Err(ExecError::Malformed {
