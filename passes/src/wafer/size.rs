@@ -246,6 +246,11 @@ pub(super) fn size_module(
             }
         };
         let shape = match &instr.op {
+            Op::Slice { .. } => {
+                return Err(unsupported(
+                    "the wafer lowering does not place `slice` yet (compile without the `rewrite` pass)".into(),
+                ))
+            }
             Op::Embed { table } => {
                 let w = &module.weights[*table];
                 let dtype = effective_dtype(w, quantise);
