@@ -611,11 +611,19 @@ impl<'a> Checker<'a> {
     /// Every operand region is fed: the PE holds the value itself, or an operand route of the
     /// value's source ends here and is listed by the instruction.
     fn operands(&mut self, routes: &HashMap<u32, &Route>) {
-        // Which value's data an operand is: through expert_dispatch to the dispatched vector.
-        let source = |mut v: usize| loop {
-            match &self.module.body[Handle::new(v)].op {
-                Op::ExpertDispatch { x, .. } => v = x.index(),
-                _ => return v as u32,
+        // Which value's data an operand is, and where in it: through expert_dispatch to the
+        // dispatched vector, through slice to the sliced one.
+        let source = |mut v: usize| {
+            let mut shift = 0u64;
+            loop {
+                match &self.module.body[Handle::new(v)].op {
+                    Op::ExpertDispatch { x, .. } => v = x.index(),
+                    Op::Slice { x, offset, .. } => {
+                        shift += *offset as u64;
+                        v = x.index();
+                    }
+                    _ => return (v as u32, shift),
+                }
             }
         };
         // (value, destination PE) -> element ranges arriving, with their routes.
@@ -657,7 +665,8 @@ impl<'a> Checker<'a> {
                 let (RegionKind::Operand { value, elements }, Some(instr)) = (&region.kind, region.instr) else {
                     continue;
                 };
-                let src = source(*value as usize);
+                let (src, shift) = source(*value as usize);
+                let elements = &(elements.start + shift..elements.end + shift);
                 let local = self.program.pe(image.pe).is_some_and(|img| {
                     img.regions.iter().any(|g| g.instr == Some(src) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
                 });
@@ -719,7 +728,7 @@ impl<'a> Checker<'a> {
                     named.push(*routing);
                     named.extend(collects);
                 }
-                Work::Elementwise => {}
+                Work::Elementwise | Work::Slice => {}
             }
             for id in named {
                 if !routes.contains_key(&id) {
