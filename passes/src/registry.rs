@@ -79,10 +79,9 @@ pub fn lookup(name: &str) -> Option<&'static PassInfo> {
     PASSES.iter().find(|p| p.name == name)
 }
 
-/// The pipeline `waferc compile` runs when `--passes` is not given: the passes that pay off on
-/// every model. `rewrite` joins it once the wafer lowering places `slice` (it is usable with
-/// `--passes rewrite,dce` on the IR and the reference decoder meanwhile).
-pub const DEFAULT_PIPELINE: &str = "dce";
+/// The pipeline `waferc compile` runs when `--passes` is not given: `rewrite` fuses matvecs
+/// (fewer schedule steps and routes) and leaves the unfused weights behind, which `dce` removes.
+pub const DEFAULT_PIPELINE: &str = "rewrite, dce";
 
 /// `pipeline` without the passes named in `skip`; a name that is not in the pipeline is an
 /// error naming the pipeline.

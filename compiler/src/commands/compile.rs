@@ -28,7 +28,7 @@ pub struct CompileArgs {
     pub output: PathBuf,
     /// IR passes to run before lowering, comma-separated with their arguments
     /// (e.g. "quantize q8_0, dce"): `verify`, `rewrite`, `dce`, `quantize q8_0|q4_0 [embedding]`.
-    /// Without it, the default pipeline runs: `dce`.
+    /// Without it, the default pipeline runs: `rewrite, dce`.
     #[arg(long)]
     pub passes: Option<String>,
     /// Leave this pass out of the pipeline (default or `--passes`); repeatable.
