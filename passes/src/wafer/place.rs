@@ -389,6 +389,21 @@ impl<'a> Placer<'a> {
     }
 
     /// Whether `pe` holds `elements` of value `value`'s data (its source's result).
+    /// A `slice`'s layout: the parts of its source's segments it covers, numbered from its start
+    /// (every plan places a slice this way: no PEs, no data moved).
+    pub(super) fn slice_layout(&self, i: usize, len: u64) -> Result<ResultLayout, WaferError> {
+        let source = self.analysis.source[i] as usize;
+        let start = self.analysis.offset[i];
+        let ResultLayout::Vector(whole) = &self.placements[source].result else {
+            return Err(self.unsupported(i, "internal: a slice of a routing".into()));
+        };
+        let segments = whole
+            .overlapping(start..start + len)
+            .map(|(seg, part)| Segment { pe: seg.pe, elements: part.start - start..part.end - start })
+            .collect();
+        Ok(ResultLayout::Vector(VectorLayout { segments }))
+    }
+
     fn holds(&self, pe: Pe, value: usize, elements: &Range<u64>) -> bool {
         let source = self.analysis.source[value] as usize;
         let shift = self.analysis.offset[value];
@@ -610,18 +625,7 @@ impl<'a> Placer<'a> {
                 let source = self.analysis.source[i] as usize;
                 (self.placements[source].result.clone(), Work::Dispatch { routing: 0 })
             }
-            (Op::Slice { len, .. }, Shape::Alias) => {
-                let source = self.analysis.source[i] as usize;
-                let start = self.analysis.offset[i];
-                let ResultLayout::Vector(whole) = &self.placements[source].result else {
-                    return Err(self.unsupported(i, "internal: a slice of a routing".into()));
-                };
-                let segments = whole
-                    .overlapping(start..start + *len as u64)
-                    .map(|(seg, part)| Segment { pe: seg.pe, elements: part.start - start..part.end - start })
-                    .collect();
-                (ResultLayout::Vector(VectorLayout { segments }), Work::Slice)
-            }
+            (Op::Slice { len, .. }, Shape::Alias) => (self.slice_layout(i, *len as u64)?, Work::Slice),
             (op, shape) => {
                 return Err(self.unsupported(i, format!("internal: {} was sized as {shape:?}", op.name())));
             }
