@@ -124,7 +124,7 @@ impl PassReport {
         out.push_str("  pass ms  verify ms       %  peak MiB    +MiB  pass\n");
         out.push_str("---------  ---------  ------  --------  ------  --------------------\n");
         for r in &self.records {
-            let changes = r.changes.map(|c| format!("  ({})", c.describe())).unwrap_or_default();
+            let changes = r.changes.map(|c| format!(" ({})", c.describe())).unwrap_or_default();
             out.push_str(&format!(
                 "{:>9}  {:>9}  {:>5.1}%  {:>8}  {:>6}  {}{}\n",
                 ms(r.wall),
