@@ -140,6 +140,50 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
     for note in notes {
         println!("note: {note}");
     }
+    rewrite_effect(wanted, scratch)
+}
+
+/// The `rewrite` pass's effect (issue 8): routes, colours and modeled decode speed of the
+/// frontend's module and of `rewrite, dce`'s, on the same target.
+fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
+    const CASES: [(&str, &str); 2] = [("llama3.1-8b", "wse3"), ("mixtral-8x7b", "wse3x4")];
+    let mut lines = Vec::new();
+    for (preset, target) in CASES.iter().filter(|(p, _)| wanted.is_empty() || wanted.iter().any(|w| w == p)) {
+        let dir = scratch.join(format!("{preset}-rewrite"));
+        synth(&Preset::by_name(preset)?, &dir, true)?;
+        let original = waferc::frontend::load(&dir)?.module;
+        std::fs::remove_dir_all(&dir)?;
+        let passes = waferc_passes::registry::parse_pipeline("rewrite, dce")?;
+        let start = Instant::now();
+        let (rewritten, _) = waferc_passes::PassManager::new(passes).run(original.clone())?;
+        let rewrite_s = start.elapsed().as_secs_f64();
+        let target = Target::resolve(target)?;
+        for (label, module) in [("without", &original), ("with", &rewritten)] {
+            let program = compile(module, &target, &CompileOptions::new(KV_CAPACITY))?;
+            let colours = program.routes.iter().map(|r| r.colour).max().map_or(0, |c| c as u32 + 1);
+            let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+            let mut executor = Executor::new(&program, module, None, options)?;
+            executor.step(module.meta.bos_token_id.unwrap_or(0))?;
+            let report = executor.timing_report(0).ok_or("a step ran, so there is a report")?;
+            let matvecs = module.body.iter().filter(|(_, i)| matches!(i.op, waferc_ir::Op::MatVec { .. })).count();
+            lines.push(format!(
+                "| {preset} | {} | {label} | {matvecs} | {} | {} | {colours} | {:.0} |",
+                target.name,
+                module.body.len(),
+                program.routes.len(),
+                report.modeled_decode_tok_s
+            ));
+        }
+        eprintln!("{preset}: rewrite, dce took {rewrite_s:.2} s");
+    }
+    if !lines.is_empty() {
+        println!();
+        println!("| model | target | rewrite | matvecs | instrs | routes | colours | modeled tok/s |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for line in lines {
+            println!("{line}");
+        }
+    }
     Ok(())
 }
 

@@ -382,3 +382,45 @@ fn inspect_svg_and_json_write_files() {
     assert!(bad.contains("--layer 7"), "{bad}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn default_pipeline_dumps_one_file_per_pass_each_round_tripping() {
+    let dir = scratch("default-pipeline");
+    let dump = dir.join("ir");
+    let model = fixture("llama31-gqa-bf16");
+    let stdout =
+        ok(&compile(&model, "grid:32x32", &dir.join("m.wafer"), &["--dump-ir", dump.to_str().unwrap(), "--json"]));
+    let mut files: Vec<_> =
+        std::fs::read_dir(&dump).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    files.sort();
+    assert_eq!(files, ["00-frontend.ir", "01-rewrite.ir", "02-dce.ir"]);
+    for file in &files {
+        let text = std::fs::read_to_string(dump.join(file)).unwrap();
+        let module = waferc_ir::text::parse(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(waferc_ir::text::print(&module), text, "{file} does not round-trip");
+    }
+    assert!(std::fs::read_to_string(dump.join("01-rewrite.ir")).unwrap().contains("= slice %"));
+    // --json says what each pass changed: rewrite fused matvecs, dce removed the unfused weights.
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    let passes = json["passes"].as_array().unwrap();
+    let changes = |name: &str| passes.iter().find(|p| p["name"] == name).unwrap()["changes"].clone();
+    let rewrite = changes("rewrite");
+    assert!(rewrite["matvecs"][1].as_u64() < rewrite["matvecs"][0].as_u64(), "{rewrite}");
+    let dce = changes("dce");
+    assert!(dce["weight_bytes"][1].as_u64() < dce["weight_bytes"][0].as_u64(), "{dce}");
+
+    // --skip-pass leaves a pass out; a name not in the pipeline is a clean error.
+    ok(&compile(
+        &model,
+        "grid:32x32",
+        &dir.join("m.wafer"),
+        &["--dump-ir", dump.to_str().unwrap(), "--skip-pass", "rewrite"],
+    ));
+    let mut files: Vec<_> =
+        std::fs::read_dir(&dump).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    files.sort();
+    assert_eq!(files, ["00-frontend.ir", "01-dce.ir"]);
+    let unknown = fails(&compile(&model, "grid:32x32", &dir.join("m.wafer"), &["--skip-pass", "fold"]));
+    assert!(unknown.contains("--skip-pass fold") && unknown.contains("rewrite, dce"), "{unknown}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

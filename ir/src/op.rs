@@ -99,6 +99,13 @@ pub enum Op {
         routing: Value,
         experts: Vec<Value>,
     },
+    /// Elements `offset..offset + len` of `x`: the explicit split of a fused matvec's result
+    /// (the `rewrite` pass fuses q/k/v and gate/up). Computes nothing; it names part of `x`.
+    Slice {
+        x: Value,
+        offset: u32,
+        len: u32,
+    },
 }
 
 impl Op {
@@ -116,6 +123,7 @@ impl Op {
             Op::RouterTopK { .. } => "router_topk",
             Op::ExpertDispatch { .. } => "expert_dispatch",
             Op::ExpertCombine { .. } => "expert_combine",
+            Op::Slice { .. } => "slice",
         }
     }
 
@@ -123,7 +131,11 @@ impl Op {
     pub fn operands(&self) -> Vec<Value> {
         match self {
             Op::Embed { .. } => vec![],
-            Op::RmsNorm { x, .. } | Op::MatVec { x, .. } | Op::Rope { x, .. } | Op::Silu { x } => vec![*x],
+            Op::RmsNorm { x, .. }
+            | Op::MatVec { x, .. }
+            | Op::Rope { x, .. }
+            | Op::Silu { x }
+            | Op::Slice { x, .. } => vec![*x],
             Op::Attention { q, k, v, .. } => vec![*q, *k, *v],
             Op::Mul { a, b } | Op::Add { a, b } => vec![*a, *b],
             Op::RouterTopK { logits, .. } => vec![*logits],
@@ -179,6 +191,7 @@ impl Op {
             Op::ExpertCombine { routing, experts } => {
                 Op::ExpertCombine { routing: value(*routing), experts: experts.iter().map(|e| value(*e)).collect() }
             }
+            Op::Slice { x, offset, len } => Op::Slice { x: value(*x), offset: *offset, len: *len },
         }
     }
 

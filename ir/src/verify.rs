@@ -169,5 +169,12 @@ pub fn infer_type(module: &Module, at: Handle<Instr>, op: &Op) -> Result<ValueTy
             }
             vec_ty(n.unwrap_or(0))
         }
+        Op::Slice { x, offset, len } => {
+            let n = vector(*x)?;
+            if *len == 0 || *offset as u64 + *len as u64 > n {
+                return Err(fail(format!("slice {offset}..{} of {n} elements", *offset as u64 + *len as u64)));
+            }
+            vec_ty(*len as u64)
+        }
     }
 }

@@ -17,14 +17,16 @@ pub enum PassError {
     },
     #[error("pass `{pass}`: weight {weight} is {ty}, which needs {expected} bytes, but it has {found}")]
     WeightSize { pass: &'static str, weight: String, ty: TensorType, expected: u64, found: usize },
+    #[error("pass `{pass}`: internal error: {message}")]
+    Internal { pass: &'static str, message: String },
     #[error("unknown pass `{name}` (known passes: {known})")]
     UnknownPass { name: String, known: String },
     #[error("pass `{pass}`: {message} (usage: {usage})")]
     BadArguments { pass: &'static str, message: String, usage: &'static str },
     #[error("bad pass pipeline `{spec}`: {message}")]
     BadPipeline { spec: String, message: String },
-    #[error("--print-after {name}: the pipeline has no such pass (it runs: {pipeline})")]
-    NotInPipeline { name: String, pipeline: String },
+    #[error("{option} {name}: the pipeline has no such pass (it runs: {pipeline})")]
+    NotInPipeline { name: String, pipeline: String, option: &'static str },
     #[error("--print-after {pass}: writing the IR failed: {source}")]
     PrintAfter {
         pass: String,

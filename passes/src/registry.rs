@@ -8,6 +8,7 @@ use crate::dce::Dce;
 use crate::error::PassError;
 use crate::manager::Pass;
 use crate::quantize::{QuantFormat, Quantize};
+use crate::rewrite::Rewrite;
 
 /// Builds a pass from its arguments (the words after its name in a pipeline).
 pub type BuildPass = fn(args: &[&str]) -> Result<Box<dyn Pass>, PassError>;
@@ -27,6 +28,12 @@ pub const PASSES: &[PassInfo] = &[
         usage: "verify",
         summary: "check the module (the pass manager also does after every pass)",
         build: |args| no_arguments("verify", "verify", args).map(|()| Box::new(Verify) as Box<dyn Pass>),
+    },
+    PassInfo {
+        name: "rewrite",
+        usage: "rewrite",
+        summary: "per decoder block, with egg: fuse matvecs reading one input (q/k/v, gate/up) where the wafer cost says so, merge duplicates, drop dead code",
+        build: |args| no_arguments("rewrite", "rewrite", args).map(|()| Box::new(Rewrite) as Box<dyn Pass>),
     },
     PassInfo {
         name: "dce",
@@ -70,6 +77,25 @@ fn build_quantize(args: &[&str]) -> Result<Box<dyn Pass>, PassError> {
 /// The registered pass called `name`.
 pub fn lookup(name: &str) -> Option<&'static PassInfo> {
     PASSES.iter().find(|p| p.name == name)
+}
+
+/// The pipeline `waferc compile` runs when `--passes` is not given: `rewrite` fuses matvecs
+/// (fewer schedule steps and routes) and leaves the unfused weights behind, which `dce` removes.
+pub const DEFAULT_PIPELINE: &str = "rewrite, dce";
+
+/// `pipeline` without the passes named in `skip`; a name that is not in the pipeline is an
+/// error naming the pipeline.
+pub fn without_passes(pipeline: Vec<Box<dyn Pass>>, skip: &[String]) -> Result<Vec<Box<dyn Pass>>, PassError> {
+    for name in skip {
+        if !pipeline.iter().any(|p| p.name() == name) {
+            return Err(PassError::NotInPipeline {
+                name: name.clone(),
+                pipeline: pipeline.iter().map(|p| p.name()).collect::<Vec<_>>().join(", "),
+                option: "--skip-pass",
+            });
+        }
+    }
+    Ok(pipeline.into_iter().filter(|p| !skip.iter().any(|s| s == p.name())).collect())
 }
 
 /// Builds the pass `name` with `args`.
@@ -132,7 +158,10 @@ mod tests {
 
     #[test]
     fn bad_pipelines_say_what_is_wrong() {
-        assert_eq!(names("dce, fold"), Err("unknown pass `fold` (known passes: verify, dce, quantize)".into()));
+        assert_eq!(
+            names("dce, fold"),
+            Err("unknown pass `fold` (known passes: verify, rewrite, dce, quantize)".into())
+        );
         assert_eq!(names("dce,,dce"), Err("bad pass pipeline `dce,,dce`: an empty step between commas".into()));
         assert_eq!(names("dce now"), Err("pass `dce`: takes no arguments, found `now` (usage: dce)".into()));
         let usage = "(usage: quantize q8_0|q4_0 [embedding])";

@@ -338,6 +338,10 @@ impl<'a> Step<'a> {
                     None => InstrValue::Absent,
                 }
             }
+            Op::Slice { x, offset, len } => {
+                let x = present(self.tensor(*x)?);
+                InstrValue::Tensor(x[*offset as usize..(*offset + *len) as usize].to_vec())
+            }
             Op::ExpertCombine { routing, experts } => {
                 let Some(routing) = self.routing(*routing)? else { return Ok(InstrValue::Absent) };
                 let mut weighted = Vec::with_capacity(routing.chosen.len());

@@ -27,9 +27,13 @@ pub struct CompileArgs {
     #[arg(short, long)]
     pub output: PathBuf,
     /// IR passes to run before lowering, comma-separated with their arguments
-    /// (e.g. "quantize q8_0, dce"): `verify`, `dce`, `quantize q8_0|q4_0 [embedding]`.
-    #[arg(long, default_value = "")]
-    pub passes: String,
+    /// (e.g. "quantize q8_0, dce"): `verify`, `rewrite`, `dce`, `quantize q8_0|q4_0 [embedding]`.
+    /// Without it, the default pipeline runs: `rewrite, dce`.
+    #[arg(long)]
+    pub passes: Option<String>,
+    /// Leave this pass out of the pipeline (default or `--passes`); repeatable.
+    #[arg(long)]
+    pub skip_pass: Vec<String>,
     /// The matvec plan: `tiled` (default: each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
     /// `stacked:K` (K consecutive layers per region, every matvec tiled over the whole region).
@@ -76,7 +80,8 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     let start = Instant::now();
     let target = Target::resolve(&args.target)?;
     let plan = parse_plan(&args.plan)?;
-    let passes = registry::parse_pipeline(&args.passes)?;
+    let spec = args.passes.as_deref().unwrap_or(registry::DEFAULT_PIPELINE);
+    let passes = registry::without_passes(registry::parse_pipeline(spec)?, &args.skip_pass)?;
     for name in &args.print_after {
         let known = name == waferc_passes::INPUT_LABEL || passes.iter().any(|p| p.name() == name);
         if !known {
@@ -142,6 +147,7 @@ fn timed<T>(name: &str, stage: impl FnOnce() -> T) -> (T, PassRecord) {
             peak_rss: after,
             peak_rss_growth: growth,
             text: None,
+            changes: None,
         },
     )
 }
@@ -180,7 +186,21 @@ impl Summary {
             passes: report
                 .records
                 .iter()
-                .map(|r| json!({ "name": r.name, "wall_seconds": (r.wall + r.verify_wall).as_secs_f64(), "peak_rss_bytes": r.peak_rss }))
+                .map(|r| {
+                    let changes = r.changes.map(|c| {
+                        json!({
+                            "instrs": [c.instrs.0, c.instrs.1],
+                            "matvecs": [c.matvecs.0, c.matvecs.1],
+                            "weight_bytes": [c.weight_bytes.0, c.weight_bytes.1],
+                        })
+                    });
+                    json!({
+                        "name": r.name,
+                        "wall_seconds": (r.wall + r.verify_wall).as_secs_f64(),
+                        "peak_rss_bytes": r.peak_rss,
+                        "changes": changes,
+                    })
+                })
                 .collect(),
         }
     }

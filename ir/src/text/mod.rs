@@ -159,6 +159,10 @@ fn op_text(module: &Module, op: &Op) -> String {
             }
         }
         Op::ExpertDispatch { expert, .. } => attrs.push(format!("expert={expert}")),
+        Op::Slice { offset, len, .. } => {
+            attrs.push(format!("offset={offset}"));
+            attrs.push(format!("len={len}"));
+        }
     }
     let mut text = op.name().to_string();
     if !operands.is_empty() {

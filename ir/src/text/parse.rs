@@ -557,10 +557,14 @@ fn build_op(name: &str, pos: Pos, operands: &[Operand], attrs: &mut Attrs) -> Re
             }
             _ => return Err(signature("%routing, %expert0, %expert1, ...")),
         },
+        "slice" => match operands {
+            [V(x)] => Op::Slice { x: *x, offset: attrs.u32("offset")?, len: attrs.u32("len")? },
+            _ => return Err(signature("%x")),
+        },
         _ => {
             return Err(pos.error(format!(
                 "unknown op `{name}`: expected one of embed, rms_norm, matvec, rope, attention, silu, mul, add, \
-                 router_topk, expert_dispatch, expert_combine"
+                 router_topk, expert_dispatch, expert_combine, slice"
             )))
         }
     };

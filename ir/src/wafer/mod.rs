@@ -336,6 +336,10 @@ pub enum Work {
     Dispatch {
         routing: RouteId,
     },
+    /// `slice`: no data moves; the result names elements `offset..offset + len` of `x`'s layout
+    /// (its segments are the overlapping parts of `x`'s, numbered from the slice's start), and
+    /// `x`'s deliveries reach the slice's readers.
+    Slice,
     RmsNorm(NormPlacement),
     Attention(AttentionPlacement),
     /// `router_topk` on the result's PE; it sends the decision on `routing` to every PE of the

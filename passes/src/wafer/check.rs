@@ -670,11 +670,19 @@ impl<'a> Checker<'a> {
     /// Every operand region is fed: the PE holds the value itself, or an operand route of the
     /// value's source ends here and is listed by the instruction.
     fn operands(&mut self, routes: &HashMap<u32, &Route>) {
-        // Which value's data an operand is: through expert_dispatch to the dispatched vector.
-        let source = |mut v: usize| loop {
-            match &self.module.body[Handle::new(v)].op {
-                Op::ExpertDispatch { x, .. } => v = x.index(),
-                _ => return v as u32,
+        // Which value's data an operand is, and where in it: through expert_dispatch to the
+        // dispatched vector, through slice to the sliced one.
+        let source = |mut v: usize| {
+            let mut shift = 0u64;
+            loop {
+                match &self.module.body[Handle::new(v)].op {
+                    Op::ExpertDispatch { x, .. } => v = x.index(),
+                    Op::Slice { x, offset, .. } => {
+                        shift += *offset as u64;
+                        v = x.index();
+                    }
+                    _ => return (v as u32, shift),
+                }
             }
         };
         // (value, destination PE) -> element ranges arriving, with their routes.
@@ -716,7 +724,8 @@ impl<'a> Checker<'a> {
                 let (RegionKind::Operand { value, elements }, Some(instr)) = (&region.kind, region.instr) else {
                     continue;
                 };
-                let src = source(*value as usize);
+                let (src, shift) = source(*value as usize);
+                let elements = &(elements.start + shift..elements.end + shift);
                 // What the PE holds of the source's result itself, then what routes bring.
                 let mut held: Vec<Range<u64>> = image
                     .regions
@@ -789,7 +798,7 @@ impl<'a> Checker<'a> {
                     named.push(*routing);
                     named.extend(collects);
                 }
-                Work::Elementwise => {}
+                Work::Elementwise | Work::Slice => {}
             }
             for id in named {
                 if !routes.contains_key(&id) {

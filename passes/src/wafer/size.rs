@@ -25,9 +25,11 @@ const F32: u64 = 4;
 pub(super) struct Analysis {
     /// The MoE expert an instruction computes for (through `expert_dispatch`), per instruction.
     pub expert: Vec<Option<u32>>,
-    /// The value whose data an instruction's result is: itself, or for `expert_dispatch` the
-    /// dispatched `x`'s source.
+    /// The value whose data an instruction's result is: itself, or for `expert_dispatch` and
+    /// `slice` their `x`'s source.
     pub source: Vec<u32>,
+    /// Where an instruction's data starts in its source's result (non-zero for a `slice`).
+    pub offset: Vec<u64>,
     /// Per value (by source): the instructions reading it as an operand, in program order,
     /// `expert_dispatch` looked through (its readers read the dispatched `x`).
     pub readers: Vec<Vec<u32>>,
@@ -40,6 +42,7 @@ impl Analysis {
         let n = module.body.len();
         let mut expert = vec![None; n];
         let mut source: Vec<u32> = (0..n as u32).collect();
+        let mut offset = vec![0u64; n];
         let mut readers = vec![Vec::new(); n];
         let mut router = vec![None; n];
         for (handle, instr) in module.body.iter() {
@@ -51,6 +54,12 @@ impl Analysis {
                     router[i] = Some(routing.index() as u32);
                 }
                 Op::ExpertCombine { routing, .. } => router[i] = Some(routing.index() as u32),
+                Op::Slice { x, offset: start, .. } => {
+                    source[i] = source[x.index()];
+                    offset[i] = offset[x.index()] + *start as u64;
+                    expert[i] = expert[x.index()];
+                    router[i] = router[x.index()];
+                }
                 op => {
                     for operand in op.operands() {
                         if expert[i].is_none() {
@@ -60,7 +69,7 @@ impl Analysis {
                     }
                 }
             }
-            if !matches!(instr.op, Op::ExpertDispatch { .. }) {
+            if !matches!(instr.op, Op::ExpertDispatch { .. } | Op::Slice { .. }) {
                 for operand in instr.op.operands() {
                     let list = &mut readers[source[operand.index()] as usize];
                     if list.last() != Some(&(i as u32)) {
@@ -69,7 +78,7 @@ impl Analysis {
                 }
             }
         }
-        Analysis { expert, source, readers, router }
+        Analysis { expert, source, offset, readers, router }
     }
 }
 
@@ -98,8 +107,8 @@ pub(super) enum Shape {
         segments: Vec<Range<u64>>,
     },
     Router,
-    /// Aliases its `x`: no PEs.
-    Dispatch,
+    /// Aliases its `x` (`expert_dispatch`) or part of it (`slice`): no PEs.
+    Alias,
 }
 
 pub(super) struct Sizes {
@@ -345,7 +354,7 @@ pub(super) fn size_module(
                 }
                 Shape::Router
             }
-            Op::ExpertDispatch { .. } => Shape::Dispatch,
+            Op::ExpertDispatch { .. } | Op::Slice { .. } => Shape::Alias,
         };
         let count = match (&shape, &instr.op) {
             (Shape::Attention { blocks_per_head, segments, .. }, Op::Attention { cache, .. }) => {

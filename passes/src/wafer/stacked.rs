@@ -648,6 +648,7 @@ impl Stacked<'_> {
                 let source = self.placer.analysis.source[i] as usize;
                 (self.placer.placements[source].result.clone(), Work::Dispatch { routing: 0 })
             }
+            Op::Slice { len, .. } => (self.placer.slice_layout(i, *len as u64)?, Work::Slice),
         };
         Ok(InstrPlacement {
             instr,

@@ -146,6 +146,8 @@ impl<'p> Executor<'p> {
         elements: Range<u64>,
     ) -> Result<Data, ExecError> {
         let source = self.alias[value as usize];
+        let shift = self.alias_offset[value as usize];
+        let elements = elements.start + shift..elements.end + shift;
         let mut pieces: Vec<(Range<u64>, Data)> = Vec::new();
         if let (Held::Segments(held), ResultLayout::Vector(layout)) =
             (&state.held[source as usize], &self.program.instrs[source as usize].result)

@@ -138,8 +138,11 @@ pub struct Executor<'p> {
     runs: Vec<(InstrIndex, Range<usize>)>,
     /// Per PE image (in `program.pes` order), its SRAM with the weight regions filled.
     sram: Vec<Vec<u8>>,
-    /// Each value, followed through `expert_dispatch` (which aliases its `x`).
+    /// Each value, followed through `expert_dispatch` (which aliases its `x`) and `slice`
+    /// (which names part of its `x`).
     alias: Vec<InstrIndex>,
+    /// Where each value's elements start in its alias's result (non-zero for a `slice`).
+    alias_offset: Vec<u64>,
     gates: Vec<Option<Gate>>,
     /// The PEs that compute each instruction (tiles, segments, KV blocks, the router).
     instr_pes: Vec<Vec<Pe>>,
@@ -186,6 +189,7 @@ impl<'p> Executor<'p> {
         let sram = if options.timing_only { Vec::new() } else { load_sram(program, module, tile_blob)? };
 
         let mut alias: Vec<InstrIndex> = Vec::with_capacity(module.body.len());
+        let mut alias_offset: Vec<u64> = Vec::with_capacity(module.body.len());
         let mut gates: Vec<Option<Gate>> = Vec::with_capacity(module.body.len());
         for (handle, instr) in module.body.iter() {
             let index = handle.index() as InstrIndex;
@@ -193,6 +197,7 @@ impl<'p> Executor<'p> {
             match &instr.op {
                 Op::ExpertDispatch { x, expert, .. } => {
                     alias.push(alias[x.index()]);
+                    alias_offset.push(alias_offset[x.index()]);
                     let Work::Dispatch { routing } = program.instrs[index as usize].work else {
                         return Err(ExecError::Malformed { site, problem: "its work is not Dispatch".into() });
                     };
@@ -200,10 +205,17 @@ impl<'p> Executor<'p> {
                 }
                 Op::ExpertCombine { .. } => {
                     alias.push(index);
+                    alias_offset.push(0);
                     gates.push(None);
+                }
+                Op::Slice { x, offset, .. } => {
+                    alias.push(alias[x.index()]);
+                    alias_offset.push(alias_offset[x.index()] + *offset as u64);
+                    gates.push(gates[x.index()]);
                 }
                 op => {
                     alias.push(index);
+                    alias_offset.push(0);
                     gates.push(op.operands().iter().find_map(|o| gates[o.index()]));
                 }
             }
@@ -259,6 +271,7 @@ impl<'p> Executor<'p> {
             runs,
             sram,
             alias,
+            alias_offset,
             gates,
             instr_pes,
             attention_collects,
@@ -391,6 +404,7 @@ impl<'p> Executor<'p> {
                     a
                 }
             }
+            Op::Slice { x, .. } => self.done_cycle(state, x.index() as InstrIndex),
             _ => (state.timeline.instr_end(value), Some(value)),
         }
     }
@@ -427,6 +441,13 @@ impl<'p> Executor<'p> {
                         InstrValue::Absent
                     }
                 }
+                Op::Slice { len, .. } => match value_of(&state.held[self.alias[i] as usize]) {
+                    InstrValue::Tensor(values) => {
+                        let start = self.alias_offset[i] as usize;
+                        InstrValue::Tensor(values[start..start + *len as usize].to_vec())
+                    }
+                    other => other,
+                },
                 _ => value_of(&state.held[i]),
             })
             .collect()
@@ -482,7 +503,7 @@ fn compute_pes(placement: &waferc_ir::wafer::InstrPlacement) -> Vec<Pe> {
         Work::Embed { blocks, .. } => pes.extend(blocks.iter().map(|b| b.pe)),
         Work::MatVec(p) => pes.extend(p.tiles.iter().map(|t| t.pe)),
         Work::Attention(p) => pes.extend(p.kv_heads_placed.iter().flat_map(|kh| kh.blocks.iter().map(|b| b.pe))),
-        Work::Dispatch { .. } => pes.clear(),
+        Work::Dispatch { .. } | Work::Slice => pes.clear(),
         Work::Elementwise | Work::RmsNorm(_) | Work::Router { .. } | Work::Combine { .. } => {}
     }
     pes.sort_unstable();

@@ -68,6 +68,8 @@ impl Executor<'_> {
             }
             // The result aliases `x`; the gate (checked before) decided whether it exists.
             (Op::ExpertDispatch { .. }, Work::Dispatch { .. }) => {}
+            // The result names part of `x`'s segments: nothing to compute or move.
+            (Op::Slice { .. }, Work::Slice) => {}
             (Op::ExpertCombine { routing, experts }, Work::Combine { routing: route, collects }) => {
                 self.combine_experts(state, run, routing.index() as InstrIndex, experts, *route, collects, &segments)?
             }
@@ -95,6 +97,7 @@ fn work_name(work: &Work) -> &'static str {
         Work::MatVec(_) => "MatVec",
         Work::Elementwise => "Elementwise",
         Work::Dispatch { .. } => "Dispatch",
+        Work::Slice => "Slice",
         Work::RmsNorm(_) => "RmsNorm",
         Work::Attention(_) => "Attention",
         Work::Router { .. } => "Router",
