@@ -384,7 +384,7 @@ impl<'a> Builder<'a> {
         let cache = self.module.add_cache(KvCache { layer: index, kv_heads, head_dim });
         // transformers' scaling is head_dim ** -0.5 in f64, applied as an f32 scalar.
         let scale = (1.0 / f64::from(head_dim).sqrt()) as f32;
-        let attended = self.push(Op::Attention { q, k, v, cache, heads, scale }, at)?;
+        let attended = self.push(Op::Attention { q, k, v, cache, heads, scale, window: None, sinks: None }, at)?;
         let projected = self.matvec(attended, &plan.o, None, at)?;
         let x = self.push(Op::Add { a: x, b: projected }, at)?;
 

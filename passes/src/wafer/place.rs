@@ -548,7 +548,7 @@ impl<'a> Placer<'a> {
                 })?;
                 (ResultLayout::Vector(layout), Work::Combine { routing: 0, collects: Vec::new() })
             }
-            (Op::Rope { .. } | Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. }, Shape::Vector { segments }) => {
+            (Op::Rope { .. } | Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. }, Shape::Vector { segments }) => {
                 let layout = self.vector_layout(i, wafer, segments, operand_regions)?;
                 (ResultLayout::Vector(layout), Work::Elementwise)
             }

@@ -309,8 +309,15 @@ pub(super) fn size_module(
                 Shape::Vector { segments: segs }
             }
             Op::Rope { head_dim, .. } => Shape::Vector { segments: unit_segments(*head_dim as u64)? },
-            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::ExpertCombine { .. } => {
+            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } | Op::ExpertCombine { .. } => {
                 Shape::Vector { segments: pow2_segments(&|_| true)? }
+            }
+            Op::Attention { window, sinks, .. } if window.is_some() || sinks.is_some() => {
+                return Err(unsupported(
+                    "attention with a sliding window or sinks (gpt-oss) is not placed on the wafer yet; \
+                     the reference decoder runs it"
+                        .to_string(),
+                ))
             }
             Op::Attention { cache, heads, .. } => {
                 let c = &module.caches[*cache];
