@@ -462,7 +462,8 @@ fn absent_values_propagate_to_an_error_where_they_cannot_skip() {
 
     // Attention must append to its cache every step, so it cannot skip an absent operand.
     let cache = b.module.add_cache(KvCache { layer: 0, kv_heads: 1, head_dim: 32 });
-    let a = b.push(Op::Attention { q: x2, k: x, v: x, cache, heads: 1, scale: 1.0, window: None, sinks: None }, Some(0));
+    let a =
+        b.push(Op::Attention { q: x2, k: x, v: x, cache, heads: 1, scale: 1.0, window: None, sinks: None }, Some(0));
     let y = b.push(Op::Add { a: x, b: a }, None);
     b.module.output = Some(b.push(Op::MatVec { x: y, weight: head, bias: None }, None));
     let mut decoder = ReferenceDecoder::new(&b.module, 8).expect("decoder");

@@ -13,16 +13,40 @@ fn check_fixture(name: &str) {
 }
 
 fn check_fixture_on(name: &str, target: &str) {
+    check_fixture_with(name, target, 64, 6)
+}
+
+/// Compiled for `target` with KV room for `max_context` positions, `new_tokens` generated.
+fn check_fixture_with(name: &str, target: &str, max_context: u32, new_tokens: usize) {
     let model = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
     let module = &model.module;
-    let program = compile_for(module, target, 64);
+    let program = compile_for(module, target, max_context);
     let blob = pack_tile_blob(&program, module);
     let vocab = module.meta.vocab_size;
     let prompt: Vec<u32> = [1, 17, 5, 42].iter().map(|t| t % vocab).collect();
-    let options = ValidationOptions { max_new_tokens: 6, ..ValidationOptions::default() };
+    let options = ValidationOptions { max_new_tokens: new_tokens, ..ValidationOptions::default() };
     let validation =
         validate(&program, module, Some(&blob), &prompt, &options).unwrap_or_else(|e| panic!("{name}: {e}"));
-    assert_eq!(validation.steps, prompt.len() + 5, "{name}");
+    assert_eq!(validation.steps, prompt.len() + new_tokens - 1, "{name}");
+}
+
+/// gpt-oss (sinks, sliding window 8, YaRN, clamped SwiGLU, biases): 18 positions, so the
+/// sliding layers' rings wrap twice; on several grids, and with a long context whose full
+/// layers spread their KV cache over several blocks (the sinks join reductions across PEs).
+#[test]
+fn gpt_oss_tiny_bf16() {
+    for target in ["grid:32x32", "grid:48x40", "grid:64x64"] {
+        check_fixture_with("gpt-oss-tiny-bf16", target, 64, 15);
+    }
+    check_fixture_with("gpt-oss-tiny-bf16", "grid:64x64", 2048, 15);
+}
+
+#[test]
+fn gpt_oss_tiny_mxfp4() {
+    for target in ["grid:32x32", "grid:64x64"] {
+        check_fixture_with("gpt-oss-tiny-mxfp4", target, 64, 15);
+    }
+    check_fixture_with("gpt-oss-tiny-mxfp4", "grid:64x64", 2048, 15);
 }
 
 #[test]

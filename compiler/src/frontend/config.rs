@@ -349,7 +349,9 @@ fn parse_rope(f: &Fields, max_position: Option<u32>, p: &mut Vec<String>) -> Opt
             let truncate = r.optional(p, "truncate", "a boolean", Value::as_bool).or_default(Some(true));
             for key in ["attention_factor", "mscale", "mscale_all_dim"] {
                 if r.get(key).is_some() {
-                    p.push(format!("{params_key}.{key} is not supported (yarn's attention factor is 0.1 ln(factor) + 1)"));
+                    p.push(format!(
+                        "{params_key}.{key} is not supported (yarn's attention factor is 0.1 ln(factor) + 1)"
+                    ));
                 }
             }
             Some(RopeScaling::Yarn {
@@ -794,7 +796,7 @@ mod tests {
         let p = problems(serde_json::json!({"model_type": "gemma2", "hidden_size": "x"}));
         assert_eq!(
             p,
-            ["model_type `gemma2` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe)"]
+            ["model_type `gemma2` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, gpt_oss)"]
         );
     }
 

@@ -155,7 +155,10 @@ impl ModelPlan {
                                 if release { [e, 2 * width, hidden] } else { [e, hidden, 2 * width] },
                             ),
                             gate_up_bias: spec(experts("gate_up_proj_bias"), [e, 2 * width]),
-                            down: spec(experts("down_proj"), if release { [e, hidden, width] } else { [e, width, hidden] }),
+                            down: spec(
+                                experts("down_proj"),
+                                if release { [e, hidden, width] } else { [e, width, hidden] },
+                            ),
                             down_bias: spec(experts("down_proj_bias"), [e, hidden]),
                             experts: moe.num_experts,
                             top_k: moe.top_k,
@@ -202,7 +205,10 @@ impl ModelPlan {
                     }),
                     o: spec(attn("o_proj", "weight"), [hidden, q_width]),
                     o_bias_and_sinks: c.attention_sinks.then(|| {
-                        [spec(attn("o_proj", "bias"), [hidden]), spec(format!("{p}.self_attn.sinks"), [c.num_heads as u64])]
+                        [
+                            spec(attn("o_proj", "bias"), [hidden]),
+                            spec(format!("{p}.self_attn.sinks"), [c.num_heads as u64]),
+                        ]
                     }),
                     window: c.sliding_window.as_ref().filter(|w| w.layers.contains(&layer)).map(|w| w.window),
                     post_attention_norm: spec(format!("{p}.post_attention_layernorm.weight"), [hidden]),

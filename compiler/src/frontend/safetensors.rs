@@ -285,7 +285,11 @@ pub fn pair_mxfp4(read: &mut CheckpointTensors) {
 }
 
 fn half_pair(half: &TensorEntry, have: &str, lack: &str) -> String {
-    format!("{}: MXFP4 tensor {have} U8{:?} has no {lack} (the release stores both)", half.file.display(), half.ty.shape)
+    format!(
+        "{}: MXFP4 tensor {have} U8{:?} has no {lack} (the release stores both)",
+        half.file.display(),
+        half.ty.shape
+    )
 }
 
 /// One MXFP4 tensor from a matching `_blocks`/`_scales` pair, or `None` if the shapes disagree.

@@ -312,18 +312,20 @@ pub(super) fn size_module(
             Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } | Op::ExpertCombine { .. } => {
                 Shape::Vector { segments: pow2_segments(&|_| true)? }
             }
-            Op::Attention { window, sinks, .. } if window.is_some() || sinks.is_some() => {
-                return Err(unsupported(
-                    "attention with a sliding window or sinks (gpt-oss) is not placed on the wafer yet; \
-                     the reference decoder runs it"
-                        .to_string(),
-                ))
+            Op::Attention { window: Some(window), .. } if *window > options.max_context => {
+                return Err(unsupported(format!(
+                    "its sliding window of {window} positions is larger than the KV capacity (max context {}): \
+                     raise the max context to at least {window}",
+                    options.max_context
+                )))
             }
-            Op::Attention { cache, heads, .. } => {
+            Op::Attention { cache, heads, window, .. } => {
                 let c = &module.caches[*cache];
                 let head_dim = c.head_dim as u64;
                 let q_per_kv = (*heads / c.kv_heads) as u64;
-                let max_positions = CHUNK * (options.max_context as u64).div_ceil(CHUNK).next_power_of_two();
+                // A windowed cache keeps only the window's rows.
+                let rows = window.map_or(options.max_context as u64, u64::from);
+                let max_positions = CHUNK * rows.div_ceil(CHUNK).next_power_of_two();
                 let mut positions = CHUNK;
                 if kv_block_bytes(positions, head_dim, q_per_kv) > usable {
                     return Err(unsupported(format!(
@@ -335,7 +337,7 @@ pub(super) fn size_module(
                 while positions * 2 <= max_positions && kv_block_bytes(positions * 2, head_dim, q_per_kv) <= usable {
                     positions *= 2;
                 }
-                let blocks = (options.max_context as u64).div_ceil(positions);
+                let blocks = rows.div_ceil(positions);
                 Shape::Attention {
                     positions_per_block: positions as u32,
                     blocks_per_head: blocks as u32,

@@ -122,7 +122,7 @@ impl Builder {
                     out.extend((0..32).map(|_| (self.rng.signed() * 127.0) as i8 as u8));
                 }
             }
-            DType::Q4_0 | DType::Q4_1 => panic!("the executor tests do not build 4-bit weights"),
+            DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => panic!("the executor tests do not build 4-bit weights"),
         }
         out
     }

@@ -36,7 +36,8 @@ impl Executor<'_> {
                     (data, 1)
                 }
                 Op::SwiGlu { gate, up, alpha, limit } => {
-                    let g = self.operand(state, run, segment.pe, gate.index() as InstrIndex, segment.elements.clone())?;
+                    let g =
+                        self.operand(state, run, segment.pe, gate.index() as InstrIndex, segment.elements.clone())?;
                     let u = self.operand(state, run, segment.pe, up.index() as InstrIndex, segment.elements.clone())?;
                     let data = self.compute_data(n, || kernels::swiglu(g.values(), u.values(), *alpha, *limit));
                     // SiLU's cost plus the two clamps, the `+ 1` and the product.
