@@ -83,3 +83,29 @@ fn qwen3_moe_tiny() {
 fn mixtral_sharded_bf16() {
     check_fixture("mixtral-sharded-bf16");
 }
+
+/// The same gpt-oss weights compiled from both layouts: the MXFP4 release's expert weight tiles
+/// take about a quarter of the bf16 ones' bytes (17 bytes per 32 weights against 64), the rest
+/// of the model the same.
+#[test]
+fn gpt_oss_mxfp4_expert_tiles_are_a_quarter_of_bf16() {
+    let expert_tile_bytes = |name: &str| -> (u64, u64) {
+        let model = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap();
+        let program = compile_for(&model.module, "grid:32x32", 64);
+        let (mut experts, mut rest) = (0, 0);
+        for region in program.pes.iter().flat_map(|pe| &pe.regions) {
+            if let waferc_ir::wafer::RegionKind::Weight { weight, blob, .. } = &region.kind {
+                let w = &model.module.weights[waferc_ir::Handle::new(*weight as usize)];
+                match w.name.contains(".mlp.experts.") && w.name.ends_with("_proj.weight") {
+                    true => experts += blob.end - blob.start,
+                    false => rest += blob.end - blob.start,
+                }
+            }
+        }
+        (experts, rest)
+    };
+    let (bf16_experts, bf16_rest) = expert_tile_bytes("gpt-oss-tiny-bf16");
+    let (mxfp4_experts, mxfp4_rest) = expert_tile_bytes("gpt-oss-tiny-mxfp4");
+    assert_eq!(bf16_rest, mxfp4_rest, "only the experts differ");
+    assert_eq!(mxfp4_experts * 64, bf16_experts * 17, "17 bytes per 32 MXFP4 weights, 64 in bf16");
+}
