@@ -202,7 +202,7 @@ fn parse_errors_name_line_column_and_what_was_expected() {
         ("HEADER%0 = embed @w : f32[8]\n%1 = silu %0 eps=1 : f32[8]\n", (4, 14), "unexpected attribute `eps`: silu takes no attributes"),
         ("HEADER%0 = embed @w : f32[8]\n%1 = router_topk %0 top_k=2 normalize=yes : routing[8, top2]\n", (4, 39), "`normalize` is a flag and takes no value"),
         ("HEADER%0 = embed @w : f32[8]\n%1 = router_topk %0 top_k=2 : routing[8, two]\n", (4, 42), "expected `topK` (such as `top2`), found `two`"),
-        ("HEADER%0 = embed @w : f32[8]\n%1 = rope %0 head_dim=2 theta=1.0 scaling=yarn : f32[8]\n", (4, 43), "unknown rope scaling `yarn`"),
+        ("HEADER%0 = embed @w : f32[8]\n%1 = rope %0 head_dim=2 theta=1.0 scaling=ntk : f32[8]\n", (4, 43), "unknown rope scaling `ntk`"),
         ("HEADER%0 = embed @w : f32[8]\n%1 = attention %0, %0, %0, #9 heads=1 scale=1.0 : f32[8]\n", (4, 28), "KV cache #9 is not declared"),
         ("HEADERlayer 0 {\n%0 = embed @w : f32[8]\n", (5, 1), "expected `}` closing `layer 0` (opened at line 3, column 1), found the end of the text"),
         ("HEADERlayer 0 {\nlayer 1 {\n", (4, 1), "expected an instruction `%label = ...` or `}` closing the layer block, found `layer`"),

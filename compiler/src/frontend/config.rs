@@ -747,26 +747,47 @@ mod tests {
 
     #[test]
     fn sliding_windows_only_when_in_force() {
+        let window = |json: Value| parse(json).unwrap().sliding_window.map(|w| (w.window, w.layers));
         // Mistral's window applies to every layer, unless it covers the whole context.
         // (transformers' defaults: a 4096 window, 131072 positions.)
-        let in_force = problems(config("mistral", serde_json::json!({})));
-        assert_eq!(
-            in_force,
-            ["sliding_window 4096 is in force on layers [0, 1, 2, 3] (max_position_embeddings 131072); \
-              only full attention is supported"]
-        );
+        assert_eq!(window(config("mistral", serde_json::json!({}))), Some((4096, vec![0, 1, 2, 3])));
         let covering = serde_json::json!({"sliding_window": 32768, "max_position_embeddings": 32768});
-        assert!(parse(config("mistral", covering)).is_ok());
-        assert!(parse(config("mistral", serde_json::json!({"sliding_window": null}))).is_ok());
+        assert_eq!(window(config("mistral", covering)), None);
+        assert_eq!(window(config("mistral", serde_json::json!({"sliding_window": null}))), None);
         // Qwen: only with use_sliding_window, and only from max_window_layers on.
         let off = serde_json::json!({"sliding_window": 128, "use_sliding_window": false});
-        assert!(parse(config("qwen2", off)).is_ok());
+        assert_eq!(window(config("qwen2", off)), None);
         let late = serde_json::json!({"sliding_window": 128, "use_sliding_window": true, "max_window_layers": 4});
-        assert!(parse(config("qwen3", late)).is_ok());
+        assert_eq!(window(config("qwen3", late)), None);
         let on = serde_json::json!({"sliding_window": 128, "use_sliding_window": true, "max_window_layers": 3});
+        assert_eq!(window(config("qwen3", on)), Some((128, vec![3])));
+        // gpt-oss: every other layer from the first by default, window 128.
+        let gpt_oss = serde_json::json!({"num_local_experts": 8, "num_experts_per_tok": 2});
+        assert_eq!(window(config("gpt_oss", gpt_oss)), Some((128, vec![0, 2])));
+    }
+
+    #[test]
+    fn gpt_oss_fields() {
+        let release = serde_json::json!({"num_local_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": 5.0,
+            "quantization_config": {"quant_method": "mxfp4"},
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false}, "rope_theta": 150000.0});
+        let c = parse(config("gpt_oss", release)).unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!((moe.gpt_oss_experts, moe.mxfp4_experts, moe.normalize_top_k), (Some((1.702, 5.0)), true, true));
+        assert!(c.attention_bias && c.attention_sinks);
         assert_eq!(
-            problems(config("qwen3", on)),
-            ["sliding_window 128 is in force on layers [3] (max_position_embeddings 32768); only full attention is supported"]
+            c.rope.scaling,
+            RopeScaling::Yarn { factor: 32.0, beta_fast: 32.0, beta_slow: 1.0, original_max_position: 4096, truncate: false }
+        );
+        let other = serde_json::json!({"num_local_experts": 8, "num_experts_per_tok": 2,
+            "quantization_config": {"quant_method": "fp8"}, "rope_scaling": {"rope_type": "yarn"}});
+        assert_eq!(
+            problems(config("gpt_oss", other)),
+            [
+                "missing field `rope_scaling.factor` (a positive number)",
+                "quantization_config.quant_method `fp8` is not supported (only mxfp4, for gpt_oss)",
+            ]
         );
     }
 
