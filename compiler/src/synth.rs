@@ -209,9 +209,8 @@ impl Preset {
                 c["experts_per_token"] = json!(self.top_k);
                 c["attention_bias"] = json!(true);
                 c["sliding_window"] = json!(128);
-                let types: Vec<&str> = (0..self.layers)
-                    .map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" })
-                    .collect();
+                let types: Vec<&str> =
+                    (0..self.layers).map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" }).collect();
                 c["layer_types"] = json!(types);
                 c["swiglu_alpha"] = json!(1.702);
                 c["swiglu_limit"] = json!(7.0);

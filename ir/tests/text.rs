@@ -108,7 +108,13 @@ fn rope_scalings_and_biases_round_trip() {
         RopeScaling::None,
         RopeScaling::Linear { factor: 4.0 },
         RopeScaling::Llama3 { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 },
-        RopeScaling::Yarn { factor: 32.0, beta_fast: 32.0, beta_slow: 1.0, original_max_position: 4096, truncate: false },
+        RopeScaling::Yarn {
+            factor: 32.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_position: 4096,
+            truncate: false,
+        },
         RopeScaling::Yarn { factor: 4.0, beta_fast: 16.0, beta_slow: 2.0, original_max_position: 64, truncate: true },
     ];
     for scaling in &scalings {

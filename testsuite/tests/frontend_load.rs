@@ -338,7 +338,10 @@ fn gpt_oss_layouts_lower_alike() {
         let gate = module.weight_by_name("model.layers.3.mlp.experts.5.gate_proj.weight").unwrap();
         assert_eq!(module.weights[gate].ty, waferc_ir::TensorType::new(expert_dtype, [64, 64]), "{name}");
         let text = waferc_ir::text::print(&module);
-        assert!(text.contains("scaling=yarn factor=32.0 beta_fast=32.0 beta_slow=1.0 original_max_position=64"), "{text}");
+        assert!(
+            text.contains("scaling=yarn factor=32.0 beta_fast=32.0 beta_slow=1.0 original_max_position=64"),
+            "{text}"
+        );
         let parsed = waferc_ir::text::parse(&text).unwrap();
         assert_eq!(waferc_ir::text::print(&parsed), text, "{name}: text round trip");
         printed.push(text.replace("mxfp4[", "bf16["));

@@ -778,7 +778,13 @@ mod tests {
         assert!(c.attention_bias && c.attention_sinks);
         assert_eq!(
             c.rope.scaling,
-            RopeScaling::Yarn { factor: 32.0, beta_fast: 32.0, beta_slow: 1.0, original_max_position: 4096, truncate: false }
+            RopeScaling::Yarn {
+                factor: 32.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                original_max_position: 4096,
+                truncate: false
+            }
         );
         let other = serde_json::json!({"num_local_experts": 8, "num_experts_per_tok": 2,
             "quantization_config": {"quant_method": "fp8"}, "rope_scaling": {"rope_type": "yarn"}});

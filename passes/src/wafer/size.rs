@@ -264,6 +264,10 @@ pub(super) fn size_module(
                     let blocks = rows.div_ceil(per_block);
                     rows_per_block.push(rows.div_ceil(blocks));
                 }
+                // One row banding for every segment (a narrower last segment, as for a width of
+                // 2880, takes the wider ones' bands), so each band of rows is held across its width.
+                let band = rows_per_block.iter().copied().min().unwrap_or(rows);
+                rows_per_block.iter_mut().for_each(|per| *per = band);
                 Shape::Embed { segments: segs, rows_per_block }
             }
             Op::MatVec { weight, bias, .. } => {
