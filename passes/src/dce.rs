@@ -137,10 +137,19 @@ mod tests {
         let dead_cache = m.add_cache(KvCache { layer: 0, kv_heads: 1, head_dim: 8 });
         let live_cache = m.add_cache(KvCache { layer: 1, kv_heads: 1, head_dim: 8 });
         let x = m.push(Op::Embed { table }, None).unwrap();
-        let dead =
-            m.push(Op::Attention { q: x, k: x, v: x, cache: dead_cache, heads: 1, scale: 0.5 }, Some(0)).unwrap();
+        let dead = m
+            .push(
+                Op::Attention { q: x, k: x, v: x, cache: dead_cache, heads: 1, scale: 0.5, window: None, sinks: None },
+                Some(0),
+            )
+            .unwrap();
         m.push(Op::Silu { x: dead }, Some(0)).unwrap();
-        let a = m.push(Op::Attention { q: x, k: x, v: x, cache: live_cache, heads: 1, scale: 0.5 }, Some(1)).unwrap();
+        let a = m
+            .push(
+                Op::Attention { q: x, k: x, v: x, cache: live_cache, heads: 1, scale: 0.5, window: None, sinks: None },
+                Some(1),
+            )
+            .unwrap();
         let head = m.add_weight("head", TensorType::f32([4, 8]), WeightBytes::Absent);
         m.output = Some(m.push(Op::MatVec { x: a, weight: head, bias: None }, None).unwrap());
         m

@@ -14,7 +14,8 @@ fn module() -> Module {
     let table = m.add_weight("table", TensorType::f32([4, 32]), WeightBytes::Absent);
     let cache = m.add_cache(KvCache { layer: 0, kv_heads: 1, head_dim: 32 });
     let x = m.push(Op::Embed { table }, None).unwrap();
-    m.push(Op::Attention { q: x, k: x, v: x, cache, heads: 1, scale: 0.5 }, Some(0)).unwrap();
+    m.push(Op::Attention { q: x, k: x, v: x, cache, heads: 1, scale: 0.5, window: None, sinks: None }, Some(0))
+        .unwrap();
     let head = m.add_weight("head", TensorType::f32([4, 32]), WeightBytes::Absent);
     m.output = Some(m.push(Op::MatVec { x, weight: head, bias: None }, None).unwrap());
     m

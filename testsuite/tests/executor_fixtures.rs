@@ -13,16 +13,40 @@ fn check_fixture(name: &str) {
 }
 
 fn check_fixture_on(name: &str, target: &str) {
+    check_fixture_with(name, target, 64, 6)
+}
+
+/// Compiled for `target` with KV room for `max_context` positions, `new_tokens` generated.
+fn check_fixture_with(name: &str, target: &str, max_context: u32, new_tokens: usize) {
     let model = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
     let module = &model.module;
-    let program = compile_for(module, target, 64);
+    let program = compile_for(module, target, max_context);
     let blob = pack_tile_blob(&program, module);
     let vocab = module.meta.vocab_size;
     let prompt: Vec<u32> = [1, 17, 5, 42].iter().map(|t| t % vocab).collect();
-    let options = ValidationOptions { max_new_tokens: 6, ..ValidationOptions::default() };
+    let options = ValidationOptions { max_new_tokens: new_tokens, ..ValidationOptions::default() };
     let validation =
         validate(&program, module, Some(&blob), &prompt, &options).unwrap_or_else(|e| panic!("{name}: {e}"));
-    assert_eq!(validation.steps, prompt.len() + 5, "{name}");
+    assert_eq!(validation.steps, prompt.len() + new_tokens - 1, "{name}");
+}
+
+/// gpt-oss (sinks, sliding window 8, YaRN, clamped SwiGLU, biases): 18 positions, so the
+/// sliding layers' rings wrap twice; on several grids, and with a long context whose full
+/// layers spread their KV cache over several blocks (the sinks join reductions across PEs).
+#[test]
+fn gpt_oss_tiny_bf16() {
+    for target in ["grid:32x32", "grid:48x40", "grid:64x64"] {
+        check_fixture_with("gpt-oss-tiny-bf16", target, 64, 15);
+    }
+    check_fixture_with("gpt-oss-tiny-bf16", "grid:64x64", 2048, 15);
+}
+
+#[test]
+fn gpt_oss_tiny_mxfp4() {
+    for target in ["grid:32x32", "grid:64x64"] {
+        check_fixture_with("gpt-oss-tiny-mxfp4", target, 64, 15);
+    }
+    check_fixture_with("gpt-oss-tiny-mxfp4", "grid:64x64", 2048, 15);
 }
 
 #[test]
@@ -81,4 +105,30 @@ fn rewritten_fixtures_are_bit_exact() {
         // The executor ran the rewritten module; the reference on the original gives the same bits
         // (rewrite_reference.rs), so the placed fused program equals the unfused model.
     }
+}
+
+/// The same gpt-oss weights compiled from both layouts: the MXFP4 release's expert weight tiles
+/// take about a quarter of the bf16 ones' bytes (17 bytes per 32 weights against 64), the rest
+/// of the model the same.
+#[test]
+fn gpt_oss_mxfp4_expert_tiles_are_a_quarter_of_bf16() {
+    let expert_tile_bytes = |name: &str| -> (u64, u64) {
+        let model = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap();
+        let program = compile_for(&model.module, "grid:32x32", 64);
+        let (mut experts, mut rest) = (0, 0);
+        for region in program.pes.iter().flat_map(|pe| &pe.regions) {
+            if let waferc_ir::wafer::RegionKind::Weight { weight, blob, .. } = &region.kind {
+                let w = &model.module.weights[waferc_ir::Handle::new(*weight as usize)];
+                match w.name.contains(".mlp.experts.") && w.name.ends_with("_proj.weight") {
+                    true => experts += blob.end - blob.start,
+                    false => rest += blob.end - blob.start,
+                }
+            }
+        }
+        (experts, rest)
+    };
+    let (bf16_experts, bf16_rest) = expert_tile_bytes("gpt-oss-tiny-bf16");
+    let (mxfp4_experts, mxfp4_rest) = expert_tile_bytes("gpt-oss-tiny-mxfp4");
+    assert_eq!(bf16_rest, mxfp4_rest, "only the experts differ");
+    assert_eq!(mxfp4_experts * 64, bf16_experts * 17, "17 bytes per 32 MXFP4 weights, 64 in bf16");
 }

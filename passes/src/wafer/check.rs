@@ -299,6 +299,7 @@ impl<'a> Checker<'a> {
                 Op::Embed { table } => (vec![*table], vec![]),
                 Op::MatVec { weight, bias, .. } => (vec![*weight], bias.iter().copied().collect()),
                 Op::RmsNorm { weight, .. } => (vec![], vec![*weight]),
+                Op::Attention { sinks: Some(sinks), .. } => (vec![*sinks], vec![]),
                 _ => continue,
             };
             for w in exact {
@@ -465,9 +466,13 @@ impl<'a> Checker<'a> {
     }
 
     fn kv(&mut self) {
-        let max_context = self.program.max_context;
         for p in &self.program.instrs {
             let Work::Attention(att) = &p.work else { continue };
+            // A windowed cache holds the window's rows only.
+            let max_context = match self.module.body[Handle::new(p.instr as usize)].op {
+                Op::Attention { window: Some(window), .. } => window.min(self.program.max_context),
+                _ => self.program.max_context,
+            };
             for head in &att.kv_heads_placed {
                 let mut next = 0u32;
                 // The run every block has (a lone block may be cut short by max_context).

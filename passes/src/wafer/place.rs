@@ -566,22 +566,27 @@ impl<'a> Placer<'a> {
                 })?;
                 (ResultLayout::Vector(layout), Work::Combine { routing: 0, collects: Vec::new() })
             }
-            (Op::Rope { .. } | Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. }, Shape::Vector { segments }) => {
+            (
+                Op::Rope { .. } | Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. },
+                Shape::Vector { segments },
+            ) => {
                 let layout = self.vector_layout(i, wafer, segments, operand_regions)?;
                 (ResultLayout::Vector(layout), Work::Elementwise)
             }
             (
-                Op::Attention { cache, heads, .. },
+                Op::Attention { cache, heads, window, .. },
                 Shape::Attention { positions_per_block, blocks_per_head, segments },
             ) => {
                 let c = &module.caches[*cache];
                 let kv_heads = c.kv_heads;
+                // A windowed cache keeps only the window's rows.
+                let rows = window.map_or(self.options.max_context as u64, u64::from);
                 let per = *positions_per_block as u64;
                 let mut placed = Vec::with_capacity(kv_heads as usize);
                 for h in 0..kv_heads as u64 {
                     let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
                     for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
-                        let positions = (b * per) as u32..((b + 1) * per).min(self.options.max_context as u64) as u32;
+                        let positions = (b * per) as u32..((b + 1) * per).min(rows) as u32;
                         let requests = kv_block_requests(module, i, h, positions.clone());
                         let region = self.fill(pe, instr, requests)?[0];
                         blocks.push(KvBlock { pe, positions, region });
@@ -1091,7 +1096,7 @@ pub(super) fn tile_requests(
 /// the query heads (the same buffer later receives the reductions' partials), the new key and
 /// value, the scores and the block's own partials.
 pub(super) fn kv_block_requests(module: &Module, i: usize, h: u64, positions: Range<u32>) -> Vec<Request> {
-    let Op::Attention { q, k, v, cache, heads, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
+    let Op::Attention { q, k, v, cache, heads, sinks, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
         return Vec::new();
     };
     let c = &module.caches[*cache];
@@ -1100,14 +1105,22 @@ pub(super) fn kv_block_requests(module: &Module, i: usize, h: u64, positions: Ra
     let n = (positions.end - positions.start) as u64;
     let q_range = h * q_per_kv * hd..(h + 1) * q_per_kv * hd;
     let kv_range = h * hd..(h + 1) * hd;
-    vec![
+    let first = positions.start == 0;
+    let mut requests = vec![
         (RegionKind::KvCache { kv_head: h as u32, positions }, n * hd * 2 * F32),
         (RegionKind::Operand { value: q.index() as u32, elements: q_range }, q_per_kv * (hd + 2) * F32),
         (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
         (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),
         (RegionKind::Scratch, q_per_kv * n * F32),
         (RegionKind::Partial { elements: (q_per_kv * (hd + 2)) as u32 }, q_per_kv * (hd + 2) * F32),
-    ]
+    ];
+    // The KV head's sink logits live on its first block, the reductions' root.
+    if let (Some(sinks), true) = (sinks, first) {
+        let cols = h * q_per_kv..(h + 1) * q_per_kv;
+        let bytes = module.weights[*sinks].ty.dtype.row_bytes(q_per_kv).unwrap_or(q_per_kv * F32);
+        requests.push((RegionKind::Weight { weight: sinks.index() as u32, rows: 0..1, cols, blob: 0..0 }, bytes));
+    }
+    requests
 }
 
 /// An instruction the placer cannot place, with why.

@@ -273,6 +273,10 @@ pub(super) fn size_module(
                     let blocks = rows.div_ceil(per_block);
                     rows_per_block.push(rows.div_ceil(blocks));
                 }
+                // One row banding for every segment (a narrower last segment, as for a width of
+                // 2880, takes the wider ones' bands), so each band of rows is held across its width.
+                let band = rows_per_block.iter().copied().min().unwrap_or(rows);
+                rows_per_block.iter_mut().for_each(|per| *per = band);
                 Shape::Embed { segments: segs, rows_per_block }
             }
             Op::MatVec { weight, bias, .. } => {
@@ -318,14 +322,23 @@ pub(super) fn size_module(
                 Shape::Vector { segments: segs }
             }
             Op::Rope { head_dim, .. } => Shape::Vector { segments: unit_segments(*head_dim as u64)? },
-            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::ExpertCombine { .. } => {
+            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } | Op::ExpertCombine { .. } => {
                 Shape::Vector { segments: pow2_segments(&|_| true)? }
             }
-            Op::Attention { cache, heads, .. } => {
+            Op::Attention { window: Some(window), .. } if *window > options.max_context => {
+                return Err(unsupported(format!(
+                    "its sliding window of {window} positions is larger than the KV capacity (max context {}): \
+                     raise the max context to at least {window}",
+                    options.max_context
+                )))
+            }
+            Op::Attention { cache, heads, window, .. } => {
                 let c = &module.caches[*cache];
                 let head_dim = c.head_dim as u64;
                 let q_per_kv = (*heads / c.kv_heads) as u64;
-                let max_positions = CHUNK * (options.max_context as u64).div_ceil(CHUNK).next_power_of_two();
+                // A windowed cache keeps only the window's rows.
+                let rows = window.map_or(options.max_context as u64, u64::from);
+                let max_positions = CHUNK * rows.div_ceil(CHUNK).next_power_of_two();
                 let mut positions = CHUNK;
                 if kv_block_bytes(positions, head_dim, q_per_kv) > usable {
                     return Err(unsupported(format!(
@@ -337,7 +350,7 @@ pub(super) fn size_module(
                 while positions * 2 <= max_positions && kv_block_bytes(positions * 2, head_dim, q_per_kv) <= usable {
                     positions *= 2;
                 }
-                let blocks = (options.max_context as u64).div_ceil(positions);
+                let blocks = rows.div_ceil(positions);
                 Shape::Attention {
                     positions_per_block: positions as u32,
                     blocks_per_head: blocks as u32,

@@ -613,7 +613,7 @@ impl Stacked<'_> {
                     self.vector_layout(i, unit, len, *head_dim as u64, &|seg| operand_requests(module, i, seg))?;
                 (ResultLayout::Vector(layout), Work::Elementwise)
             }
-            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } => {
+            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } => {
                 let layout =
                     self.vector_layout(i, unit, len, vector_cut(len), &|seg| operand_requests(module, i, seg))?;
                 (ResultLayout::Vector(layout), Work::Elementwise)
@@ -687,7 +687,11 @@ impl Stacked<'_> {
         let c = &module.caches[cache];
         let (hd, kv_heads) = (c.head_dim as u64, c.kv_heads);
         let q_per_kv = (heads / kv_heads) as u64;
-        let max = self.placer.options.max_context as u64;
+        // A windowed cache keeps only the window's rows.
+        let max = match module.body[waferc_ir::Handle::new(i)].op {
+            Op::Attention { window: Some(window), .. } => u64::from(window).min(self.placer.options.max_context as u64),
+            _ => self.placer.options.max_context as u64,
+        };
         let usable = self.placer.params.usable_bytes_per_pe() as u64;
         let per = positions_per_block(hd, q_per_kv, max, usable).ok_or_else(|| {
             unsupported(module, i, format!("32 positions of a KV head (head_dim {hd}) do not fit one PE"))

@@ -148,7 +148,7 @@ pub struct Executor<'p> {
     instr_pes: Vec<Vec<Pe>>,
     /// Attention's `Collect` routes (the placement does not list them), in element order.
     attention_collects: HashMap<InstrIndex, Vec<RouteId>>,
-    rope_frequencies: Vec<Option<Vec<f32>>>,
+    rope_frequencies: Vec<Option<kernels::RopeTable>>,
     /// KV caches, keyed by (attention instruction, KV head placement, block).
     kv: HashMap<(InstrIndex, usize, usize), KvBlockState>,
     /// Destinations of each route, sorted (membership tests on big multicasts).
