@@ -17,6 +17,11 @@ pub enum PassError {
     },
     #[error("pass `{pass}`: weight {weight} is {ty}, which needs {expected} bytes, but it has {found}")]
     WeightSize { pass: &'static str, weight: String, ty: TensorType, expected: u64, found: usize },
+    #[error(
+        "pass `{pass}`: weight {weight} is read as {parts}; one tensor has one format, so choose \
+         its parts together (e.g. `q8_0:embedding+lm_head`) or none of them"
+    )]
+    SharedWeight { pass: &'static str, weight: String, parts: String },
     #[error("unknown pass `{name}` (known passes: {known})")]
     UnknownPass { name: String, known: String },
     #[error("pass `{pass}`: {message} (usage: {usage})")]
