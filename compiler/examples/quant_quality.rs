@@ -186,5 +186,10 @@ fn softmax(logits: &[f32]) -> Vec<f64> {
 
 /// `KL(p || q)` in nats; terms with `p = 0` contribute nothing.
 fn kl_divergence(p: &[f64], q: &[f64]) -> f64 {
-    p.iter().zip(q).filter(|(&p, _)| p > 0.0).map(|(&p, &q)| p * (p / q.max(f64::MIN_POSITIVE)).ln()).sum::<f64>().max(0.0)
+    p.iter()
+        .zip(q)
+        .filter(|(&p, _)| p > 0.0)
+        .map(|(&p, &q)| p * (p / q.max(f64::MIN_POSITIVE)).ln())
+        .sum::<f64>()
+        .max(0.0)
 }
