@@ -5,8 +5,10 @@
 //!
 //! cargo run --release -p waferc --example bench_scale [-- PRESET...]
 //!
-//! Without arguments it runs llama3.1-8b, llama3.1-70b, mixtral-8x7b and qwen3-30b-a3b; name
-//! presets to run only those.
+//! Without arguments it runs llama3.1-8b, llama3.1-70b, mixtral-8x7b and qwen3-30b-a3b, then the
+//! capacity cases: llama3.1-70b at q8_0 on two WSE-3s (targets/files/wse3x2.toml) and at q4_0 on
+//! one, llama3.1-8b at q4_0 on one with a 131,072-position KV cache. Name presets to run only
+//! their cases. A case that does not fit prints by how much and a lower bound.
 //!
 //! Targets for the table (2 cores): compile <= 10 s and <= 2 GiB peak, one timed token <= 30 s.
 //!
@@ -25,8 +27,10 @@ use std::time::Instant;
 
 use waferc::synth::{synth, Preset};
 use waferc_ir::wafer::distance_bound_cycles;
-use waferc_ir::Op;
+use waferc_ir::{Module, Op};
+use waferc_passes::quantize::Quantize;
 use waferc_passes::wafer::{compile, CompileOptions, WaferError};
+use waferc_passes::Pass;
 use waferc_runtime::executor::{ExecOptions, Executor};
 use waferc_targets::Target;
 
@@ -35,13 +39,22 @@ struct Case {
     preset: &'static str,
     targets: &'static [&'static str],
     published: Option<(f64, &'static str)>,
+    /// Capacity cases: the `quantize` pass's arguments, and the KV capacity (else [`KV_CAPACITY`]).
+    quantize: Option<(&'static str, u32)>,
 }
 
-const CASES: [Case; 4] = [
-    Case { preset: "llama3.1-8b", targets: &["wse3"], published: Some((1800.0, "one CS-3, Aug 2024")) },
-    Case { preset: "llama3.1-70b", targets: &["wse3x4"], published: Some((450.0, "four CS-3, 2024")) },
-    Case { preset: "mixtral-8x7b", targets: &["wse3", "wse3x4"], published: None },
-    Case { preset: "qwen3-30b-a3b", targets: &["wse3", "wse3x4"], published: None },
+/// The checked-in two-wafer target file (targets/files/wse3x2.toml).
+const WSE3X2: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../targets/files/wse3x2.toml");
+
+const CASES: [Case; 7] = [
+    Case { preset: "llama3.1-8b", targets: &["wse3"], published: Some((1800.0, "one CS-3, Aug 2024")), quantize: None },
+    Case { preset: "llama3.1-70b", targets: &["wse3x4"], published: Some((450.0, "four CS-3, 2024")), quantize: None },
+    Case { preset: "mixtral-8x7b", targets: &["wse3", "wse3x4"], published: None, quantize: None },
+    Case { preset: "qwen3-30b-a3b", targets: &["wse3", "wse3x4"], published: None, quantize: None },
+    // Capacity (issue 8): weights quantised in the PE tiles.
+    Case { preset: "llama3.1-70b", targets: &[WSE3X2], published: None, quantize: Some(("q8_0:all", 4096)) },
+    Case { preset: "llama3.1-70b", targets: &["wse3"], published: None, quantize: Some(("q4_0:all", 4096)) },
+    Case { preset: "llama3.1-8b", targets: &["wse3"], published: None, quantize: Some(("q4_0:all", 131_072)) },
 ];
 
 const KV_CAPACITY: u32 = 8192;
@@ -77,24 +90,32 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
     for case in CASES.iter().filter(|c| wanted.is_empty() || wanted.iter().any(|w| w == c.preset)) {
         let dir = scratch.join(case.preset);
         synth(&Preset::by_name(case.preset)?, &dir, true)?;
-        let module = waferc::frontend::load(&dir)?.module;
+        let mut module = waferc::frontend::load(&dir)?.module;
         std::fs::remove_dir_all(&dir)?;
+        let (label, kv_capacity) = match case.quantize {
+            Some((args, kv)) => {
+                Quantize::from_args(&args.split_whitespace().collect::<Vec<_>>())?.run(&mut module)?;
+                (format!("{} {args} KV {kv}", case.preset), kv)
+            }
+            None => (case.preset.to_string(), KV_CAPACITY),
+        };
         let mut placed = false;
         for &name in case.targets {
             let target = Target::resolve(name)?;
             reset_peak_rss();
             let start = Instant::now();
-            let program = match compile(&module, &target, &CompileOptions::new(KV_CAPACITY)) {
+            let program = match compile(&module, &target, &CompileOptions::new(kv_capacity)) {
                 Ok(program) => program,
                 Err(WaferError::DoesNotFit(not_fit)) => {
-                    notes.push(format!("{} does not fit {name}: {not_fit}", case.preset));
+                    notes.push(format!("{label} does not fit {}: {not_fit}", target.name));
+                    notes.push(lower_bound_note(&label, &module, kv_capacity, &target));
                     continue;
                 }
-                Err(other) => return Err(format!("{} on {name}: {other}", case.preset).into()),
+                Err(other) => return Err(format!("{label} on {}: {other}", target.name).into()),
             };
             let compile_s = start.elapsed().as_secs_f64();
             let peak_mib = peak_rss_mib();
-            eprintln!("{} on {name}: compiled in {compile_s:.2} s, timing a token", case.preset);
+            eprintln!("{label} on {}: compiled in {compile_s:.2} s, timing a token", target.name);
             let start = Instant::now();
             let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
             let mut executor = Executor::new(&program, &module, None, options)?;
@@ -117,8 +138,8 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
                 .unwrap_or(u32::MAX);
             let bound = distance_bound_cycles(&program, &module, 0, |_, expert| expert < top_k);
             rows.push(Row {
-                model: case.preset.to_string(),
-                target: name.to_string(),
+                model: label.clone(),
+                target: target.name.clone(),
                 pes: program.pes.len(),
                 compile_s,
                 peak_mib,
@@ -133,7 +154,7 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
             break;
         }
         if !placed {
-            notes.push(format!("{}: no target tried fits; see above for what would", case.preset));
+            notes.push(format!("{label}: no target tried fits; see above for what would"));
         }
     }
     print_table(&rows);
@@ -260,4 +281,27 @@ fn peak_rss_mib() -> f64 {
         .find_map(|line| line.strip_prefix("VmHWM:"))
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
         .map_or(0.0, |kib| kib / 1024.0)
+}
+
+/// What no placement can beat: the weights as stored plus the f32 KV cache, packed into every
+/// PE's usable SRAM with nothing else (no activation slices, partial sums or vector ops), beside
+/// the PEs the target has.
+fn lower_bound_note(label: &str, module: &Module, kv_capacity: u32, target: &Target) -> String {
+    let weights: u64 = module.weights.iter().map(|(_, w)| w.ty.bytes().unwrap_or(0)).sum();
+    let kv: u64 =
+        module.caches.iter().map(|(_, c)| 2 * 4 * c.kv_heads as u64 * c.head_dim as u64 * kv_capacity as u64).sum();
+    let params = target.params();
+    let usable = params.usable_bytes_per_pe() as u64;
+    let pes = |bytes: u64| bytes.div_ceil(usable);
+    let available = params.grid_cols as u64 * params.grid_rows as u64 * params.wafers as u64;
+    format!(
+        "{label} on {}: lower bound {} PEs = weights {:.2} GB ({} PEs) + f32 KV cache {:.2} GB ({} PEs) at {usable} usable bytes per PE, of {available} PEs ({:+.1}% of them)",
+        target.name,
+        pes(weights) + pes(kv),
+        weights as f64 / 1e9,
+        pes(weights),
+        kv as f64 / 1e9,
+        pes(kv),
+        100.0 * ((pes(weights) + pes(kv)) as f64 / available as f64 - 1.0)
+    )
 }

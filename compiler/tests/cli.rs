@@ -424,3 +424,35 @@ fn default_pipeline_dumps_one_file_per_pass_each_round_tripping() {
     assert!(unknown.contains("--skip-pass fold") && unknown.contains("rewrite, dce"), "{unknown}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The compile report counts each storage format's weights, bytes and PEs: one format per part
+/// here, so every format the pass chose shows up, and the tile bytes add up to the blob.
+#[test]
+fn compile_report_counts_pes_per_weight_format() {
+    let dir = scratch("formats");
+    let out = ok(&compile(
+        &fixture("llama31-gqa-bf16"),
+        "grid:32x32",
+        &dir.join("f.wafer"),
+        &["--passes", "quantize q4_1:layers q8_0:embedding q4_0:lm_head", "--json"],
+    ));
+    let report: Value = serde_json::from_str(&out).unwrap();
+    let formats = report["weight_formats"].as_array().unwrap();
+    let names: Vec<&str> = formats.iter().map(|f| f["dtype"].as_str().unwrap()).collect();
+    assert_eq!(names, ["bf16", "q8_0", "q4_0", "q4_1"], "norms stay bf16: {out}");
+    let count = |name: &str| formats.iter().find(|f| f["dtype"] == name).unwrap()["weights"].as_u64().unwrap();
+    assert_eq!((count("q8_0"), count("q4_0")), (1, 1), "the embedding and the LM head are one weight each");
+    let layers = report["weight_formats"][3]["weights"].as_u64().unwrap();
+    assert_eq!(layers % 7, 0, "seven matvecs per layer: {layers}");
+    let tiles: u64 = formats.iter().map(|f| f["tile_bytes"].as_u64().unwrap()).sum();
+    assert_eq!(tiles, report["tile_bytes"].as_u64().unwrap());
+    let pes: u64 = formats.iter().map(|f| f["pes"].as_u64().unwrap()).sum::<u64>()
+        + report["pes_without_weights"].as_u64().unwrap();
+    assert!(pes >= report["pes_used"].as_u64().unwrap(), "every PE is counted at least once");
+    assert!(formats.iter().all(|f| f["pes"].as_u64().unwrap() > 0));
+    let text =
+        ok(&compile(&fixture("llama31-gqa-bf16"), "grid:32x32", &dir.join("g.wafer"), &["--passes", "quantize q4_1"]));
+    assert!(text.contains("weights by storage format"), "{text}");
+    assert!(text.lines().any(|l| l.trim_start().starts_with("q4_1") && l.contains("PEs")), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -19,6 +19,11 @@ pub enum PassError {
     WeightSize { pass: &'static str, weight: String, ty: TensorType, expected: u64, found: usize },
     #[error("pass `{pass}`: internal error: {message}")]
     Internal { pass: &'static str, message: String },
+    #[error(
+        "pass `{pass}`: weight {weight} is read as {parts}; one tensor has one format, so choose \
+         its parts together (e.g. `q8_0:embedding+lm_head`) or none of them"
+    )]
+    SharedWeight { pass: &'static str, weight: String, parts: String },
     #[error("unknown pass `{name}` (known passes: {known})")]
     UnknownPass { name: String, known: String },
     #[error("pass `{pass}`: {message} (usage: {usage})")]

@@ -129,13 +129,15 @@ pub(super) fn segments(len: u64, size: u64) -> Vec<Range<u64>> {
 }
 
 /// The storage type a weight is sized with: its own, or the quantisation being tried for the
-/// does-not-fit hint (only for 2-D weights whose rows are whole blocks and that it would shrink).
+/// does-not-fit hint (only for 2-D weights whose rows are whole blocks and that it would shrink;
+/// the `quantize` pass never requantises a weight already in a block format).
 pub(super) fn effective_dtype(weight: &Weight, quantise: Option<DType>) -> DType {
     let own = weight.ty.dtype;
     match quantise {
         Some(q)
             if weight.ty.shape.len() == 2
                 && weight.ty.shape[1].is_multiple_of(CHUNK)
+                && !own.is_block_quantized()
                 && q.row_bytes(CHUNK) < own.row_bytes(CHUNK) =>
         {
             q

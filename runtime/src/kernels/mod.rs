@@ -18,4 +18,4 @@ pub use tree::{
     chunk_sum, combine_lanes, dot, dot_f32, dot_portable, dot_run, sum_squares, tree_combine, tree_sum, tree_sum_with,
     TreeSum, VectorTreeSum, LANES,
 };
-pub use weights::{e8m0_scale, widen_mxfp4, widen_q4_0, widen_q4_1, widen_q8_0, RowView, WeightView};
+pub use weights::{dequantize, e8m0_scale, widen_mxfp4, widen_q4_0, widen_q4_1, widen_q8_0, RowView, WeightView};

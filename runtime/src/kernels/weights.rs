@@ -7,7 +7,7 @@
 use std::ops::Range;
 
 use half::f16;
-use waferc_ir::{DType, Weight, BLOCK};
+use waferc_ir::{DType, TensorType, Weight, WeightBytes, BLOCK};
 
 use crate::error::RuntimeError;
 
@@ -102,6 +102,22 @@ impl<'a> WeightView<'a> {
     pub fn widen_vector(&self) -> Vec<f32> {
         self.row(0).widen()
     }
+}
+
+/// `weight` with every element widened exactly to f32 as the kernels widen it (NUMERICS.md,
+/// "Values"): the same model in a format with no rounding, which is what a quantised
+/// checkpoint's unquantised baseline is (e.g. for measuring what requantising costs).
+pub fn dequantize(weight: &Weight) -> Result<Weight, RuntimeError> {
+    let view = WeightView::new(weight)?;
+    let mut bytes = Vec::with_capacity(view.rows() * view.cols() * 4);
+    for n in 0..view.rows() {
+        bytes.extend(view.row(n).widen().iter().flat_map(|x| x.to_le_bytes()));
+    }
+    Ok(Weight {
+        name: weight.name.clone(),
+        ty: TensorType::new(DType::F32, weight.ty.shape.clone()),
+        data: WeightBytes::owned(bytes),
+    })
 }
 
 /// One row of a weight (or a run of its chunks), in its stored dtype.
