@@ -448,6 +448,24 @@ pub struct KvHeadPlacement {
     pub out_reduce: Option<RouteId>,
 }
 
+impl KvHeadPlacement {
+    /// KV head `kv_head` on `blocks`, before routing adds its routes.
+    pub fn unrouted(kv_head: u32, blocks: Vec<KvBlock>) -> Self {
+        KvHeadPlacement {
+            kv_head,
+            blocks,
+            q_routes: Vec::new(),
+            k_routes: Vec::new(),
+            v_routes: Vec::new(),
+            max_reduce: None,
+            max_broadcast: None,
+            sum_reduce: None,
+            sum_broadcast: None,
+            out_reduce: None,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvBlock {
     pub pe: Pe,

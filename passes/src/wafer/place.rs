@@ -591,18 +591,7 @@ impl<'a> Placer<'a> {
                         let region = self.fill(pe, instr, requests)?[0];
                         blocks.push(KvBlock { pe, positions, region });
                     }
-                    placed.push(KvHeadPlacement {
-                        kv_head: h as u32,
-                        blocks,
-                        q_routes: Vec::new(),
-                        k_routes: Vec::new(),
-                        v_routes: Vec::new(),
-                        max_reduce: None,
-                        max_broadcast: None,
-                        sum_reduce: None,
-                        sum_broadcast: None,
-                        out_reduce: None,
-                    });
+                    placed.push(KvHeadPlacement::unrouted(h as u32, blocks));
                 }
                 let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
                 let placement = AttentionPlacement {

@@ -708,18 +708,7 @@ impl Stacked<'_> {
                 let index = self.placer.fill(pe, i as u32, kv_block_requests(module, i, h, positions.clone()))?[0];
                 blocks.push(KvBlock { pe, positions, region: index });
             }
-            placed.push(KvHeadPlacement {
-                kv_head: h as u32,
-                blocks,
-                q_routes: Vec::new(),
-                k_routes: Vec::new(),
-                v_routes: Vec::new(),
-                max_reduce: None,
-                max_broadcast: None,
-                sum_reduce: None,
-                sum_broadcast: None,
-                out_reduce: None,
-            });
+            placed.push(KvHeadPlacement::unrouted(h as u32, blocks));
         }
         let layout = self.fresh_layout(i, unit, &super::size::segments(len, hd), &|_| Vec::new())?;
         let placement =
