@@ -55,7 +55,7 @@ pub fn own_cost(egraph: &EGraph<BlockLang, BlockAnalysis>, node: &BlockLang) -> 
             };
             let (Some(offset), Some(len)) = (get(offset), get(len)) else { return 1.0 };
             let end = offset + len;
-            let aligned = |at: u32| at % SEGMENT == 0 || Some(at) == total;
+            let aligned = |at: u32| at.is_multiple_of(SEGMENT) || Some(at) == total;
             // A tiny charge even when aligned, so that a slice never ties with the computation
             // it could replace.
             if aligned(offset) && aligned(end) {
