@@ -387,6 +387,31 @@ pub struct MatVecPlacement {
     pub collects: Vec<RouteId>,
 }
 
+impl MatVecPlacement {
+    /// A `rows x cols` matvec on `tiles` (a `row_blocks x col_blocks` grid), before routing adds
+    /// its reductions, broadcasts and collects.
+    pub fn unrouted(
+        rows: u64,
+        cols: u64,
+        row_blocks: u32,
+        col_blocks: u32,
+        tiles: Vec<Tile>,
+        bias: Option<u32>,
+    ) -> Self {
+        MatVecPlacement {
+            rows,
+            cols,
+            row_blocks,
+            col_blocks,
+            tiles,
+            reductions: Vec::new(),
+            broadcasts: Vec::new(),
+            bias,
+            collects: Vec::new(),
+        }
+    }
+}
+
 /// Tile `(r, c)` of a matvec: output rows `rows` x reduction chunks `chunks` (32 elements each,
 /// an aligned power-of-two run, the last possibly short), on `pe`, weight in region `region`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

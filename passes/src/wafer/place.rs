@@ -536,17 +536,14 @@ impl<'a> Placer<'a> {
                         layout.segments.push(Segment { pe, elements: seg.clone() });
                     }
                 }
-                let placement = MatVecPlacement {
+                let placement = MatVecPlacement::unrouted(
                     rows,
                     cols,
-                    row_blocks: *row_blocks,
-                    col_blocks: *col_blocks,
+                    *row_blocks,
+                    *col_blocks,
                     tiles,
-                    reductions: Vec::new(),
-                    broadcasts: Vec::new(),
-                    bias: bias.map(|b| b.index() as u32),
-                    collects: Vec::new(),
-                };
+                    bias.map(|b| b.index() as u32),
+                );
                 (ResultLayout::Vector(layout), Work::MatVec(placement))
             }
             (Op::RmsNorm { weight, .. }, Shape::Vector { segments }) => {

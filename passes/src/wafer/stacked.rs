@@ -588,17 +588,14 @@ impl Stacked<'_> {
                     self.placer.fill(pe, instr, vec![(RegionKind::Output { elements: seg.clone() }, bytes)])?;
                     layout.segments.push(Segment { pe, elements: seg });
                 }
-                let placement = MatVecPlacement {
+                let placement = MatVecPlacement::unrouted(
                     rows,
                     cols,
-                    row_blocks: g.row_blocks as u32,
-                    col_blocks: g.col_blocks as u32,
+                    g.row_blocks as u32,
+                    g.col_blocks as u32,
                     tiles,
-                    reductions: Vec::new(),
-                    broadcasts: Vec::new(),
-                    bias: bias.map(|b| b.index() as u32),
-                    collects: Vec::new(),
-                };
+                    bias.map(|b| b.index() as u32),
+                );
                 (ResultLayout::Vector(layout), Work::MatVec(placement))
             }
             Op::RmsNorm { weight, .. } => {
