@@ -4,6 +4,7 @@
 
 use waferc::frontend;
 use waferc_ir::wafer::artifact::{self, Artifact};
+use waferc_ir::wafer::Plan;
 use waferc_passes::wafer::{check, compile, CompileOptions};
 use waferc_runtime::executor::{validate, ValidationOptions};
 use waferc_targets::Target;
@@ -11,6 +12,16 @@ use waferc_testsuite::{fixtures_dir, smollm2_gguf_path};
 
 #[test]
 fn smollm2_on_wse3_is_bit_exact_and_matches_the_transformers_tokens() {
+    bit_exact_on_wse3(Plan::Tiled);
+}
+
+/// The stacked plan at the wafer share the plan search picks for this model.
+#[test]
+fn smollm2_stacked_on_wse3_is_bit_exact() {
+    bit_exact_on_wse3(Plan::Stacked { layers_per_region: 1, wafer_percent: 35 });
+}
+
+fn bit_exact_on_wse3(plan: Plan) {
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixtures_dir().join("smollm2/golden.json")).unwrap()).unwrap();
     let ids = |v: &serde_json::Value| -> Vec<u32> {
@@ -21,12 +32,12 @@ fn smollm2_on_wse3_is_bit_exact_and_matches_the_transformers_tokens() {
     let new_tokens = 6;
 
     let loaded = frontend::load(&smollm2_gguf_path()).unwrap();
-    let options = CompileOptions::new((prompt.len() + new_tokens) as u32);
+    let options = CompileOptions { plan, ..CompileOptions::new((prompt.len() + new_tokens) as u32) };
     let program = compile(&loaded.module, &Target::resolve("wse3").unwrap(), &options).unwrap();
     check(&program, &loaded.module).unwrap();
 
     // Through the artifact file, as `waferc run` does.
-    let dir = std::env::temp_dir().join(format!("waferc-smollm2-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("waferc-smollm2-{}-{}", std::process::id(), plan));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("smollm2.wafer");
     artifact::write(&path, &Artifact::new(program, loaded.module)).unwrap();

@@ -101,6 +101,10 @@ pub(super) struct Placer<'a> {
     routes: Vec<Route>,
     /// Rows per band that multicasts and gathers keep their trees inside (`route::multicast`).
     pub(super) route_band: u16,
+    /// Whether a vector op may run in place on a slice of its operand's layout (a rope on the
+    /// queries of a fused q/k/v matvec). The stacked plan's segments are cut for it; the tiled
+    /// plan's are not, and keeps hosting only on whole values.
+    pub(super) host_slices: bool,
 }
 
 /// PEs each instruction takes when the whole module is laid out on one unbounded wafer, alignment
@@ -238,6 +242,7 @@ impl<'a> Placer<'a> {
             image_of: HashMap::new(),
             routes: Vec::new(),
             route_band,
+            host_slices: false,
         }
     }
 
@@ -331,8 +336,8 @@ impl<'a> Placer<'a> {
             .into_iter()
             .filter(|v| matches!(self.module.body[*v].ty, ValueType::Tensor(_)))
             .max()
-            .filter(|v| self.analysis.offset[v.index()] == 0)
-            .map(|v| self.analysis.source[v.index()] as usize);
+            .filter(|v| self.host_slices || self.analysis.offset[v.index()] == 0)
+            .map(|v| if self.host_slices { v.index() } else { self.analysis.source[v.index()] as usize });
         if let Some(ResultLayout::Vector(host)) = host.map(|h| &self.placements[h].result) {
             let host = host.clone();
             if host.len() == len

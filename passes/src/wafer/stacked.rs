@@ -56,7 +56,7 @@ const MAX_CHUNKS_PER_TILE: u64 = 4;
 const MAX_SEGMENTS: u64 = 16;
 /// The longest segment (8 KiB of f32): only the logits are long enough to need more than
 /// [`MAX_SEGMENTS`] of these, and nothing reads them on the wafer.
-const MAX_SEGMENT_ELEMENTS: u64 = 2048;
+const MAX_SEGMENT_ELEMENTS: u64 = 512;
 /// The most segments the embedding's result is cut in: each is gathered from its own band of
 /// the table, and all of an instruction's routes need distinct colours where they meet.
 const EMBED_SEGMENTS: u64 = 8;
@@ -100,8 +100,44 @@ struct Unit {
     instrs: Range<usize>,
     /// Weight bytes plus KV bytes: what the unit's rectangle is sized by.
     bytes: u64,
-    /// KV blocks of all its attentions (one PE each).
-    kv_blocks: u64,
+    /// Per attention, its KV heads and blocks per head (one PE per block).
+    attentions: Vec<KvShape>,
+}
+
+/// How an attention's KV cache is cut into blocks.
+#[derive(Clone, Copy, Debug)]
+struct KvShape {
+    kv_heads: u64,
+    head_dim: u64,
+    q_per_kv: u64,
+    /// Positions the cache keeps: the capacity, or the window when it is shorter.
+    positions: u64,
+    positions_per_block: u64,
+}
+
+impl KvShape {
+    /// `None` when 32 positions of a head do not fit one PE.
+    fn of(module: &Module, i: usize, options: &CompileOptions, usable: u64) -> Option<KvShape> {
+        let Op::Attention { cache, heads, window, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
+            return None;
+        };
+        let c = &module.caches[*cache];
+        let (head_dim, q_per_kv) = (c.head_dim as u64, (*heads / c.kv_heads) as u64);
+        // A windowed cache keeps only the window's rows.
+        let positions = window.map_or(options.max_context as u64, |w| (w as u64).min(options.max_context as u64));
+        let positions_per_block = positions_per_block(head_dim, q_per_kv, positions, usable)?;
+        Some(KvShape { kv_heads: c.kv_heads as u64, head_dim, q_per_kv, positions, positions_per_block })
+    }
+
+    fn blocks_per_head(&self) -> u64 {
+        self.positions.div_ceil(self.positions_per_block)
+    }
+
+    /// Columns of a KV strip `height` rows high holding every head's blocks in a band of its own.
+    fn columns(&self, height: u64) -> Option<u64> {
+        let band = height / self.kv_heads.max(1);
+        (band > 0).then(|| self.blocks_per_head().div_ceil(band))
+    }
 }
 
 /// A unit's rectangle, split into the tile area (west) and the KV strip (east).
@@ -110,8 +146,8 @@ struct Region {
     kv: Option<Rect>,
     /// Next cell of the area's walk for a vector that has no host.
     cursor: u64,
-    /// Next cell of the KV strip.
-    kv_cursor: u64,
+    /// Next free column of the KV strip (each attention takes columns of its own).
+    kv_column: u16,
 }
 
 /// The segment length of an `len`-element vector: a power-of-two run of chunks cutting it in at
@@ -176,27 +212,24 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
         .windows(2)
         .map(|w| {
             let instrs = w[0]..w[1];
-            let (mut bytes, mut kv_blocks) = (0, 0);
+            let (mut bytes, mut attentions) = (0, Vec::new());
             for i in instrs.clone() {
                 match &module.body[waferc_ir::Handle::new(i)].op {
                     Op::MatVec { weight, bias, .. } => {
                         bytes += weight_bytes(module, *weight) + bias.map_or(0, |b| weight_bytes(module, b));
                     }
                     Op::Embed { table } => bytes += weight_bytes(module, *table),
-                    Op::Attention { cache, heads, .. } => {
-                        let c = &module.caches[*cache];
-                        let (hd, q_per_kv) = (c.head_dim as u64, (*heads / c.kv_heads) as u64);
-                        let max = options.max_context as u64;
-                        if let Some(per) = positions_per_block(hd, q_per_kv, max, usable) {
-                            let blocks = c.kv_heads as u64 * max.div_ceil(per);
-                            kv_blocks += blocks;
-                            bytes += blocks * kv_block_bytes(per, hd, q_per_kv);
+                    Op::Attention { .. } => {
+                        if let Some(kv) = KvShape::of(module, i, options, usable) {
+                            let block = kv_block_bytes(kv.positions_per_block, kv.head_dim, kv.q_per_kv);
+                            bytes += kv.kv_heads * kv.blocks_per_head() * block;
+                            attentions.push(kv);
                         }
                     }
                     _ => {}
                 }
             }
-            Unit { instrs, bytes, kv_blocks }
+            Unit { instrs, bytes, attentions }
         })
         .collect()
 }
@@ -346,25 +379,30 @@ pub(super) fn place(
             ))
         })?;
         for (&u, rect) in on.iter().zip(rects) {
-            let kv_cols = units[u].kv_blocks.div_ceil(rect.h as u64);
-            if kv_cols >= rect.w as u64 {
-                return Err(WaferError::Options(format!(
-                    "{}: the {} KV blocks of a region of {}x{} PEs leave no PE for tiles",
-                    options.plan, units[u].kv_blocks, rect.w, rect.h
-                )));
-            }
+            let kv_cols: Option<u64> = units[u].attentions.iter().map(|kv| kv.columns(rect.h as u64)).sum();
+            let kv_cols = match kv_cols {
+                Some(cols) if cols < rect.w as u64 => cols,
+                _ => {
+                    return Err(WaferError::Options(format!(
+                        "{}: the KV blocks of a region of {}x{} PEs (a band of rows per KV head) leave no PE \
+                         for tiles",
+                        options.plan, rect.w, rect.h
+                    )))
+                }
+            };
             let area = Rect { w: rect.w - kv_cols as u16, ..rect };
             let kv = (kv_cols > 0).then(|| Rect { x: rect.x + area.w, w: kv_cols as u16, ..rect });
             // Vectors without a host start in the middle column: multicasts from there reach the
             // area's corners soonest, and column 0 already holds the panels' row roots.
             let cursor = (area.w as u64 / 2) * area.h as u64;
-            regions[u] = Some(Region { area, kv, cursor, kv_cursor: 0 });
+            regions[u] = Some(Region { area, kv, cursor, kv_column: 0 });
         }
     }
     let mut placer = Placer::new(module, analysis, params, options, super::place::Cells::new(params));
     // Regions are rectangles: a multicast runs along its source's row, then up and down the
     // destination columns, with no shelves to stay inside.
     placer.route_band = params.grid_rows;
+    placer.host_slices = true;
     let unit_weight_bytes = units
         .iter()
         .map(|u| {
@@ -385,6 +423,7 @@ pub(super) fn place(
         expert_pes: HashMap::new(),
         lane_cursors: HashMap::new(),
         layers_per_region: layers_per_region.max(1) as u64,
+        vector_bytes: HashMap::new(),
     };
     let limit = (TILE_SHARE * usable as f64) as u64;
     for (u, unit) in units.iter().enumerate() {
@@ -422,11 +461,26 @@ struct Stacked<'a> {
     /// The walk's next cell in each expert lane, by the lane's corner.
     lane_cursors: HashMap<(u16, u16, u16), u64>,
     layers_per_region: u64,
+    /// Bytes of vectors placed on fresh PEs (`fresh_pe`, `band_pe`) per PE, kept under
+    /// [`Stacked::vector_cap`] so the tiles placed later still fit.
+    vector_bytes: HashMap<Pe, u64>,
 }
 
 impl Stacked<'_> {
     fn region(&mut self, unit: usize) -> &mut Region {
         self.regions[unit].as_mut().expect("every unit has a region")
+    }
+
+    /// The most bytes of fresh vectors a PE takes: tiles placed later take up to their share of
+    /// it too, so fresh vectors keep to half of what the tiles leave (the other half is for the
+    /// ops that run on them in place).
+    fn vector_cap(&self) -> u64 {
+        ((1.0 - TILE_SHARE) * self.placer.params.usable_bytes_per_pe() as f64 / 2.0) as u64
+    }
+
+    /// Whether `pe` takes `bytes` more of vectors under [`Stacked::vector_cap`].
+    fn vector_room(&self, pe: Pe, bytes: u64) -> bool {
+        self.vector_bytes.get(&pe).copied().unwrap_or(0) + bytes <= self.vector_cap()
     }
 
     /// The next PE of the unit's walk with room for `bytes` more, not in `taken` (a PE sends at
@@ -444,7 +498,9 @@ impl Stacked<'_> {
             let pe = area.walk(*cursor);
             *cursor += 1;
             let used = self.placer.used_bytes(pe).max(self.placer.params.code_reserve_bytes as u64);
-            if used + bytes <= limit && !taken.contains(&pe) {
+            let vectors = self.vector_bytes.get(&pe).copied().unwrap_or(0);
+            if used + bytes <= limit && vectors + bytes <= self.vector_cap() && !taken.contains(&pe) {
+                *self.vector_bytes.entry(pe).or_default() += bytes;
                 return Ok(pe);
             }
         }
@@ -453,6 +509,77 @@ impl Stacked<'_> {
             i,
             format!("no PE of its {}x{} region has {bytes} bytes free", area.w, area.h),
         ))
+    }
+
+    /// A PE in band `band` of `bands` of the unit's area with room for `bytes` more, not in
+    /// `taken`: the band's rows walked from the area's east edge (beside the KV strip) westward.
+    fn band_pe(
+        &mut self,
+        i: usize,
+        unit: usize,
+        band: u64,
+        bands: u64,
+        bytes: u64,
+        taken: &HashSet<Pe>,
+    ) -> Result<Pe, WaferError> {
+        let limit = self.placer.params.sram_bytes_per_pe as u64;
+        let cap = self.vector_cap();
+        let rows = self.region(unit).area.band(band, bands);
+        for dx in (0..rows.w as u64).rev() {
+            for dy in 0..rows.h as u64 {
+                let pe = rows.at(dx, dy);
+                let used = self.placer.used_bytes(pe).max(self.placer.params.code_reserve_bytes as u64);
+                let banded = self.vector_bytes.get(&pe).copied().unwrap_or(0);
+                if used + bytes <= limit && banded + bytes <= cap && !taken.contains(&pe) {
+                    *self.vector_bytes.entry(pe).or_default() += bytes;
+                    return Ok(pe);
+                }
+            }
+        }
+        Err(unsupported(
+            self.placer.module,
+            i,
+            format!("no PE of band {band} of {bands} of its {}x{} area has {bytes} bytes free", rows.w, rows.h),
+        ))
+    }
+
+    /// The attention that reads rows `rows` of matvec `i`'s result as queries, keys or values
+    /// (directly, or through slices and rope), with its KV head count and the KV head those rows
+    /// belong to.
+    fn attention_head(&self, i: usize, rows: &Range<u64>) -> Option<(u64, u64)> {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        // (instruction, where its element 0 lies in `i`'s result)
+        let mut frontier = vec![(i, 0u64)];
+        while let Some((value, base)) = frontier.pop() {
+            for &reader in &analysis.readers[value] {
+                let r = reader as usize;
+                let offset_of = |operand: waferc_ir::Handle<waferc_ir::Instr>| {
+                    (analysis.source[operand.index()] as usize == value)
+                        .then(|| base + analysis.offset[operand.index()])
+                };
+                match &module.body[waferc_ir::Handle::new(r)].op {
+                    Op::Rope { x, .. } => frontier.extend(offset_of(*x).map(|o| (r, o))),
+                    Op::Attention { q, k, v, cache, heads, .. } => {
+                        let c = &module.caches[*cache];
+                        let (hd, kv_heads) = (c.head_dim as u64, c.kv_heads as u64);
+                        let q_per_kv = (*heads / c.kv_heads) as u64;
+                        for (role, operand) in [q, k, v].into_iter().enumerate() {
+                            let Some(start) = offset_of(*operand) else { continue };
+                            let head_len = if role == 0 { q_per_kv * hd } else { hd };
+                            let end = start + kv_heads * head_len;
+                            if start <= rows.start && rows.end <= end {
+                                let head = (rows.start - start) / head_len;
+                                if (rows.end - 1 - start) / head_len == head {
+                                    return Some((kv_heads, head));
+                                }
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        None
     }
 
     /// Result segments on fresh PEs of the unit's (or the expert lane's) walk.
@@ -582,8 +709,13 @@ impl Stacked<'_> {
                     let r = ((seg.start + seg.end - 1) / 2) / g.rows_per_tile;
                     let c = ((j as u64 * k + local) * g.col_blocks / (count * k).max(1)) % g.col_blocks;
                     let bytes = (seg.end - seg.start) * F32;
-                    let pe = match tiles.get((r * g.col_blocks + c) as usize) {
-                        Some(tile) if !taken.contains(&tile.pe) => tile.pe,
+                    // Queries, keys and values sit in their KV head's band of rows (see `attention`).
+                    let pe = match (self.attention_head(i, &seg), tiles.get((r * g.col_blocks + c) as usize)) {
+                        (Some((kv_heads, head)), _) => self.band_pe(i, unit, head, kv_heads, bytes, &taken)?,
+                        (None, Some(tile)) if !taken.contains(&tile.pe) && self.vector_room(tile.pe, bytes) => {
+                            *self.vector_bytes.entry(tile.pe).or_default() += bytes;
+                            tile.pe
+                        }
                         _ => self.fresh_pe(i, unit, bytes, &taken)?,
                     };
                     taken.insert(pe);
@@ -687,34 +819,51 @@ impl Stacked<'_> {
     ) -> Result<(ResultLayout, Work), WaferError> {
         let module = self.placer.module;
         let c = &module.caches[cache];
-        let (hd, kv_heads) = (c.head_dim as u64, c.kv_heads);
-        let q_per_kv = (heads / kv_heads) as u64;
-        // A windowed cache keeps only the window's rows.
-        let max = match module.body[waferc_ir::Handle::new(i)].op {
-            Op::Attention { window: Some(window), .. } => u64::from(window).min(self.placer.options.max_context as u64),
-            _ => self.placer.options.max_context as u64,
-        };
         let usable = self.placer.params.usable_bytes_per_pe() as u64;
-        let per = positions_per_block(hd, q_per_kv, max, usable).ok_or_else(|| {
-            unsupported(module, i, format!("32 positions of a KV head (head_dim {hd}) do not fit one PE"))
+        let kv = KvShape::of(module, i, self.placer.options, usable).ok_or_else(|| {
+            unsupported(module, i, format!("32 positions of a KV head (head_dim {}) do not fit one PE", c.head_dim))
         })?;
-        let kv = self.region(unit).kv.ok_or_else(|| unsupported(module, i, "internal: no KV strip".into()))?;
-        let mut placed = Vec::with_capacity(kv_heads as usize);
-        for h in 0..kv_heads as u64 {
+        let (per, max) = (kv.positions_per_block, kv.positions);
+        // The attention's own columns of the strip, a band of rows per KV head: the head's
+        // reductions, its q/k/v deliveries and its collect stay inside the band (its q, k and v
+        // segments sit in the same rows, see `attention_head`), so no two heads' routes meet.
+        let region = self.region(unit);
+        let strip = region.kv.ok_or_else(|| unsupported(module, i, "internal: no KV strip".into()))?;
+        let columns = kv.columns(strip.h as u64).unwrap_or(1) as u16;
+        let strip = Rect { x: strip.x + region.kv_column, w: columns, ..strip };
+        region.kv_column += columns;
+        let mut placed = Vec::with_capacity(kv.kv_heads as usize);
+        for h in 0..kv.kv_heads {
+            let band = strip.band(h, kv.kv_heads);
             let mut blocks = Vec::new();
-            for b in 0..max.div_ceil(per) {
+            for b in 0..kv.blocks_per_head() {
                 let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
-                let region = self.region(unit);
-                let pe = kv.walk(region.kv_cursor);
-                region.kv_cursor += 1;
+                let pe = band.walk(b);
                 let index = self.placer.fill(pe, i as u32, kv_block_requests(module, i, h, positions.clone()))?[0];
                 blocks.push(KvBlock { pe, positions, region: index });
             }
             placed.push(KvHeadPlacement::unrouted(h as u32, blocks));
         }
-        let layout = self.fresh_layout(i, unit, &super::size::segments(len, hd), &|_| Vec::new())?;
-        let placement =
-            AttentionPlacement { heads, kv_heads, head_dim: c.head_dim, kv_heads_placed: placed, collects: Vec::new() };
+        // One result segment per KV head (its query heads' outputs), in the head's band beside
+        // the strip: the collect from the head's root is a short run inside the band.
+        let mut layout = VectorLayout::default();
+        let mut taken = HashSet::new();
+        let piece = kv.q_per_kv * kv.head_dim;
+        for h in 0..kv.kv_heads {
+            let elements = h * piece..((h + 1) * piece).min(len);
+            let bytes = (elements.end - elements.start) * F32;
+            let pe = self.band_pe(i, unit, h, kv.kv_heads, bytes, &taken)?;
+            taken.insert(pe);
+            self.placer.fill(pe, i as u32, vec![(RegionKind::Output { elements: elements.clone() }, bytes)])?;
+            layout.segments.push(Segment { pe, elements });
+        }
+        let placement = AttentionPlacement {
+            heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            kv_heads_placed: placed,
+            collects: Vec::new(),
+        };
         Ok((ResultLayout::Vector(layout), Work::Attention(placement)))
     }
 
