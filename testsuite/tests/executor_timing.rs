@@ -45,6 +45,32 @@ fn timing_is_deterministic_and_the_same_without_values() {
     );
 }
 
+/// gpt-oss's attention sinks are weights the attention reads on its reductions' root; a
+/// timing-only run (no SRAM) walks the same steps without reading them, past the sliding layers'
+/// window of 8 positions, and times every attention (sliding and full) as a run with values does.
+/// Only the experts differ: the timing-only router takes experts 0..top_k.
+#[test]
+fn gpt_oss_times_attention_the_same_without_values() {
+    let name = "gpt-oss-tiny-mxfp4";
+    let module = waferc::frontend::load(&waferc_testsuite::fixtures_dir().join("hf").join(name)).unwrap().module;
+    assert!(module.body.iter().any(|(_, i)| matches!(i.op, waferc_ir::Op::Attention { sinks: Some(_), .. })));
+    let program = compile_for(&module, "grid:32x32", 64);
+    let blob = pack_tile_blob(&program, &module);
+    let with_values = timings(&program, &module, Some(&blob), 10);
+    let timing_only = timings(&program, &module, None, 10);
+    for (values, shapes) in with_values.iter().zip(&timing_only) {
+        let step = |s: &waferc_runtime::executor::StepSpan| (s.step, s.instr, s.op.clone(), s.layer, s.expert, s.phase);
+        assert!(values.spans.iter().map(step).eq(shapes.spans.iter().map(step)), "position {}", values.position);
+        let attention = |timing: &StepTiming| {
+            let spans = timing.spans.iter().filter(|s| s.op == "attention");
+            spans.map(|s| (s.layer, s.phase, s.duration_cycles)).collect::<Vec<_>>()
+        };
+        assert_eq!(attention(values), attention(shapes), "position {}", values.position);
+        let layers: std::collections::BTreeSet<_> = attention(values).iter().map(|&(layer, ..)| layer).collect();
+        assert_eq!(layers.len(), 4, "every layer's attention is compared");
+    }
+}
+
 #[test]
 fn slower_hops_links_and_arithmetic_cost_more_cycles() {
     let module = build(&Shape { bytes: false, ..Shape::dense() }, 6);
