@@ -171,14 +171,16 @@ fn timing_only_moe_runs_the_first_top_k_experts() {
 
 /// The model never times a step faster than the placement's own distance bound (only hops, no
 /// arithmetic, serialisation or contention), at any position (attention's empty blocks send
-/// nothing, and the bound counts only the blocks holding positions), on both plans, dense and
-/// MoE, on one wafer and on a two-wafer pipeline.
+/// nothing, and the bound counts only the blocks holding positions), on every plan kind (tiled,
+/// MeshGemv, stacked with one and with two layers per region), dense and MoE, on one wafer and
+/// on a two-wafer pipeline.
 #[test]
 fn modeled_cycles_never_undercut_the_distance_bound() {
     let mesh = Plan::MeshGemv { p: 4, group_num: 2 };
+    let stacked = |layers_per_region| Plan::Stacked { layers_per_region };
     let two = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 12\ngrid_rows = 12\nwafers = 2\n";
     let two = waferc_targets::Target::from_toml(two, "two-grids.toml").unwrap();
-    let cases = [
+    let mut cases = vec![
         (Shape::dense(), "grid:12x12", Plan::Tiled),
         (Shape::dense(), "grid:50x4", Plan::Tiled),
         (Shape::dense(), "grid:32x32", mesh),
@@ -186,6 +188,11 @@ fn modeled_cycles_never_undercut_the_distance_bound() {
         (Shape::moe(), "grid:32x32", mesh),
         (Shape::dense(), "two-grids", Plan::Tiled),
     ];
+    for shape in [Shape::dense(), Shape::moe()] {
+        for grid in ["grid:32x32", "grid:64x48"] {
+            cases.extend([1, 2].map(|k| (shape.clone(), grid, stacked(k))));
+        }
+    }
     for (shape, target, plan) in cases {
         let module = build(&Shape { bytes: false, ..shape.clone() }, 21);
         let options = CompileOptions { max_context: 96, plan };
