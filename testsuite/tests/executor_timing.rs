@@ -177,7 +177,7 @@ fn timing_only_moe_runs_the_first_top_k_experts() {
 #[test]
 fn modeled_cycles_never_undercut_the_distance_bound() {
     let mesh = Plan::MeshGemv { p: 4, group_num: 2 };
-    let stacked = |layers_per_region| Plan::Stacked { layers_per_region };
+    let stacked = |layers_per_region| Plan::Stacked { layers_per_region, wafer_percent: 100 };
     let two = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 12\ngrid_rows = 12\nwafers = 2\n";
     let two = waferc_targets::Target::from_toml(two, "two-grids.toml").unwrap();
     let mut cases = vec![

@@ -120,18 +120,23 @@ fn parse_header(source: &str) -> Result<Header, String> {
     Ok(header)
 }
 
-/// `tiled`, `stacked:K` or `meshgemv:P,G`, as `waferc compile --plan` spells them.
+/// `tiled`, `stacked:K[,P]` or `meshgemv:P,G`, as `waferc compile --plan` spells them.
 fn parse_plan(text: &str) -> Result<Plan, String> {
     let bad = || {
         format!(
-            "`; plan: {text}`: expected `tiled`, `stacked:K` (e.g. stacked:2) or `meshgemv:P,G` (e.g. meshgemv:4,2)"
+            "`; plan: {text}`: expected `tiled`, `stacked:K[,P]` (e.g. stacked:2 or stacked:1,25) or `meshgemv:P,G` \
+             (e.g. meshgemv:4,2)"
         )
     };
     if text == "tiled" {
         return Ok(Plan::Tiled);
     }
-    if let Some(k) = text.strip_prefix("stacked:") {
-        return k.trim().parse().map(|layers_per_region| Plan::Stacked { layers_per_region }).map_err(|_| bad());
+    if let Some(args) = text.strip_prefix("stacked:") {
+        let (k, percent) = args.split_once(',').unwrap_or((args, "100"));
+        return match (k.trim().parse(), percent.trim().parse()) {
+            (Ok(layers_per_region), Ok(wafer_percent)) => Ok(Plan::Stacked { layers_per_region, wafer_percent }),
+            _ => Err(bad()),
+        };
     }
     let (p, group_num) = text.strip_prefix("meshgemv:").and_then(|args| args.split_once(',')).ok_or_else(bad)?;
     match (p.trim().parse(), group_num.trim().parse()) {
