@@ -5,7 +5,8 @@
 //!
 //! cargo run --release -p waferc --example bench_scale [-- PRESET...]
 //!
-//! Without arguments it runs llama3.1-8b, llama3.1-70b, mixtral-8x7b and qwen3-30b-a3b, then the
+//! Without arguments it runs llama3.1-8b, llama3.1-70b, mixtral-8x7b, qwen3-30b-a3b, gpt-oss-20b and
+//! gpt-oss-120b (MXFP4 experts, as released), then the
 //! capacity cases: llama3.1-70b at q8_0 on two WSE-3s (targets/files/wse3x2.toml) and at q4_0 on
 //! one, llama3.1-8b at q4_0 on one with a 131,072-position KV cache. Name presets to run only
 //! their cases. A case that does not fit prints by how much and a lower bound.
@@ -46,11 +47,19 @@ struct Case {
 /// The checked-in two-wafer target file (targets/files/wse3x2.toml).
 const WSE3X2: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../targets/files/wse3x2.toml");
 
-const CASES: [Case; 7] = [
+const CASES: [Case; 9] = [
     Case { preset: "llama3.1-8b", targets: &["wse3"], published: Some((1800.0, "one CS-3, Aug 2024")), quantize: None },
     Case { preset: "llama3.1-70b", targets: &["wse3x4"], published: Some((450.0, "four CS-3, 2024")), quantize: None },
     Case { preset: "mixtral-8x7b", targets: &["wse3", "wse3x4"], published: None, quantize: None },
     Case { preset: "qwen3-30b-a3b", targets: &["wse3", "wse3x4"], published: None, quantize: None },
+    // gpt-oss (issue 10): the release's MXFP4 experts, kept packed in the PE tiles.
+    Case { preset: "gpt-oss-20b", targets: &["wse3", "wse3x4"], published: None, quantize: None },
+    Case {
+        preset: "gpt-oss-120b",
+        targets: &["wse3", "wse3x4"],
+        published: Some((3000.0, "Cerebras, Aug 2025")),
+        quantize: None,
+    },
     // Capacity (issue 8): weights quantised in the PE tiles.
     Case { preset: "llama3.1-70b", targets: &[WSE3X2], published: None, quantize: Some(("q8_0:all", 4096)) },
     Case { preset: "llama3.1-70b", targets: &["wse3"], published: None, quantize: Some(("q4_0:all", 4096)) },
@@ -64,6 +73,8 @@ struct Row {
     model: String,
     target: String,
     pes: usize,
+    /// Wafers the placement occupies (of the target's).
+    wafers: usize,
     compile_s: f64,
     peak_mib: f64,
     token_s: f64,
@@ -141,6 +152,7 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
                 model: label.clone(),
                 target: target.name.clone(),
                 pes: program.pes.len(),
+                wafers: program.pes.iter().map(|image| image.pe.wafer).max().map_or(0, |w| w as usize + 1),
                 compile_s,
                 peak_mib,
                 token_s,
@@ -213,6 +225,7 @@ fn print_table(rows: &[Row]) {
         "model",
         "target",
         "PEs",
+        "wafers",
         "compile s",
         "peak MiB",
         "token s",
@@ -226,13 +239,14 @@ fn print_table(rows: &[Row]) {
         "distance bound tok/s",
         "published tok/s",
     ];
-    let cells: Vec<[String; 15]> = rows
+    let cells: Vec<[String; 16]> = rows
         .iter()
         .map(|r| {
             [
                 r.model.clone(),
                 r.target.clone(),
                 r.pes.to_string(),
+                r.wafers.to_string(),
                 format!("{:.2}", r.compile_s),
                 format!("{:.0}", r.peak_mib),
                 format!("{:.2}", r.token_s),

@@ -45,6 +45,32 @@ fn timing_is_deterministic_and_the_same_without_values() {
     );
 }
 
+/// gpt-oss's attention sinks are weights the attention reads on its reductions' root; a
+/// timing-only run (no SRAM) walks the same steps without reading them, past the sliding layers'
+/// window of 8 positions, and times every attention (sliding and full) as a run with values does.
+/// Only the experts differ: the timing-only router takes experts 0..top_k.
+#[test]
+fn gpt_oss_times_attention_the_same_without_values() {
+    let name = "gpt-oss-tiny-mxfp4";
+    let module = waferc::frontend::load(&waferc_testsuite::fixtures_dir().join("hf").join(name)).unwrap().module;
+    assert!(module.body.iter().any(|(_, i)| matches!(i.op, waferc_ir::Op::Attention { sinks: Some(_), .. })));
+    let program = compile_for(&module, "grid:32x32", 64);
+    let blob = pack_tile_blob(&program, &module);
+    let with_values = timings(&program, &module, Some(&blob), 10);
+    let timing_only = timings(&program, &module, None, 10);
+    for (values, shapes) in with_values.iter().zip(&timing_only) {
+        let step = |s: &waferc_runtime::executor::StepSpan| (s.step, s.instr, s.op.clone(), s.layer, s.expert, s.phase);
+        assert!(values.spans.iter().map(step).eq(shapes.spans.iter().map(step)), "position {}", values.position);
+        let attention = |timing: &StepTiming| {
+            let spans = timing.spans.iter().filter(|s| s.op == "attention");
+            spans.map(|s| (s.layer, s.phase, s.duration_cycles)).collect::<Vec<_>>()
+        };
+        assert_eq!(attention(values), attention(shapes), "position {}", values.position);
+        let layers: std::collections::BTreeSet<_> = attention(values).iter().map(|&(layer, ..)| layer).collect();
+        assert_eq!(layers.len(), 4, "every layer's attention is compared");
+    }
+}
+
 #[test]
 fn slower_hops_links_and_arithmetic_cost_more_cycles() {
     let module = build(&Shape { bytes: false, ..Shape::dense() }, 6);
@@ -145,14 +171,16 @@ fn timing_only_moe_runs_the_first_top_k_experts() {
 
 /// The model never times a step faster than the placement's own distance bound (only hops, no
 /// arithmetic, serialisation or contention), at any position (attention's empty blocks send
-/// nothing, and the bound counts only the blocks holding positions), on both plans, dense and
-/// MoE, on one wafer and on a two-wafer pipeline.
+/// nothing, and the bound counts only the blocks holding positions), on every plan kind (tiled,
+/// MeshGemv, stacked with one and with two layers per region), dense and MoE, on one wafer and
+/// on a two-wafer pipeline.
 #[test]
 fn modeled_cycles_never_undercut_the_distance_bound() {
     let mesh = Plan::MeshGemv { p: 4, group_num: 2 };
+    let stacked = |layers_per_region| Plan::Stacked { layers_per_region, wafer_percent: 100 };
     let two = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 12\ngrid_rows = 12\nwafers = 2\n";
     let two = waferc_targets::Target::from_toml(two, "two-grids.toml").unwrap();
-    let cases = [
+    let mut cases = vec![
         (Shape::dense(), "grid:12x12", Plan::Tiled),
         (Shape::dense(), "grid:50x4", Plan::Tiled),
         (Shape::dense(), "grid:32x32", mesh),
@@ -160,6 +188,11 @@ fn modeled_cycles_never_undercut_the_distance_bound() {
         (Shape::moe(), "grid:32x32", mesh),
         (Shape::dense(), "two-grids", Plan::Tiled),
     ];
+    for shape in [Shape::dense(), Shape::moe()] {
+        for grid in ["grid:32x32", "grid:64x48"] {
+            cases.extend([1, 2].map(|k| (shape.clone(), grid, stacked(k))));
+        }
+    }
     for (shape, target, plan) in cases {
         let module = build(&Shape { bytes: false, ..shape.clone() }, 21);
         let options = CompileOptions { max_context: 96, plan };

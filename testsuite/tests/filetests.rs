@@ -8,7 +8,7 @@
 //! ; run: quantize q8_0, dce
 //! ; target: grid:16x16
 //! ; max-context: 64
-//! ; plan: meshgemv:4,2
+//! ; plan: stacked:2
 //! ```
 //!
 //! The module is the `.ir` file itself (the IR text form) or, for a `.case` file, the checkpoint
@@ -120,12 +120,24 @@ fn parse_header(source: &str) -> Result<Header, String> {
     Ok(header)
 }
 
-/// `tiled` or `meshgemv:P,G`, as `waferc compile --plan` spells them.
+/// `tiled`, `stacked:K[,P]` or `meshgemv:P,G`, as `waferc compile --plan` spells them.
 fn parse_plan(text: &str) -> Result<Plan, String> {
+    let bad = || {
+        format!(
+            "`; plan: {text}`: expected `tiled`, `stacked:K[,P]` (e.g. stacked:2 or stacked:1,25) or `meshgemv:P,G` \
+             (e.g. meshgemv:4,2)"
+        )
+    };
     if text == "tiled" {
         return Ok(Plan::Tiled);
     }
-    let bad = || format!("`; plan: {text}`: expected `tiled` or `meshgemv:P,G` (e.g. meshgemv:4,2)");
+    if let Some(args) = text.strip_prefix("stacked:") {
+        let (k, percent) = args.split_once(',').unwrap_or((args, "100"));
+        return match (k.trim().parse(), percent.trim().parse()) {
+            (Ok(layers_per_region), Ok(wafer_percent)) => Ok(Plan::Stacked { layers_per_region, wafer_percent }),
+            _ => Err(bad()),
+        };
+    }
     let (p, group_num) = text.strip_prefix("meshgemv:").and_then(|args| args.split_once(',')).ok_or_else(bad)?;
     match (p.trim().parse(), group_num.trim().parse()) {
         (Ok(p), Ok(group_num)) => Ok(Plan::MeshGemv { p, group_num }),

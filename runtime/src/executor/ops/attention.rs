@@ -161,12 +161,17 @@ impl Executor<'_> {
                 }
             };
             // The sinks of this KV head's query heads, held by its first block (the reductions'
-            // root): they join the maximum before it is broadcast, and the sum likewise.
+            // root): they join the maximum before it is broadcast, and the sum likewise. A
+            // timing-only run has no SRAM to read them from (nor values to join them to), but
+            // the placement must still hold them.
             let sink_values = match (sinks, blocks.first()) {
                 (Some(weight), Some(first)) => {
                     let cols = h * group as u64..(h + 1) * group as u64;
                     let region = self.find_weight_region(run, first.pe, weight, 0, &cols)?;
-                    Some(self.widen_from_region(run, first.pe, region, 0, cols)?)
+                    Some(match self.options.timing_only {
+                        true => Vec::new(),
+                        false => self.widen_from_region(run, first.pe, region, 0, cols)?,
+                    })
                 }
                 _ => None,
             };
