@@ -157,6 +157,8 @@ fn program(far: u16) -> (WaferProgram, Vec<u8>) {
         schedule,
         tile_blob_len: blob.len() as u64,
         weights_present: true,
+        max_sequences: 1,
+        routing_profile: None,
     };
     (program, blob)
 }

@@ -130,6 +130,8 @@ impl Builder {
             schedule: Vec::new(),
             tile_blob_len: self.blob,
             weights_present: false,
+            max_sequences: 1,
+            routing_profile: None,
         }
     }
 }

@@ -1,18 +1,27 @@
-//! `waferc run ARTIFACT (--prompt TEXT | --tokens IDS) [--max-new-tokens N] [--force-tokens IDS]
-//! [--validate] [--logits FILE] [--json] [--timing-only] [--trace FILE]`: the compiled program on
-//! the bundled executor, optionally checked bit for bit against the reference decoder.
+//! `waferc run ARTIFACT (--prompt TEXT... | --tokens IDS | --prompts FILE) [--sequences N]
+//! [--max-new-tokens N] [--force-tokens IDS] [--validate] [--logits FILE] [--json] [--timing-only]
+//! [--trace FILE]`: the compiled program on the bundled executor, optionally checked bit for bit
+//! against the reference decoder.
+//!
+//! Several prompts are several sequences, up to `--sequences N` in flight at once. Each has its
+//! own KV blocks (an executor of its own: values never mix), its own tokens and its own
+//! validation against the reference decoder run on that prompt alone; the timing of the run is
+//! the pipeline model's (`executor::pipeline`) over every sequence's modeled steps.
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use serde_json::json;
 use waferc_ir::wafer::artifact;
-use waferc_runtime::executor::{self, ExecError, ExecOptions, Executor, StepTiming, TimingReport, ValidationOptions};
+use waferc_runtime::executor::{
+    self, ExecError, ExecOptions, Executor, PipelineTiming, SequenceCosts, StepCost, StepTiming, TimingReport,
+    ValidationOptions,
+};
 use waferc_runtime::{argmax, ReferenceDecoder};
 
 use crate::frontend::tokenizer::Tokenizer;
 
-use super::session::{self, GenerateArgs, PromptArgs};
+use super::session::{self, GenerateArgs, PromptsArgs};
 use super::trace;
 
 #[derive(clap::Args, Debug)]
@@ -20,7 +29,11 @@ pub struct RunArgs {
     /// An artifact written by `waferc compile`.
     pub artifact: PathBuf,
     #[command(flatten)]
-    pub prompt: PromptArgs,
+    pub prompt: PromptsArgs,
+    /// Sequences in flight at once (at most the artifact's `compile --max-sequences`; default:
+    /// as many as that allows). With a single prompt, N copies of it run.
+    #[arg(long)]
+    pub sequences: Option<usize>,
     #[command(flatten)]
     pub generate: GenerateArgs,
     /// Run the reference CPU decoder beside the executor and require every step's logits to be
@@ -56,6 +69,7 @@ pub(super) struct Execution<'a> {
 }
 
 /// What the run produced.
+#[derive(Clone)]
 pub(super) struct Outcome {
     pub tokens: Vec<u32>,
     pub logits: Vec<Vec<f32>>,
@@ -74,35 +88,69 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         None => None,
     };
     let vocab = module.meta.vocab_size;
-    let prompt = session::prompt_ids(&args.prompt, tokenizer.as_ref(), vocab)?;
+    let mut prompts = args.prompt.ids(tokenizer.as_ref(), vocab)?;
     if let Some(forced) = &args.generate.force_tokens {
         session::check_ids("--force-tokens", forced, vocab)?;
     }
+    let capacity = program.max_sequences as usize;
+    let in_flight = args.sequences.unwrap_or(prompts.len().min(capacity)).max(1);
+    if in_flight > capacity {
+        bail!(
+            "{}: --sequences {in_flight}, but the artifact has KV capacity for {capacity} sequence(s) (compile with --max-sequences {in_flight})",
+            args.artifact.display()
+        );
+    }
+    if prompts.len() == 1 && in_flight > 1 {
+        prompts = vec![prompts[0].clone(); in_flight];
+    }
+    if prompts.len() > 1 && (args.logits.is_some() || args.trace.is_some()) {
+        bail!("--logits and --trace take a single sequence; {} prompts were given", prompts.len());
+    }
     let max_new =
         if args.timing_only { args.generate.max_new_tokens.unwrap_or(1) } else { args.generate.max_new_tokens() };
-    let needed = prompt.len() + max_new;
-    if needed > program.max_context as usize {
-        bail!(
-            "{}: the prompt ({} tokens) plus {max_new} new tokens needs {needed} positions, but the artifact was compiled for {} (compile with a larger --max-context)",
-            args.artifact.display(),
-            prompt.len(),
-            program.max_context
-        );
+    for prompt in &prompts {
+        let needed = prompt.len() + max_new;
+        if needed > program.max_context as usize {
+            bail!(
+                "{}: the prompt ({} tokens) plus {max_new} new tokens needs {needed} positions, but the artifact was compiled for {} (compile with a larger --max-context)",
+                args.artifact.display(),
+                prompt.len(),
+                program.max_context
+            );
+        }
     }
     if !args.timing_only && !program.weights_present {
         bail!("{}: compiled shape-only (no weights): only --timing-only can run it", args.artifact.display());
     }
 
-    let execution = Execution {
-        artifact: &args.artifact,
-        prompt: &prompt,
-        max_new_tokens: max_new,
-        force_tokens: args.generate.force_tokens.as_deref().unwrap_or(&[]),
-        stop_tokens: args.generate.stop_tokens(&module.meta.eos_token_ids),
-        validate: args.validate,
-        timing_only: args.timing_only,
-    };
-    let outcome = execute(&compiled, &execution)?;
+    let mut outcomes: Vec<Outcome> = Vec::with_capacity(prompts.len());
+    for (index, prompt) in prompts.iter().enumerate() {
+        // Timing only, a step's timing depends on the prompt's tokens and positions alone, so
+        // a repeated prompt reuses its twin's run.
+        if args.timing_only {
+            if let Some(twin) = prompts[..index].iter().position(|p| p == prompt) {
+                outcomes.push(outcomes[twin].clone());
+                continue;
+            }
+        }
+        let execution = Execution {
+            artifact: &args.artifact,
+            prompt,
+            max_new_tokens: max_new,
+            force_tokens: args.generate.force_tokens.as_deref().unwrap_or(&[]),
+            stop_tokens: args.generate.stop_tokens(&module.meta.eos_token_ids),
+            validate: args.validate,
+            timing_only: args.timing_only,
+        };
+        let outcome = match execute(&compiled, &execution) {
+            Err(e) if prompts.len() > 1 => return Err(e.context(format!("sequence {index}"))),
+            other => other?,
+        };
+        outcomes.push(outcome);
+    }
+    let pipelined = pipeline_timing(&prompts, &outcomes, in_flight, program.target.clock_hz);
+    let outcome = &outcomes[0];
+    let prompt = &prompts[0];
     if let Some(path) = &args.logits {
         session::write_logits(path, &outcome.tokens, &outcome.logits)?;
     }
@@ -111,45 +159,107 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         super::write_atomically(path, |out| Ok(serde_json::to_writer(out, &events)?))
             .with_context(|| format!("writing the trace to {}", path.display()))?;
     }
-    let text = match (&tokenizer, args.timing_only) {
-        (Some(t), false) => Some(t.decode(&outcome.tokens)?),
-        _ => None,
+    let text_of = |tokens: &[u32]| -> anyhow::Result<Option<String>> {
+        match (&tokenizer, args.timing_only) {
+            (Some(t), false) => Ok(Some(t.decode(tokens)?)),
+            _ => Ok(None),
+        }
     };
     let r = &outcome.report;
     if args.json {
+        let mut sequences = Vec::with_capacity(prompts.len());
+        for ((prompt, outcome), timing) in prompts.iter().zip(&outcomes).zip(&pipelined.sequences) {
+            let mut object = json!({
+                "prompt_tokens": prompt,
+                "tokens": outcome.tokens,
+                "text": text_of(&outcome.tokens)?,
+                "modeled_tok_s": timing.modeled_tok_s,
+                "modeled_ttft_us": timing.modeled_ttft_us,
+            });
+            if args.validate {
+                object["bit_exact"] = json!(true);
+            }
+            sequences.push(object);
+        }
         let mut object = json!({
             "artifact": args.artifact,
             "target": r.target,
-            "prompt_tokens": prompt,
-            "tokens": outcome.tokens,
-            "text": text,
-            "modeled_decode_tok_s": r.modeled_decode_tok_s,
-            "modeled_ttft_us": r.modeled_ttft_us,
-            "cycles_per_token": r.cycles_per_token,
+            "sequences": sequences,
+            "sequences_in_flight": in_flight,
+            "aggregate_modeled_tok_s": pipelined.aggregate_modeled_tok_s,
             "pes_used": r.pes_used,
-            "busiest_pes": r.busiest_pes,
-            "busiest_links": r.busiest_links,
         });
-        if args.validate {
-            object["bit_exact"] = json!(true);
+        if prompts.len() == 1 {
+            let single = json!({
+                "prompt_tokens": prompt,
+                "tokens": outcome.tokens,
+                "text": text_of(&outcome.tokens)?,
+                "modeled_decode_tok_s": r.modeled_decode_tok_s,
+                "modeled_ttft_us": r.modeled_ttft_us,
+                "cycles_per_token": r.cycles_per_token,
+                "busiest_pes": r.busiest_pes,
+                "busiest_links": r.busiest_links,
+            });
+            for (key, value) in single.as_object().expect("an object") {
+                object[key] = value.clone();
+            }
+            if args.validate {
+                object["bit_exact"] = json!(true);
+            }
         }
         println!("{object}");
     } else {
         if !args.timing_only {
-            match &text {
-                Some(text) => println!("{text}"),
-                None => println!("{}", outcome.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(",")),
+            for outcome in &outcomes {
+                match text_of(&outcome.tokens)? {
+                    Some(text) => println!("{text}"),
+                    None => println!("{}", outcome.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(",")),
+                }
             }
         }
         if args.validate {
-            eprintln!(
-                "validated: all {} steps bit-identical to the reference decoder",
-                prompt.len() + outcome.tokens.len().saturating_sub(1)
-            );
+            for (prompt, outcome) in prompts.iter().zip(&outcomes) {
+                eprintln!(
+                    "validated: all {} steps bit-identical to the reference decoder",
+                    prompt.len() + outcome.tokens.len().saturating_sub(1)
+                );
+            }
         }
         eprintln!("{}", describe_timing(r));
+        if prompts.len() > 1 {
+            eprintln!("{}", describe_pipeline(&pipelined, in_flight));
+        }
     }
     Ok(())
+}
+
+/// The pipeline model over every sequence's modeled steps.
+fn pipeline_timing(prompts: &[Vec<u32>], outcomes: &[Outcome], in_flight: usize, clock_hz: f64) -> PipelineTiming {
+    let costs: Vec<SequenceCosts> = prompts
+        .iter()
+        .zip(outcomes)
+        .map(|(prompt, outcome)| SequenceCosts {
+            prompt_tokens: prompt.len(),
+            new_tokens: outcome.tokens.len(),
+            steps: outcome.steps.iter().map(StepCost::of).collect(),
+        })
+        .collect();
+    executor::pipeline(&costs, in_flight, clock_hz)
+}
+
+fn describe_pipeline(p: &PipelineTiming, in_flight: usize) -> String {
+    let mut text = format!(
+        "{} sequences, up to {in_flight} in flight: {:.0} tokens/s aggregate (modeled)",
+        p.sequences.len(),
+        p.aggregate_modeled_tok_s
+    );
+    for (index, s) in p.sequences.iter().enumerate() {
+        text += &format!(
+            "\n  sequence {index}: {:.0} tokens/s, time to first token {:.1} us",
+            s.modeled_tok_s, s.modeled_ttft_us
+        );
+    }
+    text
 }
 
 /// Runs the executor (and, validating, the reference decoder beside it) over the prompt and

@@ -34,7 +34,7 @@ use crate::weights::WeightBytes;
 
 pub const MAGIC: [u8; 8] = *b"WAFERC\0\x1a";
 /// Bumped on any change to the file layout or to the serialised types.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 const PREFIX_LEN: usize = 8 + 4 + 8 + 8 + 8 + 8;
 
 /// A compiled program with the module it came from.
@@ -94,7 +94,7 @@ pub enum ArtifactError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path}: not a waferc artifact (bad magic number)")]
     Foreign { path: PathBuf },
-    #[error("{path}: artifact format version {found}, but this waferc reads version {FORMAT_VERSION}")]
+    #[error("{path}: artifact format version {found}, but this waferc reads version {FORMAT_VERSION} (recompile the model with this waferc)")]
     Version { path: PathBuf, found: u32 },
     #[error("{path}: truncated: the header promises {expected} bytes, the file has {found}")]
     Truncated { path: PathBuf, expected: u64, found: u64 },

@@ -38,6 +38,9 @@
 //! independent outputs and are cut anywhere.
 
 pub mod artifact;
+pub mod profile;
+
+pub use profile::{LayerProfile, RoutingProfile};
 
 use std::fmt;
 use std::ops::Range;
@@ -172,6 +175,11 @@ pub struct WaferProgram {
     pub tile_blob_len: u64,
     /// Whether the tile blob holds bytes (false for a shape-only compile).
     pub weights_present: bool,
+    /// Sequences whose KV caches fit at once: every KV block holds `max_sequences` copies of its
+    /// positions, one per sequence in flight.
+    pub max_sequences: u32,
+    /// The routing profile the experts were placed by (`None`: uniform routing assumed).
+    pub routing_profile: Option<RoutingProfile>,
 }
 
 impl WaferProgram {

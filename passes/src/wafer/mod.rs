@@ -18,6 +18,9 @@
 //!    the router picks never contend for PEs: they share only the multicast bringing their input
 //!    and the gather into the combine. (Interleaving the experts' tile rows was tried: it
 //!    stretches every expert's result gathers over the whole layer and runs out of colours.)
+//!    The order of a layer's experts comes from the routing profile (`experts`): the hottest
+//!    are placed last, beside the combine that gathers their outputs, and experts often picked
+//!    together next to each other; without a profile, index order (uniform routing).
 //! 3. **Routing** (`route`): dimension-ordered paths kept inside shelves where they can be (a
 //!    multicast goes down one column into each shelf holding destinations, then along a row and
 //!    down the destination columns; gathers the other way round), inter-wafer traffic through
@@ -27,6 +30,7 @@
 //! [`check`] re-verifies a program independently of the placer's bookkeeping.
 
 mod check;
+mod experts;
 mod place;
 mod precedence;
 mod route;
@@ -36,7 +40,8 @@ mod stacked;
 use std::fmt;
 
 pub use check::{check, CheckError, Problem, MAX_PROBLEMS};
-use waferc_ir::wafer::{Pe, Plan, WaferProgram};
+pub use experts::{expert_order, ExpertOrder};
+use waferc_ir::wafer::{Pe, Plan, RoutingProfile, WaferProgram};
 use waferc_ir::{IrError, Module};
 use waferc_targets::Target;
 
@@ -47,12 +52,25 @@ pub struct CompileOptions {
     pub max_context: u32,
     /// The matvec plan: the default [`Plan::Tiled`], or WaferLLM's [`Plan::MeshGemv`].
     pub plan: Plan,
+    /// Sequences in flight at once: each KV block holds this many sequences' positions.
+    pub max_sequences: u32,
+    /// Router statistics to place experts by (`None`: uniform routing assumed); stored in the
+    /// program.
+    pub profile: Option<RoutingProfile>,
+    /// How experts are ordered within an MoE layer's region.
+    pub expert_order: ExpertOrder,
 }
 
 impl CompileOptions {
     /// The default plan with KV capacity `max_context`.
     pub fn new(max_context: u32) -> Self {
-        CompileOptions { max_context, plan: Plan::Tiled }
+        CompileOptions {
+            max_context,
+            plan: Plan::Tiled,
+            max_sequences: 1,
+            profile: None,
+            expert_order: ExpertOrder::Profile,
+        }
     }
 }
 
@@ -161,6 +179,12 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
     waferc_ir::verify(module)?;
     if options.max_context == 0 {
         return Err(WaferError::Options("max_context must be at least 1".into()));
+    }
+    if options.max_sequences == 0 {
+        return Err(WaferError::Options("max_sequences must be at least 1".into()));
+    }
+    if let Some(profile) = &options.profile {
+        experts::check_profile(module, profile).map_err(WaferError::Options)?;
     }
     if let Plan::MeshGemv { p, group_num } = options.plan {
         if p == 0 || group_num == 0 {

@@ -10,6 +10,7 @@ use waferc_ir::wafer::{
 };
 use waferc_ir::{Module, Op, ValueType, BLOCK};
 
+use super::experts::placement_sequence;
 use super::route::{self, assign_colours};
 use super::size::{Analysis, Shape, Sizes};
 use super::{CompileOptions, WaferError};
@@ -101,6 +102,8 @@ pub(super) struct Placer<'a> {
     routes: Vec<Route>,
     /// Rows per band that multicasts and gathers keep their trees inside (`route::multicast`).
     pub(super) route_band: u16,
+    /// Per instruction, its position in the placement order (experts may be reordered).
+    rank: Vec<usize>,
 }
 
 /// PEs each instruction takes when the whole module is laid out on one unbounded wafer, alignment
@@ -135,12 +138,32 @@ pub(super) fn place(
     options: &CompileOptions,
 ) -> Result<WaferProgram, WaferError> {
     let mut placer = Placer::new(module, analysis, params, options, Cells::new(params));
-    for (handle, _) in module.body.iter() {
-        let i = handle.index();
-        let placement = placer.place_instr(i, &sizes.shapes[i], wafer_of[i])?;
-        placer.placements.push(placement);
+    // Instructions are placed in `placement_sequence` order (an MoE layer's experts by the
+    // routing profile) into slots indexed by instruction; an instruction only reads
+    // placements of instructions placed before it.
+    let sequence = placement_sequence(module, analysis, options);
+    for (rank, &i) in sequence.iter().enumerate() {
+        placer.rank[i] = rank;
+    }
+    placer.placements = (0..module.body.len()).map(unplaced).collect();
+    for &i in &sequence {
+        placer.placements[i] = placer.place_instr(i, &sizes.shapes[i], wafer_of[i])?;
     }
     placer.finish()
+}
+
+/// The slot of an instruction not placed yet.
+fn unplaced(i: usize) -> InstrPlacement {
+    InstrPlacement {
+        instr: i as u32,
+        op: String::new(),
+        layer: None,
+        expert: None,
+        result: ResultLayout::Vector(VectorLayout::default()),
+        operand_routes: Vec::new(),
+        deliveries: Vec::new(),
+        work: Work::Elementwise,
+    }
 }
 
 /// A region request: the instruction it serves, its kind, its bytes.
@@ -216,6 +239,8 @@ impl<'a> Placer<'a> {
             schedule,
             tile_blob_len: blob,
             weights_present: module.weights.iter().all(|(_, w)| w.data.is_present()),
+            max_sequences: options.max_sequences,
+            routing_profile: options.profile.clone(),
         })
     }
 
@@ -238,6 +263,7 @@ impl<'a> Placer<'a> {
             image_of: HashMap::new(),
             routes: Vec::new(),
             route_band,
+            rank: (0..module.body.len()).collect(),
         }
     }
 
@@ -330,7 +356,7 @@ impl<'a> Placer<'a> {
             .operands()
             .into_iter()
             .filter(|v| matches!(self.module.body[*v].ty, ValueType::Tensor(_)))
-            .max()
+            .max_by_key(|v| self.rank[v.index()])
             .map(|v| self.analysis.source[v.index()] as usize);
         if let Some(ResultLayout::Vector(host)) = host.map(|h| &self.placements[h].result) {
             let host = host.clone();
@@ -564,7 +590,8 @@ impl<'a> Placer<'a> {
                     let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
                     for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
                         let positions = (b * per) as u32..((b + 1) * per).min(self.options.max_context as u64) as u32;
-                        let requests = kv_block_requests(module, i, h, positions.clone());
+                        let requests =
+                            kv_block_requests(module, i, h, positions.clone(), self.options.max_sequences as u64);
                         let region = self.fill(pe, instr, requests)?[0];
                         blocks.push(KvBlock { pe, positions, region });
                     }
@@ -1055,7 +1082,14 @@ pub(super) fn tile_requests(
 /// A KV block's regions (the cache first): keys and values of `positions` for KV head `h`,
 /// the query heads (the same buffer later receives the reductions' partials), the new key and
 /// value, the scores and the block's own partials.
-pub(super) fn kv_block_requests(module: &Module, i: usize, h: u64, positions: Range<u32>) -> Vec<Request> {
+/// The cache holds `sequences` copies of its positions, one per sequence in flight.
+pub(super) fn kv_block_requests(
+    module: &Module,
+    i: usize,
+    h: u64,
+    positions: Range<u32>,
+    sequences: u64,
+) -> Vec<Request> {
     let Op::Attention { q, k, v, cache, heads, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
         return Vec::new();
     };
@@ -1066,7 +1100,7 @@ pub(super) fn kv_block_requests(module: &Module, i: usize, h: u64, positions: Ra
     let q_range = h * q_per_kv * hd..(h + 1) * q_per_kv * hd;
     let kv_range = h * hd..(h + 1) * hd;
     vec![
-        (RegionKind::KvCache { kv_head: h as u32, positions }, n * hd * 2 * F32),
+        (RegionKind::KvCache { kv_head: h as u32, positions }, sequences * n * hd * 2 * F32),
         (RegionKind::Operand { value: q.index() as u32, elements: q_range }, q_per_kv * (hd + 2) * F32),
         (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
         (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),

@@ -149,8 +149,8 @@ pub(super) fn tile_bytes(dtype: DType, bias: Option<DType>, rows: u64, width: u6
 /// SRAM of one KV block of `positions` positions: keys and values; the query heads (the same
 /// buffer later receives the partials of the reductions, so it is sized for the larger); the new
 /// key and value; the scores; and the block's own partial maximum, sum and weighted values.
-pub(super) fn kv_block_bytes(positions: u64, head_dim: u64, q_per_kv: u64) -> u64 {
-    positions * head_dim * 2 * F32
+pub(super) fn kv_block_bytes(positions: u64, head_dim: u64, q_per_kv: u64, sequences: u64) -> u64 {
+    sequences * positions * head_dim * 2 * F32
         + q_per_kv * (head_dim + 2) * F32
         + 2 * head_dim * F32
         + q_per_kv * positions * F32
@@ -317,15 +317,18 @@ pub(super) fn size_module(
                 let head_dim = c.head_dim as u64;
                 let q_per_kv = (*heads / c.kv_heads) as u64;
                 let max_positions = CHUNK * (options.max_context as u64).div_ceil(CHUNK).next_power_of_two();
+                let sequences = options.max_sequences as u64;
                 let mut positions = CHUNK;
-                if kv_block_bytes(positions, head_dim, q_per_kv) > usable {
+                if kv_block_bytes(positions, head_dim, q_per_kv, sequences) > usable {
                     return Err(unsupported(format!(
-                        "32 positions of a KV head (head_dim {head_dim}, {q_per_kv} query heads) need {} bytes, more than \
-                         the {usable} usable bytes of a PE",
-                        kv_block_bytes(positions, head_dim, q_per_kv)
+                        "32 positions of a KV head (head_dim {head_dim}, {q_per_kv} query heads) for {sequences} \
+                         sequence(s) need {} bytes, more than the {usable} usable bytes of a PE",
+                        kv_block_bytes(positions, head_dim, q_per_kv, sequences)
                     )));
                 }
-                while positions * 2 <= max_positions && kv_block_bytes(positions * 2, head_dim, q_per_kv) <= usable {
+                while positions * 2 <= max_positions
+                    && kv_block_bytes(positions * 2, head_dim, q_per_kv, sequences) <= usable
+                {
                     positions *= 2;
                 }
                 let blocks = (options.max_context as u64).div_ceil(positions);

@@ -15,7 +15,8 @@
 //!
 //! With [`ExecOptions::timing_only`] the executor walks the same schedule, routes and messages
 //! without values (for shape-only programs of full-size models): per-step work is proportional
-//! to routes and tiles, never to elements, and the router chooses experts `0..top_k`.
+//! to routes and tiles, never to elements, and the router chooses the routing profile's expected
+//! picks for the layer and position (experts `0..top_k` without a profile).
 //!
 //! Each step also produces its [`StepTiming`] from the [`timing`] model.
 //!
@@ -31,6 +32,7 @@
 mod error;
 mod fabric;
 mod ops;
+pub mod pipeline;
 mod schedule;
 mod sram;
 pub mod timing;
@@ -51,6 +53,7 @@ use schedule::{schedule_runs, InstrRun};
 use sram::load_sram;
 
 pub use error::{ExecError, InstrSite, WeightRegionError};
+pub use pipeline::{pipeline, PipelineTiming, SequenceCosts, SequenceTiming, StepCost};
 pub use timing::{LinkLoad, PeLoad, StepSpan, StepTiming, TimingReport};
 pub use validate::{validate, Mismatch, Validation, ValidationOptions};
 

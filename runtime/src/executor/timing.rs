@@ -216,11 +216,20 @@ impl CostModel {
         self.fma(n)
     }
 
+    /// Cycles of a message from `from` to `to` on one wafer by a shortest path (an inter-wafer
+    /// pair: `u64::MAX`, the route's own latency is kept).
+    pub(crate) fn hop_latency(&self, from: Pe, to: Pe) -> u64 {
+        from.distance(to).map_or(u64::MAX, |hops| hops as u64 * self.params.hop_latency_cycles as u64)
+    }
+
     /// Cycles of route `id` carrying `messages` messages: a collect whose sources do not all
     /// send (the embedding: one table block; an MoE combine: the chosen experts) serialises only
-    /// the messages sent.
-    fn route_cycles(&self, route: &Route, messages: u32) -> u64 {
-        let cost = self.routes[route.id as usize];
+    /// the messages sent, and an MoE combine's waits only for its farthest sender (`reach`).
+    fn route_cycles(&self, route: &Route, messages: u32, reach: Option<u64>) -> u64 {
+        let mut cost = self.routes[route.id as usize];
+        if let Some(reach) = reach {
+            cost.latency = cost.latency.min(reach);
+        }
         let serial = match route.kind {
             RouteKind::Collect { .. } => {
                 let sent = (messages as u64 * route.message_bytes as u64) as f64 / cost.bytes_per_cycle;
@@ -232,7 +241,13 @@ impl CostModel {
     }
 
     /// Communication cycles of schedule step `step` that sent on `routes` (in send order).
-    fn comm_cycles(&self, program: &WaferProgram, step: usize, routes: &[(RouteId, u32)]) -> u64 {
+    fn comm_cycles(
+        &self,
+        program: &WaferProgram,
+        step: usize,
+        routes: &[(RouteId, u32)],
+        reach: &[(RouteId, u64)],
+    ) -> u64 {
         if routes.is_empty() {
             return 0;
         }
@@ -241,7 +256,8 @@ impl CostModel {
         let mut end = 0;
         for &(id, messages) in routes {
             let route = &program.routes[id as usize];
-            let cycles = self.route_cycles(route, messages);
+            let farthest = reach.iter().find(|(r, _)| *r == id).map(|(_, latency)| *latency);
+            let cycles = self.route_cycles(route, messages, farthest);
             let start = match route.kind {
                 RouteKind::Reduce { .. } | RouteKind::Statistic { .. } => {
                     let start = collective_ends
@@ -409,7 +425,7 @@ impl Timeline {
         for ((index, step), work) in run.steps.iter().zip(&run.work) {
             let (compute, routes) = (&work.compute, &work.routes);
             let (compute_cycles, comm_cycles) = if worked {
-                (compute.values().copied().max().unwrap_or(0), costs.comm_cycles(program, *index, routes))
+                (compute.values().copied().max().unwrap_or(0), costs.comm_cycles(program, *index, routes, &work.reach))
             } else {
                 (0, 0)
             };
