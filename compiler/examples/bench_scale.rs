@@ -21,6 +21,13 @@
 //! deliver); it starts no earlier than its operands end. The bound is the longest such chain
 //! through the program: no arithmetic, no serialisation, no contention, no synchronisation, only
 //! distance. Its tok/s is `clock_hz` over that many cycles.
+//!
+//! # Sequences in flight
+//!
+//! For Llama-3.1-8B (wse3) and Llama-3.1-70B (wse3x4) a second table: the model compiled with KV
+//! capacity for 16 sequences of `SEQUENCE_CONTEXT` positions each (`--max-sequences 16`), one
+//! timing-only token, and the pipeline model (`executor::pipeline`) with 1, 4 and 16 sequences
+//! in flight: aggregate modeled tok/s and each sequence's.
 
 use std::error::Error;
 use std::path::Path;
@@ -30,7 +37,7 @@ use waferc::synth::{synth, Preset};
 use waferc_ir::wafer::{Pe, Route, RouteKind, WaferProgram};
 use waferc_ir::Module;
 use waferc_passes::wafer::{compile, CompileOptions, WaferError};
-use waferc_runtime::executor::{ExecOptions, Executor};
+use waferc_runtime::executor::{pipeline, ExecOptions, Executor, SequenceCosts, StepCost};
 use waferc_targets::Target;
 
 /// A preset, the targets to try in order, and the decode speed Cerebras published for it.
@@ -48,6 +55,22 @@ const CASES: [Case; 4] = [
 ];
 
 const KV_CAPACITY: u32 = 4096;
+
+/// The models and targets of the sequences table.
+const SEQUENCE_CASES: [(&str, &str); 2] = [("llama3.1-8b", "wse3"), ("llama3.1-70b", "wse3x4")];
+/// KV positions per sequence in the sequences table.
+const SEQUENCE_CONTEXT: u32 = 1024;
+const MAX_SEQUENCES: u32 = 16;
+const IN_FLIGHT: [usize; 3] = [1, 4, 16];
+
+/// One row of the sequences table.
+struct SequenceRow {
+    model: String,
+    target: String,
+    in_flight: usize,
+    aggregate: f64,
+    per_sequence: f64,
+}
 
 /// One row of the table.
 struct Row {
@@ -72,6 +95,7 @@ fn main() -> Result<(), Box<dyn Error>> {
 
 fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
     let mut rows = Vec::new();
+    let mut sequence_rows = Vec::new();
     let mut notes = Vec::new();
     for case in CASES.iter().filter(|c| wanted.is_empty() || wanted.iter().any(|w| w == c.preset)) {
         let dir = scratch.join(case.preset);
@@ -112,6 +136,9 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
                 published: case.published.map_or("-".into(), |(tok_s, how)| format!("{tok_s:.0} ({how})")),
             });
             placed = true;
+            if SEQUENCE_CASES.contains(&(case.preset, name)) {
+                sequences_in_flight(&module, &target, case.preset, &mut sequence_rows)?;
+            }
             break;
         }
         if !placed {
@@ -119,6 +146,18 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
         }
     }
     print_table(&rows);
+    if !sequence_rows.is_empty() {
+        println!(
+            "\nsequences in flight (KV for {MAX_SEQUENCES} sequences x {SEQUENCE_CONTEXT} positions; one timing-only token, pipeline model):"
+        );
+        println!("model         target  in flight  aggregate tok/s  per-sequence tok/s");
+        for r in &sequence_rows {
+            println!(
+                "{:<13} {:<7} {:>9}  {:>15.0}  {:>18.0}",
+                r.model, r.target, r.in_flight, r.aggregate, r.per_sequence
+            );
+        }
+    }
     for note in notes {
         println!("note: {note}");
     }
@@ -256,4 +295,36 @@ fn peak_rss_mib() -> f64 {
         .find_map(|line| line.strip_prefix("VmHWM:"))
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
         .map_or(0.0, |kib| kib / 1024.0)
+}
+
+/// Compiles `module` with KV capacity for [`MAX_SEQUENCES`] sequences, times one token, and runs
+/// the pipeline model with each of [`IN_FLIGHT`] sequences in flight.
+fn sequences_in_flight(
+    module: &Module,
+    target: &Target,
+    preset: &str,
+    rows: &mut Vec<SequenceRow>,
+) -> Result<(), Box<dyn Error>> {
+    let options = CompileOptions { max_sequences: MAX_SEQUENCES, ..CompileOptions::new(SEQUENCE_CONTEXT) };
+    let program =
+        compile(module, target, &options).map_err(|e| format!("{preset} for {MAX_SEQUENCES} sequences: {e}"))?;
+    eprintln!("{preset} on {}: compiled for {MAX_SEQUENCES} sequences, timing a token", target.name);
+    let mut executor =
+        Executor::new(&program, module, None, ExecOptions { timing_only: true, ..ExecOptions::default() })?;
+    let step = executor.step(module.meta.bos_token_id.unwrap_or(0))?;
+    let cost = StepCost::of(&step.timing);
+    for in_flight in IN_FLIGHT {
+        // Each sequence: a one-token prompt whose step gives its first token, then 31 more
+        // decode steps costed like it.
+        let sequence = SequenceCosts { prompt_tokens: 1, new_tokens: 32, steps: vec![cost; 32] };
+        let timing = pipeline(&vec![sequence; in_flight], in_flight, program.target.clock_hz);
+        rows.push(SequenceRow {
+            model: preset.to_string(),
+            target: target.name.clone(),
+            in_flight,
+            aggregate: timing.aggregate_modeled_tok_s,
+            per_sequence: timing.sequences[0].modeled_tok_s,
+        });
+    }
+    Ok(())
 }

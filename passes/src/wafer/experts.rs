@@ -1,15 +1,16 @@
 //! Profile-guided expert placement: the order in which an MoE layer's experts take their PEs.
 //!
-//! The placer fills a wafer in shelves, in placement order, so experts placed one after another
-//! are neighbours, and the combine that gathers the chosen experts' outputs sits on the PEs of
-//! the expert placed last (its newest operand). A routing profile (how often the router picks
-//! each expert, and each pair together) orders a layer's experts as a chain: start from the
-//! hottest, then repeatedly take the expert most drawn to the chain's end (picked together with
-//! it, plus its own picks), so hot experts come first and co-picked experts stay adjacent. The
-//! chain is placed reversed: the hottest expert last, beside the gather point, and the cold ones
-//! farthest away, where only rare tokens pay the distance. (The layer's input multicast reaches
-//! every expert before the router decides, so its cost does not depend on the order.) Without a
-//! profile, or with one where every expert is equally hot, experts keep index order.
+//! The placer fills a wafer in shelves, in placement order, so instructions placed one after
+//! another are neighbours. An MoE layer's dispatch point is the router and the normed input it
+//! multicasts to the experts (placed before them); its gather point is the combine. A routing
+//! profile (how often the router picks each expert, and each pair together) orders the layer's
+//! experts as a chain: start from the hottest, then repeatedly take the expert most drawn to
+//! the chain's end (picked together with it, plus its own picks), so hot experts come first and
+//! co-picked experts stay adjacent. The combine is then placed before the experts, beside the
+//! router, and the chain after it: the hottest experts sit nearest both the dispatch and the
+//! gather point, and the cold ones farthest away, where only rare tokens pay the distance.
+//! Without a profile, or with one where every expert is equally hot, experts keep index order and
+//! the combine follows them (the placement is exactly the profile-free one).
 
 use waferc_ir::wafer::{LayerProfile, RoutingProfile};
 use waferc_ir::{Module, Op, ValueType};
@@ -28,9 +29,10 @@ pub enum ExpertOrder {
     Index,
 }
 
-/// The order in which a layer's `experts` are placed (first placed first).
+/// The order in which a layer's `experts` are placed (first placed first: with a profile, the
+/// hottest).
 pub fn expert_order(profile: Option<&LayerProfile>, experts: u32) -> Vec<u32> {
-    let Some(profile) = profile.filter(|p| !p.is_uniform() && p.experts == experts) else {
+    let Some(profile) = guiding(profile, experts) else {
         return (0..experts).collect();
     };
     let hottest = (0..experts).max_by_key(|&e| (profile.picks[e as usize], std::cmp::Reverse(e)));
@@ -48,8 +50,12 @@ pub fn expert_order(profile: Option<&LayerProfile>, experts: u32) -> Vec<u32> {
         placed[next as usize] = true;
         chain.push(next);
     }
-    chain.reverse();
     chain
+}
+
+/// The profile if it can guide the placement of `experts` experts.
+fn guiding(profile: Option<&LayerProfile>, experts: u32) -> Option<&LayerProfile> {
+    profile.filter(|p| !p.is_uniform() && p.experts == experts)
 }
 
 /// Checks that `profile` describes `module`'s MoE layers: each profiled layer has a router with
@@ -85,7 +91,7 @@ pub(super) fn check_profile(module: &Module, profile: &RoutingProfile) -> Result
 
 /// The order in which the placer takes the module's instructions: program order, except that
 /// each MoE layer's experts (every instruction of an expert, in program order) come in
-/// [`expert_order`].
+/// [`expert_order`], after the layer's combine when a profile guides them.
 pub(super) fn placement_sequence(module: &Module, analysis: &Analysis, options: &CompileOptions) -> Vec<usize> {
     let n = module.body.len();
     let mut sequence = Vec::with_capacity(n);
@@ -114,7 +120,15 @@ pub(super) fn placement_sequence(module: &Module, analysis: &Analysis, options: 
             }
             ExpertOrder::Index => None,
         };
-        for e in expert_order(profile, groups.len() as u32) {
+        let experts = groups.len() as u32;
+        let combine = (i < n && matches!(module.body[waferc_ir::Handle::new(i)].op, Op::ExpertCombine { .. }))
+            .then_some(i)
+            .filter(|&c| analysis.router[c] == Some(router));
+        if let (Some(combine), Some(_)) = (combine, guiding(profile, experts)) {
+            sequence.push(combine);
+            i += 1;
+        }
+        for e in expert_order(profile, experts) {
             sequence.extend(&groups[e as usize]);
         }
     }
@@ -138,9 +152,7 @@ mod tests {
             layer.record(&[1, 3]);
         }
         let order = expert_order(Some(&layer), 6);
-        assert_eq!(order.len(), 6);
-        assert_eq!(&order[4..], &[4, 2], "hottest last, its partner beside it: {order:?}");
-        assert_eq!(&order[2..4], &[5, 0], "{order:?}");
+        assert_eq!(order, vec![2, 4, 0, 5, 1, 3], "hottest first, partners beside each other");
         assert_eq!(expert_order(None, 4), vec![0, 1, 2, 3]);
         assert_eq!(expert_order(Some(&LayerProfile::new(0, 6, 2)), 6), vec![0, 1, 2, 3, 4, 5]);
     }

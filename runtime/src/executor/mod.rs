@@ -29,6 +29,7 @@
 //! [`Step`]: waferc_ir::wafer::Step
 //! [`reduce_tree`]: waferc_ir::wafer::reduce_tree
 
+mod arrival;
 mod error;
 mod fabric;
 mod ops;
@@ -144,6 +145,9 @@ pub struct Executor<'p> {
     /// Each value, followed through `expert_dispatch` (which aliases its `x`).
     alias: Vec<InstrIndex>,
     gates: Vec<Option<Gate>>,
+    /// Per `expert_dispatch`: how early its expert receives the input and the routing, before
+    /// their multicasts end (`arrival`).
+    dispatch_leads: HashMap<InstrIndex, (u64, u64)>,
     /// The PEs that compute each instruction (tiles, segments, KV blocks, the router).
     instr_pes: Vec<Vec<Pe>>,
     /// Attention's `Collect` routes (the placement does not list them), in element order.
@@ -244,7 +248,8 @@ impl<'p> Executor<'p> {
                 _ => None,
             })
             .collect();
-        let instr_pes = program.instrs.iter().map(compute_pes).collect();
+        let instr_pes: Vec<Vec<Pe>> = program.instrs.iter().map(compute_pes).collect();
+        let dispatch_leads = arrival::dispatch_leads(program, &alias, &instr_pes);
         let destinations = program
             .routes
             .iter()
@@ -263,6 +268,7 @@ impl<'p> Executor<'p> {
             sram,
             alias,
             gates,
+            dispatch_leads,
             instr_pes,
             attention_collects,
             rope_frequencies,
@@ -371,12 +377,16 @@ impl<'p> Executor<'p> {
         op.operands().iter().map(|o| self.done_cycle(state, o.index() as InstrIndex)).max().unwrap_or(0)
     }
 
-    /// When `value` is available: its instruction's end (`expert_dispatch`: its inputs' ends).
+    /// When `value` is available: its instruction's end (`expert_dispatch`: when its inputs
+    /// reach its expert, which may be before their multicasts end).
     fn done_cycle(&self, state: &StepState, value: InstrIndex) -> u64 {
         match &self.module.body[waferc_ir::Handle::new(value as usize)].op {
-            Op::ExpertDispatch { x, routing, .. } => self
-                .done_cycle(state, x.index() as InstrIndex)
-                .max(self.done_cycle(state, routing.index() as InstrIndex)),
+            Op::ExpertDispatch { x, routing, .. } => {
+                let (x_lead, routing_lead) = self.dispatch_leads.get(&value).copied().unwrap_or((0, 0));
+                let x_done = self.done_cycle(state, x.index() as InstrIndex);
+                let routing_done = self.done_cycle(state, routing.index() as InstrIndex);
+                x_done.saturating_sub(x_lead).max(routing_done.saturating_sub(routing_lead))
+            }
             _ => state.timeline.instr_end(value),
         }
     }
