@@ -25,7 +25,8 @@ pub(super) fn dispatch_leads(
     }
     let mut depths: HashMap<RouteId, (u64, HashMap<Pe, u64>)> = HashMap::new();
     let mut lead = |id: RouteId, pes: &[Pe]| -> Option<u64> {
-        let (full, depth) = depths.entry(id).or_insert_with(|| path_depths(&program.target, &program.routes[id as usize]));
+        let (full, depth) =
+            depths.entry(id).or_insert_with(|| path_depths(&program.target, &program.routes[id as usize]));
         let farthest = pes.iter().filter_map(|pe| depth.get(pe)).max()?;
         Some(full.saturating_sub(*farthest))
     };
@@ -36,8 +37,7 @@ pub(super) fn dispatch_leads(
         };
         let Some(pes) = expert_pes.get(&(placement.layer, expert)) else { continue };
         let x = alias[placement.instr as usize] as usize;
-        let x_lead =
-            program.instrs[x].deliveries.iter().filter_map(|&id| lead(id, pes)).min().unwrap_or(0);
+        let x_lead = program.instrs[x].deliveries.iter().filter_map(|&id| lead(id, pes)).min().unwrap_or(0);
         let routing_lead = lead(*routing, pes).unwrap_or(0);
         leads.insert(placement.instr, (x_lead, routing_lead));
     }
