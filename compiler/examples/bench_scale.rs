@@ -5,22 +5,21 @@
 //!
 //! cargo run --release -p waferc --example bench_scale [-- PRESET...]
 //!
-//! Without arguments it runs llama3.1-8b, llama3.1-70b, mixtral-8x7b and qwen3-30b-a3b; name
-//! presets to run only those.
+//! Without arguments it runs llama3.1-8b, llama3.1-70b, mixtral-8x7b and qwen3-30b-a3b, then the
+//! capacity cases: llama3.1-70b at q8_0 on two WSE-3s (targets/files/wse3x2.toml) and at q4_0 on
+//! one, llama3.1-8b at q4_0 on one with a 131,072-position KV cache. Name presets to run only
+//! their cases. A case that does not fit prints by how much and a lower bound.
 //!
 //! Targets for the table (2 cores): compile <= 10 s and <= 2 GiB peak, one timed token <= 30 s.
 //!
-//! # The distance bound
+//! Beside the decode speed it prints the mean decoder layer's critical-path cycles split into
+//! compute, communication and waiting for links, and the modeled time to first token of a
+//! 1,024- and an 8,192-token prompt prefilled as a batch (the KV capacity is 8,192 positions so
+//! the longer prompt fits); see `waferc_runtime::executor::timing`.
 //!
-//! A lower bound on one token's latency that only the placement determines (wafer-facts.md,
-//! "Bounds worth printing"): every route's *hop span*, the hops its farthest destination is from
-//! a source along its path (a reduction or a gather: the farthest source from the destination,
-//! as the crow flies on the mesh), at `hop_latency_cycles` a hop and `inter_wafer_latency_cycles`
-//! an inter-wafer hop. A schedule step lasts at least its longest route's span; an instruction
-//! at least the sum of its steps (they are dependent: reduce, then broadcast, then collect, then
-//! deliver); it starts no earlier than its operands end. The bound is the longest such chain
-//! through the program: no arithmetic, no serialisation, no contention, no synchronisation, only
-//! distance. Its tok/s is `clock_hz` over that many cycles.
+//! The distance bound (`waferc_ir::wafer::distance_bound_cycles`) is the longest chain of route
+//! spans through the program: only distance, no arithmetic, serialisation or contention; its
+//! tok/s is `clock_hz` over that many cycles.
 //!
 //! # Sequences in flight
 //!
@@ -36,9 +35,11 @@ use std::path::Path;
 use std::time::Instant;
 
 use waferc::synth::{synth, Preset};
-use waferc_ir::wafer::{Pe, Route, RouteKind, WaferProgram};
-use waferc_ir::Module;
+use waferc_ir::wafer::{distance_bound_cycles, WaferProgram};
+use waferc_ir::{Module, Op};
+use waferc_passes::quantize::Quantize;
 use waferc_passes::wafer::{compile, CompileOptions, WaferError};
+use waferc_passes::Pass;
 use waferc_runtime::executor::{pipeline, ExecOptions, Executor, SequenceCosts, StepCost};
 use waferc_targets::Target;
 
@@ -47,16 +48,25 @@ struct Case {
     preset: &'static str,
     targets: &'static [&'static str],
     published: Option<(f64, &'static str)>,
+    /// Capacity cases: the `quantize` pass's arguments, and the KV capacity (else [`KV_CAPACITY`]).
+    quantize: Option<(&'static str, u32)>,
 }
 
-const CASES: [Case; 4] = [
-    Case { preset: "llama3.1-8b", targets: &["wse3"], published: Some((1800.0, "one CS-3, Aug 2024")) },
-    Case { preset: "llama3.1-70b", targets: &["wse3x4"], published: Some((450.0, "four CS-3, 2024")) },
-    Case { preset: "mixtral-8x7b", targets: &["wse3", "wse3x4"], published: None },
-    Case { preset: "qwen3-30b-a3b", targets: &["wse3", "wse3x4"], published: None },
+/// The checked-in two-wafer target file (targets/files/wse3x2.toml).
+const WSE3X2: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../targets/files/wse3x2.toml");
+
+const CASES: [Case; 7] = [
+    Case { preset: "llama3.1-8b", targets: &["wse3"], published: Some((1800.0, "one CS-3, Aug 2024")), quantize: None },
+    Case { preset: "llama3.1-70b", targets: &["wse3x4"], published: Some((450.0, "four CS-3, 2024")), quantize: None },
+    Case { preset: "mixtral-8x7b", targets: &["wse3", "wse3x4"], published: None, quantize: None },
+    Case { preset: "qwen3-30b-a3b", targets: &["wse3", "wse3x4"], published: None, quantize: None },
+    // Capacity (issue 8): weights quantised in the PE tiles.
+    Case { preset: "llama3.1-70b", targets: &[WSE3X2], published: None, quantize: Some(("q8_0:all", 4096)) },
+    Case { preset: "llama3.1-70b", targets: &["wse3"], published: None, quantize: Some(("q4_0:all", 4096)) },
+    Case { preset: "llama3.1-8b", targets: &["wse3"], published: None, quantize: Some(("q4_0:all", 131_072)) },
 ];
 
-const KV_CAPACITY: u32 = 4096;
+const KV_CAPACITY: u32 = 8192;
 
 /// The models and targets of the sequences table.
 const SEQUENCE_CASES: [(&str, &str); 2] = [("llama3.1-8b", "wse3"), ("llama3.1-70b", "wse3x4")];
@@ -80,6 +90,10 @@ struct Row {
     peak_mib: f64,
     token_s: f64,
     modeled: f64,
+    /// The mean decoder layer on the critical path: total, compute, communication, waiting.
+    layer: [u64; 4],
+    /// Modeled time to first token (ms) of 1,024 and 8,192 prompt tokens.
+    ttft_ms: [Option<f64>; 2],
     bound: f64,
     published: String,
 }
@@ -99,24 +113,32 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
     for case in CASES.iter().filter(|c| wanted.is_empty() || wanted.iter().any(|w| w == c.preset)) {
         let dir = scratch.join(case.preset);
         synth(&Preset::by_name(case.preset)?, &dir, true)?;
-        let module = waferc::frontend::load(&dir)?.module;
+        let mut module = waferc::frontend::load(&dir)?.module;
         std::fs::remove_dir_all(&dir)?;
+        let (label, kv_capacity) = match case.quantize {
+            Some((args, kv)) => {
+                Quantize::from_args(&args.split_whitespace().collect::<Vec<_>>())?.run(&mut module)?;
+                (format!("{} {args} KV {kv}", case.preset), kv)
+            }
+            None => (case.preset.to_string(), KV_CAPACITY),
+        };
         let mut placed = false;
         for &name in case.targets {
             let target = Target::resolve(name)?;
             reset_peak_rss();
             let start = Instant::now();
-            let program = match compile(&module, &target, &CompileOptions::new(KV_CAPACITY)) {
+            let program = match compile(&module, &target, &CompileOptions::new(kv_capacity)) {
                 Ok(program) => program,
                 Err(WaferError::DoesNotFit(not_fit)) => {
-                    notes.push(format!("{} does not fit {name}: {not_fit}", case.preset));
+                    notes.push(format!("{label} does not fit {}: {not_fit}", target.name));
+                    notes.push(lower_bound_note(&label, &module, kv_capacity, &target));
                     continue;
                 }
-                Err(other) => return Err(format!("{} on {name}: {other}", case.preset).into()),
+                Err(other) => return Err(format!("{label} on {}: {other}", target.name).into()),
             };
             let compile_s = start.elapsed().as_secs_f64();
             let peak_mib = peak_rss_mib();
-            eprintln!("{} on {name}: compiled in {compile_s:.2} s, timing a token", case.preset);
+            eprintln!("{label} on {}: compiled in {compile_s:.2} s, timing a token", target.name);
             let start = Instant::now();
             let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
             let mut executor = Executor::new(&program, &module, None, options)?;
@@ -126,22 +148,39 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
             if SEQUENCE_CASES.contains(&(case.preset, name)) {
                 sequences_in_flight(&program, &step, case.preset, &mut sequence_rows);
             }
+            let layer = report.mean_layer.clone().unwrap_or_default();
+            let ttft = |tokens: u32| {
+                let prefill = report.prefill.iter().find(|p| p.prompt_tokens == tokens);
+                prefill.and_then(|p| p.ttft_us).map(|us| us / 1000.0)
+            };
+            // The timing-only step chooses experts 0..top_k, as the bound assumes.
+            let top_k = module
+                .body
+                .iter()
+                .find_map(|(_, instr)| match instr.op {
+                    Op::RouterTopK { top_k, .. } => Some(top_k),
+                    _ => None,
+                })
+                .unwrap_or(u32::MAX);
+            let bound = distance_bound_cycles(&program, &module, 0, |_, expert| expert < top_k);
             rows.push(Row {
-                model: case.preset.to_string(),
-                target: name.to_string(),
+                model: label.clone(),
+                target: target.name.clone(),
                 pes: program.pes.len(),
                 compile_s,
                 peak_mib,
                 token_s,
                 modeled: report.modeled_decode_tok_s,
-                bound: program.target.clock_hz / distance_bound_cycles(&program, &module) as f64,
+                layer: [layer.cycles, layer.compute_cycles, layer.comm_cycles, layer.wait_cycles],
+                ttft_ms: [ttft(1024), ttft(8192)],
+                bound: program.target.clock_hz / bound as f64,
                 published: case.published.map_or("-".into(), |(tok_s, how)| format!("{tok_s:.0} ({how})")),
             });
             placed = true;
             break;
         }
         if !placed {
-            notes.push(format!("{}: no target tried fits; see above for what would", case.preset));
+            notes.push(format!("{label}: no target tried fits; see above for what would"));
         }
     }
     print_table(&rows);
@@ -158,6 +197,50 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
     for note in notes {
         println!("note: {note}");
     }
+    rewrite_effect(wanted, scratch)
+}
+
+/// The `rewrite` pass's effect (issue 8): routes, colours and modeled decode speed of the
+/// frontend's module and of `rewrite, dce`'s, on the same target.
+fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
+    const CASES: [(&str, &str); 2] = [("llama3.1-8b", "wse3"), ("mixtral-8x7b", "wse3x4")];
+    let mut lines = Vec::new();
+    for (preset, target) in CASES.iter().filter(|(p, _)| wanted.is_empty() || wanted.iter().any(|w| w == p)) {
+        let dir = scratch.join(format!("{preset}-rewrite"));
+        synth(&Preset::by_name(preset)?, &dir, true)?;
+        let original = waferc::frontend::load(&dir)?.module;
+        std::fs::remove_dir_all(&dir)?;
+        let passes = waferc_passes::registry::parse_pipeline("rewrite, dce")?;
+        let start = Instant::now();
+        let (rewritten, _) = waferc_passes::PassManager::new(passes).run(original.clone())?;
+        let rewrite_s = start.elapsed().as_secs_f64();
+        let target = Target::resolve(target)?;
+        for (label, module) in [("without", &original), ("with", &rewritten)] {
+            let program = compile(module, &target, &CompileOptions::new(KV_CAPACITY))?;
+            let colours = program.routes.iter().map(|r| r.colour).max().map_or(0, |c| c as u32 + 1);
+            let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+            let mut executor = Executor::new(&program, module, None, options)?;
+            executor.step(module.meta.bos_token_id.unwrap_or(0))?;
+            let report = executor.timing_report(0).ok_or("a step ran, so there is a report")?;
+            let matvecs = module.body.iter().filter(|(_, i)| matches!(i.op, waferc_ir::Op::MatVec { .. })).count();
+            lines.push(format!(
+                "| {preset} | {} | {label} | {matvecs} | {} | {} | {colours} | {:.0} |",
+                target.name,
+                module.body.len(),
+                program.routes.len(),
+                report.modeled_decode_tok_s
+            ));
+        }
+        eprintln!("{preset}: rewrite, dce took {rewrite_s:.2} s");
+    }
+    if !lines.is_empty() {
+        println!();
+        println!("| model | target | rewrite | matvecs | instrs | routes | colours | modeled tok/s |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for line in lines {
+            println!("{line}");
+        }
+    }
     Ok(())
 }
 
@@ -170,10 +253,16 @@ fn print_table(rows: &[Row]) {
         "peak MiB",
         "token s",
         "modeled tok/s",
+        "cycles/layer",
+        "compute",
+        "comm",
+        "wait",
+        "TTFT 1k ms",
+        "TTFT 8k ms",
         "distance bound tok/s",
         "published tok/s",
     ];
-    let cells: Vec<[String; 9]> = rows
+    let cells: Vec<[String; 15]> = rows
         .iter()
         .map(|r| {
             [
@@ -184,6 +273,12 @@ fn print_table(rows: &[Row]) {
                 format!("{:.0}", r.peak_mib),
                 format!("{:.2}", r.token_s),
                 format!("{:.0}", r.modeled),
+                r.layer[0].to_string(),
+                r.layer[1].to_string(),
+                r.layer[2].to_string(),
+                r.layer[3].to_string(),
+                r.ttft_ms[0].map_or("-".into(), |ms| format!("{ms:.2}")),
+                r.ttft_ms[1].map_or("-".into(), |ms| format!("{ms:.2}")),
                 format!("{:.0}", r.bound),
                 r.published.clone(),
             ]
@@ -204,76 +299,6 @@ fn print_table(rows: &[Row]) {
     line(widths.iter().map(|w| "-".repeat(*w)).collect::<Vec<_>>().iter().map(String::as_str).collect());
     for row in &cells {
         line(row.iter().map(String::as_str).collect());
-    }
-}
-
-/// The longest chain of route spans through the program, in cycles (module documentation).
-fn distance_bound_cycles(program: &WaferProgram, module: &Module) -> u64 {
-    let mut own = vec![0u64; program.instrs.len()];
-    for step in &program.schedule {
-        let span = step.routes.iter().map(|&id| route_span(program, &program.routes[id as usize])).max();
-        own[step.instr as usize] += span.unwrap_or(0);
-    }
-    let mut end = vec![0u64; program.instrs.len()];
-    for (handle, instr) in module.body.iter() {
-        let i = handle.index();
-        let start = instr.op.operands().iter().map(|v| end[v.index()]).max().unwrap_or(0);
-        end[i] = start + own[i];
-    }
-    end.iter().copied().max().unwrap_or(0).max(1)
-}
-
-/// Cycles from a route's sources to its farthest destination, distance only.
-fn route_span(program: &WaferProgram, route: &Route) -> u64 {
-    let params = &program.target;
-    let hop = params.hop_latency_cycles as u64;
-    match route.kind {
-        // Many sources into one destination: the farthest source's distance.
-        RouteKind::Reduce { .. } | RouteKind::Collect { .. } => {
-            let destination = route.destinations.first().copied();
-            route
-                .sources
-                .iter()
-                .filter_map(|&source| destination.map(|d| pe_distance(program, source, d)))
-                .max()
-                .unwrap_or(0)
-        }
-        // One source, a multicast: depth along the path to the farthest PE reached.
-        RouteKind::Operand { .. } | RouteKind::Statistic { .. } | RouteKind::Routing => {
-            let mut depth: std::collections::HashMap<Pe, u64> = route.sources.iter().map(|&pe| (pe, 0)).collect();
-            let mut farthest = 0;
-            for run in &route.path {
-                let start = depth.get(&run.from).copied().unwrap_or(0);
-                if run.is_inter_wafer() {
-                    let reached = start + params.inter_wafer_latency_cycles;
-                    depth.entry(run.to).or_insert(reached);
-                    farthest = farthest.max(reached);
-                } else {
-                    for (k, pe) in run.pes().into_iter().enumerate().skip(1) {
-                        let reached = start + k as u64 * hop;
-                        depth.entry(pe).or_insert(reached);
-                        farthest = farthest.max(reached);
-                    }
-                }
-            }
-            farthest
-        }
-    }
-}
-
-/// Cycles between two PEs by distance alone: Manhattan hops on one wafer; across wafers, to the
-/// gateway (0, 0), the inter-wafer hops, and from the next wafer's gateway.
-fn pe_distance(program: &WaferProgram, from: Pe, to: Pe) -> u64 {
-    let params = &program.target;
-    let hop = params.hop_latency_cycles as u64;
-    match from.distance(to) {
-        Some(hops) => hops as u64 * hop,
-        None => {
-            let gateway = |pe: Pe| Pe::new(pe.wafer, 0, 0);
-            let wafers = (from.wafer as i64 - to.wafer as i64).unsigned_abs();
-            let local = from.distance(gateway(from)).unwrap_or(0) + to.distance(gateway(to)).unwrap_or(0);
-            local as u64 * hop + wafers * params.inter_wafer_latency_cycles
-        }
     }
 }
 
@@ -315,4 +340,27 @@ fn sequences_in_flight(
             per_sequence: timing.sequences[0].modeled_tok_s,
         });
     }
+}
+
+/// What no placement can beat: the weights as stored plus the f32 KV cache, packed into every
+/// PE's usable SRAM with nothing else (no activation slices, partial sums or vector ops), beside
+/// the PEs the target has.
+fn lower_bound_note(label: &str, module: &Module, kv_capacity: u32, target: &Target) -> String {
+    let weights: u64 = module.weights.iter().map(|(_, w)| w.ty.bytes().unwrap_or(0)).sum();
+    let kv: u64 =
+        module.caches.iter().map(|(_, c)| 2 * 4 * c.kv_heads as u64 * c.head_dim as u64 * kv_capacity as u64).sum();
+    let params = target.params();
+    let usable = params.usable_bytes_per_pe() as u64;
+    let pes = |bytes: u64| bytes.div_ceil(usable);
+    let available = params.grid_cols as u64 * params.grid_rows as u64 * params.wafers as u64;
+    format!(
+        "{label} on {}: lower bound {} PEs = weights {:.2} GB ({} PEs) + f32 KV cache {:.2} GB ({} PEs) at {usable} usable bytes per PE, of {available} PEs ({:+.1}% of them)",
+        target.name,
+        pes(weights) + pes(kv),
+        weights as f64 / 1e9,
+        pes(weights),
+        kv as f64 / 1e9,
+        pes(kv),
+        100.0 * ((pes(weights) + pes(kv)) as f64 / available as f64 - 1.0)
+    )
 }

@@ -35,6 +35,9 @@ enum Family {
     Llama,
     Mixtral,
     Qwen3Moe,
+    /// gpt-oss in its release layout: MXFP4 experts (`_blocks`/`_scales`), biases, sinks,
+    /// alternating sliding (128) and full attention, YaRN rope.
+    GptOss,
 }
 
 /// The shape of a synthetic checkpoint.
@@ -58,7 +61,9 @@ pub struct Preset {
 }
 
 impl Preset {
-    pub const NAMES: [&'static str; 7] = [
+    pub const NAMES: [&'static str; 9] = [
+        "gpt-oss-20b",
+        "gpt-oss-120b",
         "llama3.1-8b",
         "llama3.1-70b",
         "mixtral-8x7b",
@@ -106,6 +111,24 @@ impl Preset {
                 llama3_rope: false,
                 ..dense("qwen3-30b-a3b", 151936, 2048, 768, 48, 32, 4)
             },
+            // openai/gpt-oss-20b and -120b's config.json.
+            "gpt-oss-20b" | "gpt-oss-120b" => Preset {
+                family: Family::GptOss,
+                head_dim: 64,
+                experts: if name == "gpt-oss-20b" { 32 } else { 128 },
+                top_k: 4,
+                rope_theta: 150000.0,
+                llama3_rope: false,
+                ..dense(
+                    if name == "gpt-oss-20b" { "gpt-oss-20b" } else { "gpt-oss-120b" },
+                    201088,
+                    2880,
+                    2880,
+                    if name == "gpt-oss-20b" { 24 } else { 36 },
+                    64,
+                    8,
+                )
+            },
             "tiny-llama" => Preset { tied: true, bf16: false, ..dense("tiny-llama", 256, 64, 128, 2, 4, 2) },
             "tiny-mixtral" => Preset {
                 family: Family::Mixtral,
@@ -136,11 +159,13 @@ impl Preset {
                 Family::Llama => "LlamaForCausalLM",
                 Family::Mixtral => "MixtralForCausalLM",
                 Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+                Family::GptOss => "GptOssForCausalLM",
             }],
             "model_type": match self.family {
                 Family::Llama => "llama",
                 Family::Mixtral => "mixtral",
                 Family::Qwen3Moe => "qwen3_moe",
+                Family::GptOss => "gpt_oss",
             },
             "vocab_size": self.vocab,
             "hidden_size": self.hidden,
@@ -178,6 +203,27 @@ impl Preset {
                 c["decoder_sparse_step"] = json!(1);
                 c["mlp_only_layers"] = json!([]);
             }
+            Family::GptOss => {
+                c["num_local_experts"] = json!(self.experts);
+                c["num_experts_per_tok"] = json!(self.top_k);
+                c["experts_per_token"] = json!(self.top_k);
+                c["attention_bias"] = json!(true);
+                c["sliding_window"] = json!(128);
+                let types: Vec<&str> =
+                    (0..self.layers).map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" }).collect();
+                c["layer_types"] = json!(types);
+                c["swiglu_alpha"] = json!(1.702);
+                c["swiglu_limit"] = json!(7.0);
+                c["initial_context_length"] = json!(4096);
+                c["rope_scaling"] = json!({
+                    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "original_max_position_embeddings": 4096, "truncate": false
+                });
+                c["quantization_config"] = json!({"quant_method": "mxfp4", "modules_to_not_convert":
+                    ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]});
+                c["bos_token_id"] = json!(199998);
+                c["eos_token_id"] = json!(200002);
+            }
         }
         c
     }
@@ -193,6 +239,13 @@ impl Preset {
             t.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
             t.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
             t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+            if self.family == Family::GptOss {
+                t.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+                t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+                t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+                t.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+                t.push((format!("{p}.self_attn.sinks"), vec![self.heads]));
+            }
             if self.family == Family::Qwen3Moe {
                 t.push((format!("{p}.self_attn.q_norm.weight"), vec![self.head_dim]));
                 t.push((format!("{p}.self_attn.k_norm.weight"), vec![self.head_dim]));
@@ -214,6 +267,17 @@ impl Preset {
                         t.push((format!("{ep}.w3.weight"), vec![f, h]));
                     }
                 }
+                Family::GptOss => {
+                    let (e, ep) = (self.experts, format!("{p}.mlp.experts"));
+                    t.push((format!("{p}.mlp.router.weight"), vec![e, h]));
+                    t.push((format!("{p}.mlp.router.bias"), vec![e]));
+                    t.push((format!("{ep}.gate_up_proj_blocks"), vec![e, 2 * f, h / 32, 16]));
+                    t.push((format!("{ep}.gate_up_proj_scales"), vec![e, 2 * f, h / 32]));
+                    t.push((format!("{ep}.gate_up_proj_bias"), vec![e, 2 * f]));
+                    t.push((format!("{ep}.down_proj_blocks"), vec![e, h, f / 32, 16]));
+                    t.push((format!("{ep}.down_proj_scales"), vec![e, h, f / 32]));
+                    t.push((format!("{ep}.down_proj_bias"), vec![e, h]));
+                }
                 Family::Qwen3Moe => {
                     t.push((format!("{p}.mlp.gate.weight"), vec![self.experts, h]));
                     for e in 0..self.experts {
@@ -232,11 +296,14 @@ impl Preset {
         t
     }
 
-    fn element_bytes(&self) -> u64 {
-        if self.bf16 {
-            2
+    /// A tensor's safetensors dtype and element bytes: MXFP4 blocks and scales are bytes.
+    fn stored(&self, name: &str) -> (&'static str, u64) {
+        if name.ends_with("_blocks") || name.ends_with("_scales") {
+            ("U8", 1)
+        } else if self.bf16 {
+            ("BF16", 2)
         } else {
-            4
+            ("F32", 4)
         }
     }
 }
@@ -285,12 +352,11 @@ fn write_into(preset: &Preset, dir: &Path, shape_only: bool) -> Result<SynthRepo
     let config = serde_json::to_string_pretty(&preset.config()).expect("a json! value serialises");
     std::fs::write(&config_path, config + "\n").map_err(io_err(&config_path))?;
 
-    let elem = preset.element_bytes();
     let tensors = preset.tensors();
     let mut shards: Vec<Vec<(String, Vec<u64>)>> = vec![vec![]];
     let mut shard_bytes = 0u64;
     for (name, shape) in &tensors {
-        let bytes = shape.iter().product::<u64>() * elem;
+        let bytes = shape.iter().product::<u64>() * preset.stored(name).1;
         if shard_bytes > 0 && shard_bytes + bytes > SHARD_BYTES {
             shards.push(vec![]);
             shard_bytes = 0;
@@ -336,7 +402,6 @@ fn write_safetensors(
     shape_only: bool,
     rng: &mut SplitMix64,
 ) -> Result<u64, SynthError> {
-    let elem = preset.element_bytes();
     let mut header = serde_json::Map::new();
     let mut metadata = json!({ "format": "pt" });
     if shape_only {
@@ -345,11 +410,12 @@ fn write_safetensors(
     header.insert("__metadata__".into(), metadata);
     let mut offset = 0u64;
     for (name, shape) in tensors {
+        let (dtype, elem) = preset.stored(name);
         let bytes = shape.iter().product::<u64>() * elem;
         header.insert(
             name.clone(),
             json!({
-                "dtype": if preset.bf16 { "BF16" } else { "F32" },
+                "dtype": dtype,
                 "shape": shape,
                 "data_offsets": [offset, offset + bytes],
             }),
@@ -376,6 +442,14 @@ fn write_safetensors(
         // Small random weights keep activations in range through the layers; norm weights sit
         // near 1 but not at 1, so a skipped norm changes the output.
         let scale = 1.0 / (shape.last().copied().unwrap_or(1) as f32).sqrt();
+        if name.ends_with("_blocks") || name.ends_with("_scales") {
+            // Random e2m1 codes; scales 2^-8 or 2^-7, so weights stay below ~0.05 like the others.
+            let is_scale = name.ends_with("_scales");
+            let bytes: Vec<u8> =
+                (0..n).map(|_| if is_scale { 119 + (rng.next() & 1) as u8 } else { rng.next() as u8 }).collect();
+            out.write_all(&bytes).map_err(io_err(path))?;
+            continue;
+        }
         for _ in 0..n {
             let u = rng.next_unit() * 2.0 - 1.0;
             let v = if is_norm { 1.0 + 0.1 * u } else { u * scale * 1.7 };

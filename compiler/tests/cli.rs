@@ -169,7 +169,34 @@ fn trace_is_chrome_trace_events_with_every_layer() {
         }
     }
     // Five positions (three prompt tokens, two generated, the last not fed back: four steps).
-    assert_eq!(events.iter().filter(|e| e["cat"] == "token").count(), 4);
+    let tokens: Vec<&Value> = events.iter().filter(|e| e["cat"] == "token").collect();
+    assert_eq!(tokens.len(), 4);
+    // Each token's critical path by layer adds up to its cycles; each slice says what waited.
+    for token in tokens {
+        let path = token["args"]["critical_path"].as_array().expect("a critical path");
+        let sum: u64 = path.iter().map(|l| l["cycles"].as_u64().unwrap()).sum();
+        assert_eq!(sum, token["args"]["cycles"].as_u64().unwrap());
+    }
+    for span in events.iter().filter(|e| e["cat"] == "compute" || e["cat"] == "collective") {
+        assert!(span["args"]["wait_cycles"].is_u64(), "{span}");
+    }
+
+    // `run --json`: the critical path by layer, the costliest steps, the prefill estimates.
+    let json =
+        ok(&waferc(&["run", artifact.to_str().unwrap(), "--tokens", "1,2,3", "--max-new-tokens", "1", "--json"]));
+    let json: Value = serde_json::from_str(&json).unwrap();
+    let layers = json["layers"].as_array().expect("layers");
+    assert!(layers.iter().filter(|l| l["layer"].is_u64()).count() == 3, "{layers:?}");
+    for layer in layers {
+        let part = |key: &str| layer[key].as_u64().unwrap();
+        assert_eq!(part("cycles"), part("compute_cycles") + part("comm_cycles") + part("wait_cycles"));
+    }
+    assert!(json["mean_layer"]["cycles"].as_u64().unwrap() > 0);
+    let steps = json["costliest_steps"].as_array().expect("costliest_steps");
+    assert_eq!(steps.len(), 10);
+    assert!(json["modeled_ttft_prefill_us"].as_f64().unwrap() > 0.0);
+    let prefill = json["prefill"].as_array().expect("prefill");
+    assert_eq!(prefill.iter().map(|p| p["prompt_tokens"].as_u64().unwrap()).collect::<Vec<_>>(), [1024, 8192]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -501,5 +528,79 @@ fn profile_then_compile_with_it_and_inspect_shows_expert_heat() {
         other.to_str().unwrap(),
     ]));
     assert!(err.contains("no MoE layers"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn default_pipeline_dumps_one_file_per_pass_each_round_tripping() {
+    let dir = scratch("default-pipeline");
+    let dump = dir.join("ir");
+    let model = fixture("llama31-gqa-bf16");
+    let stdout =
+        ok(&compile(&model, "grid:32x32", &dir.join("m.wafer"), &["--dump-ir", dump.to_str().unwrap(), "--json"]));
+    let mut files: Vec<_> =
+        std::fs::read_dir(&dump).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    files.sort();
+    assert_eq!(files, ["00-frontend.ir", "01-rewrite.ir", "02-dce.ir"]);
+    for file in &files {
+        let text = std::fs::read_to_string(dump.join(file)).unwrap();
+        let module = waferc_ir::text::parse(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(waferc_ir::text::print(&module), text, "{file} does not round-trip");
+    }
+    assert!(std::fs::read_to_string(dump.join("01-rewrite.ir")).unwrap().contains("= slice %"));
+    // --json says what each pass changed: rewrite fused matvecs, dce removed the unfused weights.
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    let passes = json["passes"].as_array().unwrap();
+    let changes = |name: &str| passes.iter().find(|p| p["name"] == name).unwrap()["changes"].clone();
+    let rewrite = changes("rewrite");
+    assert!(rewrite["matvecs"][1].as_u64() < rewrite["matvecs"][0].as_u64(), "{rewrite}");
+    let dce = changes("dce");
+    assert!(dce["weight_bytes"][1].as_u64() < dce["weight_bytes"][0].as_u64(), "{dce}");
+
+    // --skip-pass leaves a pass out; a name not in the pipeline is a clean error.
+    ok(&compile(
+        &model,
+        "grid:32x32",
+        &dir.join("m.wafer"),
+        &["--dump-ir", dump.to_str().unwrap(), "--skip-pass", "rewrite"],
+    ));
+    let mut files: Vec<_> =
+        std::fs::read_dir(&dump).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    files.sort();
+    assert_eq!(files, ["00-frontend.ir", "01-dce.ir"]);
+    let unknown = fails(&compile(&model, "grid:32x32", &dir.join("m.wafer"), &["--skip-pass", "fold"]));
+    assert!(unknown.contains("--skip-pass fold") && unknown.contains("rewrite, dce"), "{unknown}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The compile report counts each storage format's weights, bytes and PEs: one format per part
+/// here, so every format the pass chose shows up, and the tile bytes add up to the blob.
+#[test]
+fn compile_report_counts_pes_per_weight_format() {
+    let dir = scratch("formats");
+    let out = ok(&compile(
+        &fixture("llama31-gqa-bf16"),
+        "grid:32x32",
+        &dir.join("f.wafer"),
+        &["--passes", "quantize q4_1:layers q8_0:embedding q4_0:lm_head", "--json"],
+    ));
+    let report: Value = serde_json::from_str(&out).unwrap();
+    let formats = report["weight_formats"].as_array().unwrap();
+    let names: Vec<&str> = formats.iter().map(|f| f["dtype"].as_str().unwrap()).collect();
+    assert_eq!(names, ["bf16", "q8_0", "q4_0", "q4_1"], "norms stay bf16: {out}");
+    let count = |name: &str| formats.iter().find(|f| f["dtype"] == name).unwrap()["weights"].as_u64().unwrap();
+    assert_eq!((count("q8_0"), count("q4_0")), (1, 1), "the embedding and the LM head are one weight each");
+    let layers = report["weight_formats"][3]["weights"].as_u64().unwrap();
+    assert_eq!(layers % 7, 0, "seven matvecs per layer: {layers}");
+    let tiles: u64 = formats.iter().map(|f| f["tile_bytes"].as_u64().unwrap()).sum();
+    assert_eq!(tiles, report["tile_bytes"].as_u64().unwrap());
+    let pes: u64 = formats.iter().map(|f| f["pes"].as_u64().unwrap()).sum::<u64>()
+        + report["pes_without_weights"].as_u64().unwrap();
+    assert!(pes >= report["pes_used"].as_u64().unwrap(), "every PE is counted at least once");
+    assert!(formats.iter().all(|f| f["pes"].as_u64().unwrap() > 0));
+    let text =
+        ok(&compile(&fixture("llama31-gqa-bf16"), "grid:32x32", &dir.join("g.wafer"), &["--passes", "quantize q4_1"]));
+    assert!(text.contains("weights by storage format"), "{text}");
+    assert!(text.lines().any(|l| l.trim_start().starts_with("q4_1") && l.contains("PEs")), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -25,6 +25,17 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_max_position: u32,
     },
+    /// YaRN (gpt-oss): frequencies blended between interpolated (`/ factor`) and extrapolated
+    /// by a ramp over the dimensions whose rotation count at `original_max_position` lies
+    /// between `beta_slow` and `beta_fast`; cos and sin are scaled by `0.1 ln(factor) + 1`.
+    Yarn {
+        factor: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        original_max_position: u32,
+        /// Round the ramp's ends to whole dimensions (transformers' `truncate`, default true).
+        truncate: bool,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -60,7 +71,10 @@ pub enum Op {
         rope: Rope,
     },
     /// Appends `k` and `v` to `cache` at the step's position, then attends `q` over positions
-    /// `0..=position`; query head `h` reads KV head `h / (heads / kv_heads)`.
+    /// `0..=position`; query head `h` reads KV head `h / (heads / kv_heads)`. With a `window`,
+    /// the cache keeps only the last `window` positions (position `t` in row `t % window`) and
+    /// attention reads those. With `sinks` (one logit per query head, gpt-oss), each head's
+    /// sink joins the softmax's maximum and denominator but weighs no value.
     Attention {
         q: Value,
         k: Value,
@@ -68,6 +82,8 @@ pub enum Op {
         cache: Handle<KvCache>,
         heads: u32,
         scale: f32,
+        window: Option<u32>,
+        sinks: Option<Handle<Weight>>,
     },
     Silu {
         x: Value,
@@ -79,6 +95,14 @@ pub enum Op {
     Add {
         a: Value,
         b: Value,
+    },
+    /// gpt-oss's clamped SwiGLU: `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
+    /// `y = (u + 1) * (g * sigmoid(g * alpha))`.
+    SwiGlu {
+        gate: Value,
+        up: Value,
+        alpha: f32,
+        limit: f32,
     },
     /// Softmax over the router logits, the `top_k` largest (ties to the lower expert index), and
     /// if `normalize`, their weights divided by their sum.
@@ -99,6 +123,13 @@ pub enum Op {
         routing: Value,
         experts: Vec<Value>,
     },
+    /// Elements `offset..offset + len` of `x`: the explicit split of a fused matvec's result
+    /// (the `rewrite` pass fuses q/k/v and gate/up). Computes nothing; it names part of `x`.
+    Slice {
+        x: Value,
+        offset: u32,
+        len: u32,
+    },
 }
 
 impl Op {
@@ -113,9 +144,11 @@ impl Op {
             Op::Silu { .. } => "silu",
             Op::Mul { .. } => "mul",
             Op::Add { .. } => "add",
+            Op::SwiGlu { .. } => "swiglu",
             Op::RouterTopK { .. } => "router_topk",
             Op::ExpertDispatch { .. } => "expert_dispatch",
             Op::ExpertCombine { .. } => "expert_combine",
+            Op::Slice { .. } => "slice",
         }
     }
 
@@ -123,9 +156,14 @@ impl Op {
     pub fn operands(&self) -> Vec<Value> {
         match self {
             Op::Embed { .. } => vec![],
-            Op::RmsNorm { x, .. } | Op::MatVec { x, .. } | Op::Rope { x, .. } | Op::Silu { x } => vec![*x],
+            Op::RmsNorm { x, .. }
+            | Op::MatVec { x, .. }
+            | Op::Rope { x, .. }
+            | Op::Silu { x }
+            | Op::Slice { x, .. } => vec![*x],
             Op::Attention { q, k, v, .. } => vec![*q, *k, *v],
             Op::Mul { a, b } | Op::Add { a, b } => vec![*a, *b],
+            Op::SwiGlu { gate, up, .. } => vec![*gate, *up],
             Op::RouterTopK { logits, .. } => vec![*logits],
             Op::ExpertDispatch { x, routing, .. } => vec![*x, *routing],
             Op::ExpertCombine { routing, experts } => {
@@ -159,17 +197,22 @@ impl Op {
                 Op::MatVec { x: value(*x), weight: weight(*w), bias: bias.map(&weight) }
             }
             Op::Rope { x, head_dim, rope } => Op::Rope { x: value(*x), head_dim: *head_dim, rope: rope.clone() },
-            Op::Attention { q, k, v, cache: c, heads, scale } => Op::Attention {
+            Op::Attention { q, k, v, cache: c, heads, scale, window, sinks } => Op::Attention {
                 q: value(*q),
                 k: value(*k),
                 v: value(*v),
                 cache: cache(*c),
                 heads: *heads,
                 scale: *scale,
+                window: *window,
+                sinks: sinks.map(&weight),
             },
             Op::Silu { x } => Op::Silu { x: value(*x) },
             Op::Mul { a, b } => Op::Mul { a: value(*a), b: value(*b) },
             Op::Add { a, b } => Op::Add { a: value(*a), b: value(*b) },
+            Op::SwiGlu { gate, up, alpha, limit } => {
+                Op::SwiGlu { gate: value(*gate), up: value(*up), alpha: *alpha, limit: *limit }
+            }
             Op::RouterTopK { logits, top_k, normalize } => {
                 Op::RouterTopK { logits: value(*logits), top_k: *top_k, normalize: *normalize }
             }
@@ -179,6 +222,7 @@ impl Op {
             Op::ExpertCombine { routing, experts } => {
                 Op::ExpertCombine { routing: value(*routing), experts: experts.iter().map(|e| value(*e)).collect() }
             }
+            Op::Slice { x, offset, len } => Op::Slice { x: value(*x), offset: *offset, len: *len },
         }
     }
 
@@ -188,6 +232,7 @@ impl Op {
             Op::Embed { table } => vec![*table],
             Op::RmsNorm { weight, .. } => vec![*weight],
             Op::MatVec { weight, bias, .. } => std::iter::once(*weight).chain(*bias).collect(),
+            Op::Attention { sinks, .. } => sinks.iter().copied().collect(),
             _ => vec![],
         }
     }

@@ -15,6 +15,10 @@ pub enum DType {
     Q4_0,
     /// uint4 in blocks of 32 along the last axis, an f16 scale and an f16 minimum per block (GGUF `Q4_1`).
     Q4_1,
+    /// OCP MXFP4 in blocks of 32 along the last axis: an e8m0 scale byte, then 16 bytes of
+    /// e2m1 codes, the low nibble of byte `j` element `2j` and the high nibble element `2j + 1`
+    /// (gpt-oss's release layout, with each block's scale moved in front of its codes).
+    Mxfp4,
 }
 
 /// Elements per quantisation block along the last axis. Also the chunk length of every
@@ -22,7 +26,8 @@ pub enum DType {
 pub const BLOCK: usize = 32;
 
 impl DType {
-    pub const ALL: [DType; 6] = [DType::F32, DType::BF16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1];
+    pub const ALL: [DType; 7] =
+        [DType::F32, DType::BF16, DType::F16, DType::Q8_0, DType::Q4_0, DType::Q4_1, DType::Mxfp4];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -32,6 +37,7 @@ impl DType {
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
+            DType::Mxfp4 => "mxfp4",
         }
     }
 
@@ -40,7 +46,7 @@ impl DType {
     }
 
     pub fn is_block_quantized(self) -> bool {
-        matches!(self, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+        matches!(self, DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4)
     }
 
     /// Bytes needed to store a row of `len` elements (the last axis). `None` when a block-quantised
@@ -49,13 +55,14 @@ impl DType {
         match self {
             DType::F32 => Some(len * 4),
             DType::BF16 | DType::F16 => Some(len * 2),
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => {
                 if !len.is_multiple_of(BLOCK as u64) {
                     return None;
                 }
                 let per_block = match self {
                     DType::Q8_0 => 2 + 32,
                     DType::Q4_0 => 2 + 16,
+                    DType::Mxfp4 => 1 + 16,
                     _ => 2 + 2 + 16,
                 };
                 Some(len / BLOCK as u64 * per_block)

@@ -112,7 +112,7 @@ pub fn infer_type(module: &Module, at: Handle<Instr>, op: &Op) -> Result<ValueTy
             }
             vec_ty(n)
         }
-        Op::Attention { q, k, v, cache, heads, scale } => {
+        Op::Attention { q, k, v, cache, heads, scale, window, sinks } => {
             let c =
                 module.caches.get(*cache).ok_or_else(|| fail(format!("cache #{} does not exist", cache.index())))?;
             let (nq, nk, nv) = (vector(*q)?, vector(*k)?, vector(*v)?);
@@ -129,10 +129,25 @@ pub fn infer_type(module: &Module, at: Handle<Instr>, op: &Op) -> Result<ValueTy
             if !scale.is_finite() {
                 return Err(fail(format!("scale must be finite, found {scale}")));
             }
+            if *window == Some(0) {
+                return Err(fail("a sliding window must hold at least one position".to_string()));
+            }
+            if let Some(s) = sinks {
+                let st = &weight(*s).ty;
+                if st.shape != [*heads as u64] || st.dtype.is_block_quantized() {
+                    return Err(fail(format!(
+                        "sinks {} is {st} but there are {heads} query heads (one unquantised logit each)",
+                        weight(*s).name
+                    )));
+                }
+            }
             vec_ty(nq)
         }
         Op::Silu { x } => vec_ty(vector(*x)?),
-        Op::Mul { a, b } | Op::Add { a, b } => {
+        Op::SwiGlu { alpha, limit, .. } if !alpha.is_finite() || limit.is_nan() || *limit <= 0.0 => {
+            Err(fail(format!("alpha {alpha} must be finite and limit {limit} positive")))
+        }
+        Op::SwiGlu { gate: a, up: b, .. } | Op::Mul { a, b } | Op::Add { a, b } => {
             let (na, nb) = (vector(*a)?, vector(*b)?);
             if na != nb {
                 return Err(fail(format!("operands have {na} and {nb} elements")));
@@ -168,6 +183,13 @@ pub fn infer_type(module: &Module, at: Handle<Instr>, op: &Op) -> Result<ValueTy
                 n = Some(len);
             }
             vec_ty(n.unwrap_or(0))
+        }
+        Op::Slice { x, offset, len } => {
+            let n = vector(*x)?;
+            if *len == 0 || *offset as u64 + *len as u64 > n {
+                return Err(fail(format!("slice {offset}..{} of {n} elements", *offset as u64 + *len as u64)));
+            }
+            vec_ty(*len as u64)
         }
     }
 }

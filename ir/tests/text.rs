@@ -108,6 +108,14 @@ fn rope_scalings_and_biases_round_trip() {
         RopeScaling::None,
         RopeScaling::Linear { factor: 4.0 },
         RopeScaling::Llama3 { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 },
+        RopeScaling::Yarn {
+            factor: 32.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_position: 4096,
+            truncate: false,
+        },
+        RopeScaling::Yarn { factor: 4.0, beta_fast: 16.0, beta_slow: 2.0, original_max_position: 64, truncate: true },
     ];
     for scaling in &scalings {
         m.push(Op::Rope { x, head_dim: 2, rope: Rope { theta: 10000.0, scaling: scaling.clone() } }, Some(3)).unwrap();
@@ -200,7 +208,7 @@ fn parse_errors_name_line_column_and_what_was_expected() {
         ("HEADER%0 = embed @w : f32[8]\n%1 = silu %0 eps=1 : f32[8]\n", (4, 14), "unexpected attribute `eps`: silu takes no attributes"),
         ("HEADER%0 = embed @w : f32[8]\n%1 = router_topk %0 top_k=2 normalize=yes : routing[8, top2]\n", (4, 39), "`normalize` is a flag and takes no value"),
         ("HEADER%0 = embed @w : f32[8]\n%1 = router_topk %0 top_k=2 : routing[8, two]\n", (4, 42), "expected `topK` (such as `top2`), found `two`"),
-        ("HEADER%0 = embed @w : f32[8]\n%1 = rope %0 head_dim=2 theta=1.0 scaling=yarn : f32[8]\n", (4, 43), "unknown rope scaling `yarn`"),
+        ("HEADER%0 = embed @w : f32[8]\n%1 = rope %0 head_dim=2 theta=1.0 scaling=ntk : f32[8]\n", (4, 43), "unknown rope scaling `ntk`"),
         ("HEADER%0 = embed @w : f32[8]\n%1 = attention %0, %0, %0, #9 heads=1 scale=1.0 : f32[8]\n", (4, 28), "KV cache #9 is not declared"),
         ("HEADERlayer 0 {\n%0 = embed @w : f32[8]\n", (5, 1), "expected `}` closing `layer 0` (opened at line 3, column 1), found the end of the text"),
         ("HEADERlayer 0 {\nlayer 1 {\n", (4, 1), "expected an instruction `%label = ...` or `}` closing the layer block, found `layer`"),

@@ -137,7 +137,7 @@ fn attention(m: &mut Module, q: u64, kv: u64, cache: u32, heads: u32, scale: f32
     let wkv = weight(m, "wkv", &[kv, 64]);
     let q = m.push(Op::MatVec { x: x(), weight: wq, bias: None }, None).unwrap();
     let k = m.push(Op::MatVec { x: x(), weight: wkv, bias: None }, None).unwrap();
-    Op::Attention { q, k, v: k, cache: Handle::new(cache as usize), heads, scale }
+    Op::Attention { q, k, v: k, cache: Handle::new(cache as usize), heads, scale, window: None, sinks: None }
 }
 
 /// Like `rejection`, for attention ops whose q and k take `%4` and `%5`: the op is `%6`.

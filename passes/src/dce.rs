@@ -10,6 +10,8 @@
 //! same attention reads the cache (in this and later decode steps), so an attention whose
 //! result is dead is dead in every step and goes with its cache.
 
+use petgraph::graph::{DiGraph, NodeIndex};
+use petgraph::visit::Dfs;
 use waferc_ir::{Arena, Handle, Module};
 
 use crate::error::PassError;
@@ -41,20 +43,33 @@ fn renumber(keep: &[bool]) -> Vec<Option<usize>> {
         .collect()
 }
 
+/// The instruction dependency graph: node `i` is instruction `i`, an edge runs from each
+/// instruction to each of its operands (so what a value depends on is what it reaches).
+pub fn dependency_graph(module: &Module) -> DiGraph<(), ()> {
+    let n = module.body.len();
+    let mut graph = DiGraph::with_capacity(n, n * 2);
+    for _ in 0..n {
+        graph.add_node(());
+    }
+    for (handle, instr) in module.body.iter() {
+        for operand in instr.op.operands() {
+            if operand.index() < n {
+                graph.add_edge(NodeIndex::new(handle.index()), NodeIndex::new(operand.index()), ());
+            }
+        }
+    }
+    graph
+}
+
 /// The module without the instructions, weights and caches its output does not depend on.
 pub fn eliminate_dead_code(module: &Module) -> Module {
     let mut live = vec![false; module.body.len()];
-    if let Some(flag) = module.output.and_then(|o| live.get_mut(o.index())) {
-        *flag = true;
-    }
-    // Operands always precede their users, so one backward sweep reaches every dependency.
-    for (handle, instr) in module.body.iter().rev() {
-        if live[handle.index()] {
-            for operand in instr.op.operands() {
-                if let Some(flag) = live.get_mut(operand.index()) {
-                    *flag = true;
-                }
-            }
+    // Live: what the output reaches in the dependency graph.
+    if let Some(output) = module.output.filter(|o| o.index() < live.len()) {
+        let graph = dependency_graph(module);
+        let mut walk = Dfs::new(&graph, NodeIndex::new(output.index()));
+        while let Some(node) = walk.next(&graph) {
+            live[node.index()] = true;
         }
     }
 
@@ -122,10 +137,19 @@ mod tests {
         let dead_cache = m.add_cache(KvCache { layer: 0, kv_heads: 1, head_dim: 8 });
         let live_cache = m.add_cache(KvCache { layer: 1, kv_heads: 1, head_dim: 8 });
         let x = m.push(Op::Embed { table }, None).unwrap();
-        let dead =
-            m.push(Op::Attention { q: x, k: x, v: x, cache: dead_cache, heads: 1, scale: 0.5 }, Some(0)).unwrap();
+        let dead = m
+            .push(
+                Op::Attention { q: x, k: x, v: x, cache: dead_cache, heads: 1, scale: 0.5, window: None, sinks: None },
+                Some(0),
+            )
+            .unwrap();
         m.push(Op::Silu { x: dead }, Some(0)).unwrap();
-        let a = m.push(Op::Attention { q: x, k: x, v: x, cache: live_cache, heads: 1, scale: 0.5 }, Some(1)).unwrap();
+        let a = m
+            .push(
+                Op::Attention { q: x, k: x, v: x, cache: live_cache, heads: 1, scale: 0.5, window: None, sinks: None },
+                Some(1),
+            )
+            .unwrap();
         let head = m.add_weight("head", TensorType::f32([4, 8]), WeightBytes::Absent);
         m.output = Some(m.push(Op::MatVec { x: a, weight: head, bias: None }, None).unwrap());
         m

@@ -9,8 +9,9 @@ pub mod error;
 pub mod manager;
 pub mod quantize;
 pub mod registry;
+pub mod rewrite;
 
 pub use error::PassError;
-pub use manager::{peak_rss, write_atomically, Pass, PassManager, PassRecord, PassReport, INPUT_LABEL};
+pub use manager::{peak_rss, write_atomically, ModuleChanges, Pass, PassManager, PassRecord, PassReport, INPUT_LABEL};
 
 pub mod wafer;

@@ -45,6 +45,49 @@ pub struct PassRecord {
     pub peak_rss_growth: Option<u64>,
     /// The module's text after the step, kept only when a dump or `--print-after` asked for it.
     pub text: Option<String>,
+    /// What the step changed in the module (`None` for the input and lowering stages).
+    pub changes: Option<ModuleChanges>,
+}
+
+/// The size of a module before and after a pass: what `--time-passes` and `--json` report as
+/// the pass's effect (a fusion shows as fewer matvecs, a removal as fewer instructions or
+/// weight bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ModuleChanges {
+    pub instrs: (usize, usize),
+    pub matvecs: (usize, usize),
+    /// Bytes of weights the module holds (by their types, so also for shape-only modules).
+    pub weight_bytes: (u64, u64),
+}
+
+/// Instructions, matvecs and weight bytes of `module`.
+fn module_size(module: &Module) -> (usize, usize, u64) {
+    let matvecs = module.body.iter().filter(|(_, i)| matches!(i.op, waferc_ir::Op::MatVec { .. })).count();
+    let bytes = module.weights.iter().map(|(_, w)| w.ty.bytes().unwrap_or(0)).sum();
+    (module.body.len(), matvecs, bytes)
+}
+
+impl ModuleChanges {
+    /// `instrs -3, matvecs -2, weights -1.5 MB`, or `no change`.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        let delta = |(a, b): (usize, usize)| b as i64 - a as i64;
+        if delta(self.instrs) != 0 {
+            parts.push(format!("instrs {:+}", delta(self.instrs)));
+        }
+        if delta(self.matvecs) != 0 {
+            parts.push(format!("matvecs {:+}", delta(self.matvecs)));
+        }
+        let bytes = self.weight_bytes.1 as i64 - self.weight_bytes.0 as i64;
+        if bytes != 0 {
+            parts.push(format!("weight bytes {bytes:+}"));
+        }
+        if parts.is_empty() {
+            "no change".into()
+        } else {
+            parts.join(", ")
+        }
+    }
 }
 
 /// What a pipeline run measured, one record per step, the input first.
@@ -81,14 +124,16 @@ impl PassReport {
         out.push_str("  pass ms  verify ms       %  peak MiB    +MiB  pass\n");
         out.push_str("---------  ---------  ------  --------  ------  --------------------\n");
         for r in &self.records {
+            let changes = r.changes.map(|c| format!(" ({})", c.describe())).unwrap_or_default();
             out.push_str(&format!(
-                "{:>9}  {:>9}  {:>5.1}%  {:>8}  {:>6}  {}\n",
+                "{:>9}  {:>9}  {:>5.1}%  {:>8}  {:>6}  {}{}\n",
                 ms(r.wall),
                 ms(r.verify_wall),
                 percent(r.wall + r.verify_wall),
                 mib(r.peak_rss),
                 mib(r.peak_rss_growth),
-                r.name
+                r.name,
+                changes
             ));
         }
         let pass_total: Duration = self.records.iter().map(|r| r.wall).sum();
@@ -165,7 +210,11 @@ impl PassManager {
     pub fn run(&mut self, module: Module) -> Result<(Module, PassReport), PassError> {
         let names = self.pass_names();
         if let Some(unknown) = self.print_after.iter().find(|n| *n != INPUT_LABEL && !names.contains(&n.as_str())) {
-            return Err(PassError::NotInPipeline { name: unknown.clone(), pipeline: names.join(", ") });
+            return Err(PassError::NotInPipeline {
+                name: unknown.clone(),
+                pipeline: names.join(", "),
+                option: "--print-after",
+            });
         }
         if let Some(dir) = &self.dump_dir {
             prepare_dump_dir(dir)?;
@@ -185,13 +234,20 @@ impl PassManager {
             let pass = &self.passes[step];
             let name = pass.name();
             let peak_before = peak_rss();
+            let before = module_size(&module);
             let started = Instant::now();
             pass.run(&mut module)?;
             let wall = started.elapsed();
             let started = Instant::now();
             let verified = verify(&module);
             let verify_wall = started.elapsed();
-            let record = self.record(step + 1, name, &module, wall, verify_wall, peak_before)?;
+            let mut record = self.record(step + 1, name, &module, wall, verify_wall, peak_before)?;
+            let after = module_size(&module);
+            record.changes = Some(ModuleChanges {
+                instrs: (before.0, after.0),
+                matvecs: (before.1, after.1),
+                weight_bytes: (before.2, after.2),
+            });
             verified.map_err(|source| PassError::BrokeIr { pass: name.to_string(), source })?;
             report.records.push(record);
         }
@@ -229,6 +285,7 @@ impl PassManager {
             peak_rss: peak,
             peak_rss_growth: peak.zip(peak_before).map(|(after, before)| after.saturating_sub(before)),
             text,
+            changes: None,
         })
     }
 }

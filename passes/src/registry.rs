@@ -7,7 +7,8 @@ use waferc_ir::{verify, Module};
 use crate::dce::Dce;
 use crate::error::PassError;
 use crate::manager::Pass;
-use crate::quantize::{QuantFormat, Quantize};
+use crate::quantize::Quantize;
+use crate::rewrite::Rewrite;
 
 /// Builds a pass from its arguments (the words after its name in a pipeline).
 pub type BuildPass = fn(args: &[&str]) -> Result<Box<dyn Pass>, PassError>;
@@ -29,6 +30,12 @@ pub const PASSES: &[PassInfo] = &[
         build: |args| no_arguments("verify", "verify", args).map(|()| Box::new(Verify) as Box<dyn Pass>),
     },
     PassInfo {
+        name: "rewrite",
+        usage: "rewrite",
+        summary: "per decoder block, with egg: fuse matvecs reading one input (q/k/v, gate/up) where the wafer cost says so, merge duplicates, drop dead code",
+        build: |args| no_arguments("rewrite", "rewrite", args).map(|()| Box::new(Rewrite) as Box<dyn Pass>),
+    },
+    PassInfo {
         name: "dce",
         usage: "dce",
         summary: "remove instructions, weights and KV caches the output does not depend on",
@@ -37,7 +44,9 @@ pub const PASSES: &[PassInfo] = &[
     PassInfo {
         name: "quantize",
         usage: QUANTIZE_USAGE,
-        summary: "quantise matvec weights (and with `embedding`, the embedding table) with ggml's reference rules",
+        summary:
+            "quantise weights with ggml's reference rules; WHAT picks parts: layers, embedding, lm_head (joined by +) \
+                  or all; a bare FORMAT is every matvec weight",
         build: build_quantize,
     },
 ];
@@ -53,23 +62,39 @@ fn no_arguments(pass: &'static str, usage: &'static str, args: &[&str]) -> Resul
     }
 }
 
-const QUANTIZE_USAGE: &str = "quantize q8_0|q4_0 [embedding]";
+const QUANTIZE_USAGE: &str =
+    "quantize FORMAT[:WHAT]..., FORMAT one of q8_0 q4_0 q4_1, WHAT parts layers embedding lm_head joined by + or all";
 
 fn build_quantize(args: &[&str]) -> Result<Box<dyn Pass>, PassError> {
-    let bad = |message: String| PassError::BadArguments { pass: "quantize", message, usage: QUANTIZE_USAGE };
-    let (format, rest) = args.split_first().ok_or_else(|| bad("needs a format".into()))?;
-    let format = QuantFormat::from_name(format).ok_or_else(|| bad(format!("unknown format `{format}`")))?;
-    let include_embedding = match rest {
-        [] => false,
-        ["embedding"] => true,
-        _ => return Err(bad(format!("unexpected `{}`", rest.join(" ")))),
-    };
-    Ok(Box::new(Quantize { format, include_embedding }))
+    Quantize::from_args(args).map(|pass| Box::new(pass) as Box<dyn Pass>).map_err(|message| PassError::BadArguments {
+        pass: "quantize",
+        message,
+        usage: QUANTIZE_USAGE,
+    })
 }
 
 /// The registered pass called `name`.
 pub fn lookup(name: &str) -> Option<&'static PassInfo> {
     PASSES.iter().find(|p| p.name == name)
+}
+
+/// The pipeline `waferc compile` runs when `--passes` is not given: `rewrite` fuses matvecs
+/// (fewer schedule steps and routes) and leaves the unfused weights behind, which `dce` removes.
+pub const DEFAULT_PIPELINE: &str = "rewrite, dce";
+
+/// `pipeline` without the passes named in `skip`; a name that is not in the pipeline is an
+/// error naming the pipeline.
+pub fn without_passes(pipeline: Vec<Box<dyn Pass>>, skip: &[String]) -> Result<Vec<Box<dyn Pass>>, PassError> {
+    for name in skip {
+        if !pipeline.iter().any(|p| p.name() == name) {
+            return Err(PassError::NotInPipeline {
+                name: name.clone(),
+                pipeline: pipeline.iter().map(|p| p.name()).collect::<Vec<_>>().join(", "),
+                option: "--skip-pass",
+            });
+        }
+    }
+    Ok(pipeline.into_iter().filter(|p| !skip.iter().any(|s| s == p.name())).collect())
 }
 
 /// Builds the pass `name` with `args`.
@@ -82,7 +107,7 @@ pub fn build(name: &str, args: &[&str]) -> Result<Box<dyn Pass>, PassError> {
 }
 
 /// Builds a pipeline from its spelling: passes separated by commas, each a name followed by
-/// its arguments separated by spaces, e.g. `quantize q4_0 embedding, dce`.
+/// its arguments separated by spaces, e.g. `quantize q4_0:layers q8_0:embedding+lm_head, dce`.
 pub fn parse_pipeline(spec: &str) -> Result<Vec<Box<dyn Pass>>, PassError> {
     if spec.trim().is_empty() {
         return Ok(Vec::new());
@@ -126,19 +151,51 @@ mod tests {
     #[test]
     fn pipelines_parse_from_their_spelling() {
         assert_eq!(names("quantize q8_0, dce"), Ok(vec!["quantize", "dce"]));
-        assert_eq!(names(" quantize   q4_0 embedding ,dce,verify "), Ok(vec!["quantize", "dce", "verify"]));
+        assert_eq!(
+            names(" quantize   q4_0:layers q8_0:embedding+lm_head ,dce,verify "),
+            Ok(vec!["quantize", "dce", "verify"])
+        );
         assert_eq!(names(""), Ok(vec![]));
     }
 
     #[test]
     fn bad_pipelines_say_what_is_wrong() {
-        assert_eq!(names("dce, fold"), Err("unknown pass `fold` (known passes: verify, dce, quantize)".into()));
+        assert_eq!(
+            names("dce, fold"),
+            Err("unknown pass `fold` (known passes: verify, rewrite, dce, quantize)".into())
+        );
         assert_eq!(names("dce,,dce"), Err("bad pass pipeline `dce,,dce`: an empty step between commas".into()));
         assert_eq!(names("dce now"), Err("pass `dce`: takes no arguments, found `now` (usage: dce)".into()));
-        let usage = "(usage: quantize q8_0|q4_0 [embedding])";
+        let usage = format!("(usage: {QUANTIZE_USAGE})");
         assert_eq!(names("quantize"), Err(format!("pass `quantize`: needs a format {usage}")));
         assert_eq!(names("quantize q2_k"), Err(format!("pass `quantize`: unknown format `q2_k` {usage}")));
-        assert_eq!(names("quantize q8_0 lm_head"), Err(format!("pass `quantize`: unexpected `lm_head` {usage}")));
+        assert_eq!(names("quantize q8_0 lm_head"), Err(format!("pass `quantize`: unknown format `lm_head` {usage}")));
+        assert_eq!(
+            names("quantize q8_0:head"),
+            Err(format!(
+                "pass `quantize`: unknown part `head` in `q8_0:head` (parts: layers, embedding, lm_head, all) {usage}"
+            ))
+        );
+        assert_eq!(
+            names("quantize q4_0 q8_0:lm_head"),
+            Err(format!("pass `quantize`: `q8_0:lm_head` chooses a format for lm_head a second time {usage}"))
+        );
+    }
+
+    #[test]
+    fn quantize_arguments_choose_a_format_per_part() {
+        use crate::quantize::QuantFormat::{Q4_0, Q4_1, Q8_0};
+        let parse = |args: &[&str]| Quantize::from_args(args).unwrap();
+        assert_eq!(parse(&["q4_1"]), Quantize::matvecs(Q4_1));
+        assert_eq!(parse(&["q8_0:all"]), Quantize::all(Q8_0));
+        assert_eq!(
+            parse(&["q4_0:layers", "q8_0:embedding+lm_head"]),
+            Quantize { layers: Some(Q4_0), embedding: Some(Q8_0), lm_head: Some(Q8_0), keep_shared: false }
+        );
+        assert_eq!(
+            parse(&["q8_0:lm_head"]),
+            Quantize { layers: None, embedding: None, lm_head: Some(Q8_0), keep_shared: false }
+        );
     }
 
     #[test]

@@ -104,7 +104,7 @@ fn smollm2_shaped() -> Module {
             let q = m.push(Op::Rope { x: q, head_dim: HEAD_DIM, rope: rope.clone() }, layer)?;
             let k = m.push(Op::Rope { x: k, head_dim: HEAD_DIM, rope: rope.clone() }, layer)?;
             let scale = 1.0 / (HEAD_DIM as f32).sqrt();
-            let a = m.push(Op::Attention { q, k, v, cache, heads: HEADS, scale }, layer)?;
+            let a = m.push(Op::Attention { q, k, v, cache, heads: HEADS, scale, window: None, sinks: None }, layer)?;
             let o = m.push(Op::MatVec { x: a, weight: wo, bias: None }, layer)?;
             x = m.push(Op::Add { a: x, b: o }, layer)?;
             let h = m.push(Op::RmsNorm { x, weight: ffn_norm, eps: 1e-5 }, layer)?;

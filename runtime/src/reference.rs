@@ -59,7 +59,7 @@ pub struct ReferenceDecoder {
     position: usize,
     caches: Vec<CacheState>,
     /// Distinct rotary frequency tables of the module (one per `(head_dim, rope)`).
-    rope_tables: Vec<Vec<f32>>,
+    rope_tables: Vec<kernels::RopeTable>,
     /// For each instruction, the index in `rope_tables` if it is a `rope`.
     rope_table_of: Vec<Option<usize>>,
 }
@@ -301,7 +301,7 @@ impl<'a> Step<'a> {
                 kernels::rope(x, angles, &mut out);
                 InstrValue::Tensor(out)
             }
-            Op::Attention { q, k, v, cache, heads, scale } => {
+            Op::Attention { q, k, v, cache, heads, scale, window, sinks } => {
                 let (q, k, v) = (present(self.tensor(*q)?), present(self.tensor(*k)?), present(self.tensor(*v)?));
                 let spec = &self.module.caches[*cache];
                 let shape = AttentionShape {
@@ -309,8 +309,11 @@ impl<'a> Step<'a> {
                     kv_heads: spec.kv_heads as usize,
                     head_dim: spec.head_dim as usize,
                 };
+                let sinks = sinks.map(|s| self.weight(s).map(|v| v.widen_vector())).transpose()?;
+                // A windowed cache keeps `window` rows, position t in row t % window.
+                let rows = window.map_or(usize::MAX, |w| w as usize);
                 let state = &mut self.caches[cache.index()];
-                if state.keys.len() != self.position * shape.kv_row() {
+                if state.keys.len() != self.position.min(rows) * shape.kv_row() {
                     return Err(RuntimeError::CacheOutOfStep {
                         site: self.site.clone(),
                         cache: cache.index(),
@@ -319,15 +322,27 @@ impl<'a> Step<'a> {
                         position: self.position,
                     });
                 }
-                state.keys.extend_from_slice(k);
-                state.values.extend_from_slice(v);
+                if self.position < rows {
+                    state.keys.extend_from_slice(k);
+                    state.values.extend_from_slice(v);
+                } else {
+                    let row = (self.position % rows) * shape.kv_row()..(self.position % rows + 1) * shape.kv_row();
+                    state.keys[row.clone()].copy_from_slice(k);
+                    state.values[row].copy_from_slice(v);
+                }
                 let mut out = vec![0.0; out_len];
-                kernels::attention(q, &state.keys, &state.values, shape, *scale, &mut out);
+                kernels::attention(q, &state.keys, &state.values, shape, *scale, sinks.as_deref(), &mut out);
                 InstrValue::Tensor(out)
             }
             Op::Silu { x } => InstrValue::Tensor(kernels::silu(present(self.tensor(*x)?))),
             Op::Mul { a, b } => InstrValue::Tensor(kernels::mul(present(self.tensor(*a)?), present(self.tensor(*b)?))),
             Op::Add { a, b } => InstrValue::Tensor(kernels::add(present(self.tensor(*a)?), present(self.tensor(*b)?))),
+            Op::SwiGlu { gate, up, alpha, limit } => InstrValue::Tensor(kernels::swiglu(
+                present(self.tensor(*gate)?),
+                present(self.tensor(*up)?),
+                *alpha,
+                *limit,
+            )),
             Op::RouterTopK { logits, top_k, normalize } => {
                 InstrValue::Routing(kernels::router_topk(present(self.tensor(*logits)?), *top_k as usize, *normalize))
             }
@@ -337,6 +352,10 @@ impl<'a> Step<'a> {
                     Some(_) => InstrValue::Tensor(present(self.tensor(*x)?).to_vec()),
                     None => InstrValue::Absent,
                 }
+            }
+            Op::Slice { x, offset, len } => {
+                let x = present(self.tensor(*x)?);
+                InstrValue::Tensor(x[*offset as usize..(*offset + *len) as usize].to_vec())
             }
             Op::ExpertCombine { routing, experts } => {
                 let Some(routing) = self.routing(*routing)? else { return Ok(InstrValue::Absent) };

@@ -161,7 +161,7 @@ fn misaligned_subtree_push_panics() {
     tree.push_subtree(1.0, 2);
 }
 
-const ALL_DTYPES: [DType; 6] = DType::ALL;
+const ALL_DTYPES: [DType; 7] = DType::ALL;
 
 /// A random row of `dtype` (length rounded up to whole blocks for quantised dtypes).
 fn random_row(rng: &mut Rng, dtype: DType, len: usize) -> (usize, Vec<u8>) {
@@ -333,14 +333,16 @@ fn rope_frequencies_match_transformers() {
         4.4456985051510856e-05,
     ];
     for (rope, expected) in [(llama3, expected_llama3), (linear, expected_linear)] {
-        let freqs = kernels::rope_frequencies(32, &rope);
+        let table = kernels::rope_frequencies(32, &rope);
+        assert_eq!(table.attention_factor, 1.0);
+        let freqs = table.freqs;
         assert_eq!(freqs.len(), 16);
         for (f, e) in freqs.iter().zip(expected) {
             assert!(((*f as f64) - e).abs() <= e * 1e-6, "{rope:?}: {f} vs {e}");
         }
     }
     let plain = kernels::rope_frequencies(8, &Rope { theta: 10000.0, scaling: RopeScaling::None });
-    assert_eq!(plain, vec![1.0, 0.1, 0.01, 0.001]);
+    assert_eq!(plain.freqs, vec![1.0, 0.1, 0.01, 0.001]);
 }
 
 #[test]
@@ -355,7 +357,7 @@ fn rope_rotates_halves_like_rotate_half() {
         let mut expected = vec![0.0f64; 48];
         for head in 0..3 {
             for i in 0..8 {
-                let angle = position as f64 * freqs[i] as f64;
+                let angle = position as f64 * freqs.freqs[i] as f64;
                 let (a, b) = (x[head * 16 + i] as f64, x[head * 16 + i + 8] as f64);
                 expected[head * 16 + i] = a * angle.cos() - b * angle.sin();
                 expected[head * 16 + i + 8] = b * angle.cos() + a * angle.sin();
@@ -378,7 +380,7 @@ fn attention_matches_f64_with_grouped_kv_heads() {
     let values = rng.vector(positions * shape.kv_row(), 1.0);
     let scale = 1.0 / (shape.head_dim as f32).sqrt();
     let mut out = vec![0.0; q.len()];
-    kernels::attention(&q, &keys, &values, shape, scale, &mut out);
+    kernels::attention(&q, &keys, &values, shape, scale, None, &mut out);
     let mut expected = vec![0.0f64; q.len()];
     for h in 0..shape.heads {
         let kv = h / 2;

@@ -106,7 +106,7 @@ fn tiny_llama(seed: u64) -> TinyLlama {
         let q = b.push(Op::Rope { x: q, head_dim: HEAD_DIM, rope: rope.clone() }, layer);
         let k = b.push(Op::Rope { x: k, head_dim: HEAD_DIM, rope: rope.clone() }, layer);
         let scale = 1.0 / (HEAD_DIM as f32).sqrt();
-        let a = b.push(Op::Attention { q, k, v, cache, heads: HEADS, scale }, layer);
+        let a = b.push(Op::Attention { q, k, v, cache, heads: HEADS, scale, window: None, sinks: None }, layer);
         let o = b.push(Op::MatVec { x: a, weight: w.o, bias: None }, layer);
         x = b.push(Op::Add { a: x, b: o }, layer);
         let h = b.push(Op::RmsNorm { x, weight: w.ffn_norm, eps: EPS }, layer);
@@ -462,7 +462,8 @@ fn absent_values_propagate_to_an_error_where_they_cannot_skip() {
 
     // Attention must append to its cache every step, so it cannot skip an absent operand.
     let cache = b.module.add_cache(KvCache { layer: 0, kv_heads: 1, head_dim: 32 });
-    let a = b.push(Op::Attention { q: x2, k: x, v: x, cache, heads: 1, scale: 1.0 }, Some(0));
+    let a =
+        b.push(Op::Attention { q: x2, k: x, v: x, cache, heads: 1, scale: 1.0, window: None, sinks: None }, Some(0));
     let y = b.push(Op::Add { a: x, b: a }, None);
     b.module.output = Some(b.push(Op::MatVec { x: y, weight: head, bias: None }, None));
     let mut decoder = ReferenceDecoder::new(&b.module, 8).expect("decoder");

@@ -99,3 +99,16 @@ fn descriptions_mark_assumptions() {
     assert_eq!(json["grid_cols"]["value"], 755);
     assert_eq!(json["clock_hz"]["assumed"], true);
 }
+
+/// The checked-in two-wafer target (bench_scale's capacity rows) is wse3x4 with two wafers.
+#[test]
+fn the_checked_in_wse3x2_file_is_two_wse3_wafers() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("files/wse3x2.toml");
+    let t = Target::resolve(path.to_str().unwrap()).unwrap();
+    assert_eq!((t.name.as_str(), t.wafers.value), ("wse3x2", 2));
+    let mut four = Target::wse3x4();
+    four.name = t.name.clone();
+    four.description = t.description.clone();
+    four.wafers = t.wafers.clone();
+    assert_eq!(t, four);
+}

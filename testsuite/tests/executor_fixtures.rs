@@ -1,10 +1,12 @@
 //! Every Hugging Face fixture (Llama, GQA bf16, Qwen2 biases, Qwen3 q/k norms, Mixtral and
 //! Qwen3-MoE experts), compiled for a grid and validated against the reference decoder bit for
-//! bit, prompt and greedy generation.
+//! bit, prompt and greedy generation; then every fixture again with its weights quantised to each
+//! of the `quantize` pass's formats, and with one format per part.
 
 mod executor_common;
 
 use executor_common::{compile_for, pack_tile_blob};
+use waferc_passes::{registry, PassManager};
 use waferc_runtime::executor::{validate, ValidationOptions};
 use waferc_testsuite::fixtures_dir;
 
@@ -13,16 +15,43 @@ fn check_fixture(name: &str) {
 }
 
 fn check_fixture_on(name: &str, target: &str) {
+    check_fixture_with(name, target, "", 64, 6)
+}
+
+/// `name` after the pass pipeline `passes`, compiled for `target` with KV room for
+/// `max_context` positions, `new_tokens` generated.
+fn check_fixture_with(name: &str, target: &str, passes: &str, max_context: u32, new_tokens: usize) {
     let model = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let module = &model.module;
-    let program = compile_for(module, target, 64);
+    let pipeline = registry::parse_pipeline(passes).unwrap();
+    let (module, _) = PassManager::new(pipeline).run(model.module).unwrap_or_else(|e| panic!("{name}, {passes}: {e}"));
+    let module = &module;
+    let program = compile_for(module, target, max_context);
     let blob = pack_tile_blob(&program, module);
     let vocab = module.meta.vocab_size;
     let prompt: Vec<u32> = [1, 17, 5, 42].iter().map(|t| t % vocab).collect();
-    let options = ValidationOptions { max_new_tokens: 6, ..ValidationOptions::default() };
+    let options = ValidationOptions { max_new_tokens: new_tokens, ..ValidationOptions::default() };
     let validation =
-        validate(&program, module, Some(&blob), &prompt, &options).unwrap_or_else(|e| panic!("{name}: {e}"));
-    assert_eq!(validation.steps, prompt.len() + 5, "{name}");
+        validate(&program, module, Some(&blob), &prompt, &options).unwrap_or_else(|e| panic!("{name}, {passes}: {e}"));
+    assert_eq!(validation.steps, prompt.len() + new_tokens - 1, "{name}, {passes}");
+}
+
+/// gpt-oss (sinks, sliding window 8, YaRN, clamped SwiGLU, biases): 18 positions, so the
+/// sliding layers' rings wrap twice; on several grids, and with a long context whose full
+/// layers spread their KV cache over several blocks (the sinks join reductions across PEs).
+#[test]
+fn gpt_oss_tiny_bf16() {
+    for target in ["grid:32x32", "grid:48x40", "grid:64x64"] {
+        check_fixture_with("gpt-oss-tiny-bf16", target, "", 64, 15);
+    }
+    check_fixture_with("gpt-oss-tiny-bf16", "grid:64x64", "", 2048, 15);
+}
+
+#[test]
+fn gpt_oss_tiny_mxfp4() {
+    for target in ["grid:32x32", "grid:64x64"] {
+        check_fixture_with("gpt-oss-tiny-mxfp4", target, "", 64, 15);
+    }
+    check_fixture_with("gpt-oss-tiny-mxfp4", "grid:64x64", "", 2048, 15);
 }
 
 #[test]
@@ -58,4 +87,97 @@ fn qwen3_moe_tiny() {
 #[test]
 fn mixtral_sharded_bf16() {
     check_fixture("mixtral-sharded-bf16");
+}
+
+/// The fixtures after `rewrite, dce` (q/k/v and gate/up fused, results split by `slice`s that
+/// alias the fused layout): still bit-identical to the reference decoder on the original module.
+#[test]
+fn rewritten_fixtures_are_bit_exact() {
+    for name in ["llama31-gqa-bf16", "qwen2-bias", "qwen3-dense", "mixtral-tiny"] {
+        let model =
+            waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let passes = waferc_passes::registry::parse_pipeline("rewrite, dce").unwrap();
+        let (module, _) = waferc_passes::PassManager::new(passes).run(model.module.clone()).unwrap();
+        assert!(module.body.iter().any(|(_, i)| matches!(i.op, waferc_ir::Op::Slice { .. })), "{name}: nothing fused");
+        let program = compile_for(&module, "grid:32x32", 64);
+        let blob = pack_tile_blob(&program, &module);
+        let vocab = module.meta.vocab_size;
+        let prompt: Vec<u32> = [1, 17, 5, 42].iter().map(|t| t % vocab).collect();
+        let options = ValidationOptions { max_new_tokens: 6, ..ValidationOptions::default() };
+        let validation =
+            validate(&program, &module, Some(&blob), &prompt, &options).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(validation.steps, prompt.len() + 5, "{name}");
+        // The executor ran the rewritten module; the reference on the original gives the same bits
+        // (rewrite_reference.rs), so the placed fused program equals the unfused model.
+    }
+}
+
+/// The same gpt-oss weights compiled from both layouts: the MXFP4 release's expert weight tiles
+/// take about a quarter of the bf16 ones' bytes (17 bytes per 32 weights against 64), the rest
+/// of the model the same.
+#[test]
+fn gpt_oss_mxfp4_expert_tiles_are_a_quarter_of_bf16() {
+    let expert_tile_bytes = |name: &str| -> (u64, u64) {
+        let model = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap();
+        let program = compile_for(&model.module, "grid:32x32", 64);
+        let (mut experts, mut rest) = (0, 0);
+        for region in program.pes.iter().flat_map(|pe| &pe.regions) {
+            if let waferc_ir::wafer::RegionKind::Weight { weight, blob, .. } = &region.kind {
+                let w = &model.module.weights[waferc_ir::Handle::new(*weight as usize)];
+                match w.name.contains(".mlp.experts.") && w.name.ends_with("_proj.weight") {
+                    true => experts += blob.end - blob.start,
+                    false => rest += blob.end - blob.start,
+                }
+            }
+        }
+        (experts, rest)
+    };
+    let (bf16_experts, bf16_rest) = expert_tile_bytes("gpt-oss-tiny-bf16");
+    let (mxfp4_experts, mxfp4_rest) = expert_tile_bytes("gpt-oss-tiny-mxfp4");
+    assert_eq!(bf16_rest, mxfp4_rest, "only the experts differ");
+    assert_eq!(mxfp4_experts * 64, bf16_experts * 17, "17 bytes per 32 MXFP4 weights, 64 in bf16");
+}
+
+const FIXTURES: [(&str, &str); 7] = [
+    ("llama-tiny-tok", "grid:32x32"),
+    ("llama31-gqa-bf16", "grid:32x32"),
+    ("qwen2-bias", "grid:32x32"),
+    ("qwen3-dense", "grid:32x32"),
+    ("mixtral-tiny", "grid:32x32"),
+    ("qwen3-moe-tiny", "grid:64x64"),
+    ("mixtral-sharded-bf16", "grid:32x32"),
+];
+
+/// Every fixture with every weight the pass can take (layers, embedding, LM head) in `format`.
+fn check_every_fixture_at(format: &str) {
+    for (name, target) in FIXTURES {
+        let passes = format!("quantize {format}:all");
+        check_fixture_with(name, target, &passes, 64, 6);
+        // The pass really changed the module (a fixture it left alone would prove nothing).
+        let model = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap();
+        let (module, _) = PassManager::new(registry::parse_pipeline(&passes).unwrap()).run(model.module).unwrap();
+        assert!(module.weights.iter().any(|(_, w)| w.ty.dtype.name() == format), "{name}: no {format} weight");
+    }
+}
+
+#[test]
+fn every_fixture_at_q8_0() {
+    check_every_fixture_at("q8_0");
+}
+
+#[test]
+fn every_fixture_at_q4_0() {
+    check_every_fixture_at("q4_0");
+}
+
+#[test]
+fn every_fixture_at_q4_1() {
+    check_every_fixture_at("q4_1");
+}
+
+#[test]
+fn every_fixture_with_a_format_per_part() {
+    for (name, target) in FIXTURES {
+        check_fixture_with(name, target, "quantize q4_1:layers q8_0:embedding+lm_head", 64, 6);
+    }
 }

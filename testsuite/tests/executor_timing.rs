@@ -4,7 +4,9 @@
 
 mod executor_common;
 
-use executor_common::{build, compile_for, pack_tile_blob, Shape};
+use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
+use waferc_ir::wafer::{distance_bound_cycles, Plan};
+use waferc_passes::wafer::CompileOptions;
 use waferc_runtime::executor::{ExecOptions, Executor, StepTiming};
 
 fn timings(
@@ -94,6 +96,11 @@ fn report_derives_throughput_and_time_to_first_token_from_the_steps() {
         "busiest_links",
         "busiest_pes",
         "steps",
+        "layers",
+        "mean_layer",
+        "costliest_steps",
+        "prefill",
+        "modeled_ttft_prefill_us",
     ] {
         assert!(json.get(key).is_some(), "--json has {key}");
     }
@@ -134,4 +141,76 @@ fn timing_only_moe_runs_the_first_top_k_experts() {
         let expert = span.expert.unwrap();
         assert_eq!(span.duration_cycles > 0, expert < 2, "expert {expert} of %{} ({})", span.instr, span.op);
     }
+}
+
+/// The model never times a step faster than the placement's own distance bound (only hops, no
+/// arithmetic, serialisation or contention), at any position (attention's empty blocks send
+/// nothing, and the bound counts only the blocks holding positions), on both plans, dense and
+/// MoE, on one wafer and on a two-wafer pipeline.
+#[test]
+fn modeled_cycles_never_undercut_the_distance_bound() {
+    let mesh = Plan::MeshGemv { p: 4, group_num: 2 };
+    let two = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 12\ngrid_rows = 12\nwafers = 2\n";
+    let two = waferc_targets::Target::from_toml(two, "two-grids.toml").unwrap();
+    let cases = [
+        (Shape::dense(), "grid:12x12", Plan::Tiled),
+        (Shape::dense(), "grid:50x4", Plan::Tiled),
+        (Shape::dense(), "grid:32x32", mesh),
+        (Shape::moe(), "grid:12x12", Plan::Tiled),
+        (Shape::moe(), "grid:32x32", mesh),
+        (Shape::dense(), "two-grids", Plan::Tiled),
+    ];
+    for (shape, target, plan) in cases {
+        let module = build(&Shape { bytes: false, ..shape.clone() }, 21);
+        let options = CompileOptions { max_context: 96, plan, ..CompileOptions::default() };
+        let program = match target {
+            "two-grids" => waferc_passes::wafer::compile(&module, &two, &options).unwrap(),
+            _ => compile_with(&module, target, options),
+        };
+        // The timing-only router chooses experts 0..top_k.
+        let top_k = shape.moe.map_or(u32::MAX, |(_, k)| k);
+        let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+        let mut executor = Executor::new(&program, &module, None, options).unwrap();
+        // Positions 0..70 cross two 32-position KV chunk boundaries.
+        for position in 0..70u32 {
+            let cycles = executor.step(1).unwrap().timing.cycles;
+            let bound = distance_bound_cycles(&program, &module, position, |_, expert| expert < top_k);
+            assert!(bound > 1, "{target} {plan:?}: a bound of {bound} cycles says nothing");
+            assert!(
+                cycles >= bound,
+                "{target} {plan:?} position {position}: modeled {cycles} cycles undercut the distance bound {bound}"
+            );
+        }
+    }
+}
+
+/// The critical path splits each step exactly; the batched prefill grows with the prompt, beats
+/// feeding the prompt one decode step at a time, and needs the KV capacity.
+#[test]
+fn the_critical_path_adds_up_and_prefill_grows_with_the_prompt() {
+    let module = build(&Shape { bytes: false, ..Shape::dense() }, 22);
+    let program = compile_for(&module, "grid:16x16", 256);
+    let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+    let mut executor = Executor::new(&program, &module, None, options).unwrap();
+    let timing = executor.step(1).unwrap().timing;
+    assert_eq!(timing.layers.iter().map(|l| l.cycles).sum::<u64>(), timing.cycles);
+    assert!(timing.layers.iter().all(|l| l.cycles == l.compute_cycles + l.comm_cycles + l.wait_cycles));
+    assert_eq!(timing.layers.iter().filter(|l| l.layer.is_some()).count(), 2, "{:?}", timing.layers);
+    for span in &timing.spans {
+        assert_eq!(span.duration_cycles, span.compute_cycles + span.comm_cycles + span.wait_cycles);
+    }
+    let prefill = |tokens: usize| executor.timing_report(tokens).unwrap().modeled_ttft_prefill_us;
+    let step_us = timing.cycles as f64 / program.target.clock_hz * 1e6;
+    let (one, some, more, all) =
+        (prefill(1).unwrap(), prefill(16).unwrap(), prefill(64).unwrap(), prefill(256).unwrap());
+    assert!((one - step_us).abs() < 1e-9, "one token is one decode step");
+    assert!(one < some && some < more && more < all, "{one} < {some} < {more} < {all}");
+    assert!(all < 256.0 * step_us, "batched and pipelined beats 256 decode steps: {all} vs {}", 256.0 * step_us);
+    assert_eq!(prefill(257), None, "257 positions do not fit a KV capacity of 256");
+    let report = executor.timing_report(0).unwrap();
+    assert!(report.prefill.iter().all(|p| p.cycles.is_none()), "1,024 and 8,192 exceed 256 positions");
+    assert_eq!(report.costliest_steps.len(), 10);
+    assert!(report.costliest_steps.windows(2).all(|w| w[0].duration_cycles >= w[1].duration_cycles));
+    let mean = report.mean_layer.unwrap();
+    assert_eq!(mean.cycles, mean.compute_cycles + mean.comm_cycles + mean.wait_cycles);
 }

@@ -197,7 +197,7 @@ fn unknown_model_type() {
     assert_eq!(problems.len(), 1, "{error}");
     assert_has(
         problems,
-        "model_type `gpt2` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe)",
+        "model_type `gpt2` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, gpt_oss)",
     );
     assert!(error.to_string().contains("config.json"), "names the file: {error}");
 }
@@ -209,7 +209,7 @@ fn config_problems_are_reported_together() {
         c.remove("hidden_size");
         c["num_attention_heads"] = json!("six");
         c["hidden_act"] = json!("gelu");
-        c["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        c["rope_scaling"] = json!({"rope_type": "dynamic", "factor": 4.0});
         c["rms_norm_eps"] = json!(-1.0);
     });
     let error = load_error(&dir);
@@ -217,21 +217,69 @@ fn config_problems_are_reported_together() {
     assert_has(problems, "missing field `hidden_size`");
     assert_has(problems, "field `num_attention_heads` must be a positive integer, found \"six\"");
     assert_has(problems, "hidden_act `gelu` is not supported");
-    assert_has(problems, "rope_scaling.rope_type `yarn` is not supported");
+    assert_has(problems, "rope_scaling.rope_type `dynamic` is not supported");
     assert_has(problems, "field `rms_norm_eps` must be a positive number, found -1.0");
     assert_eq!(problems.len(), 5, "{error}");
     assert!(error.to_string().contains("(5 problems)"), "{error}");
 }
 
+/// A sliding window in force is lowered (it used to be refused): the sliding layer's attention
+/// keeps a window, the full layer's does not.
 #[test]
-fn sliding_window_in_force() {
+fn sliding_window_in_force_is_lowered() {
     let dir = copy_fixture("qwen2-bias");
     edit_config(&dir, |c| {
         c["use_sliding_window"] = json!(true);
         c["sliding_window"] = json!(128);
         c["layer_types"] = json!(["full_attention", "sliding_attention"]);
     });
-    assert_has(problems(&load_error(&dir)), "sliding_window 128 is in force on layers [1]");
+    let module = load(&dir).unwrap().module;
+    let windows: Vec<Option<u32>> = module
+        .body
+        .iter()
+        .filter_map(|(_, i)| match i.op {
+            waferc_ir::Op::Attention { window, .. } => Some(window),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(windows, [None, Some(128)]);
+}
+
+/// gpt-oss's release layout: a `_blocks` without its `_scales`, a pair whose shapes disagree and
+/// an unknown rope type, all reported together, each naming its tensor or field.
+#[test]
+fn gpt_oss_mxfp4_problems_are_reported_together() {
+    let dir = copy_fixture("gpt-oss-tiny-mxfp4");
+    edit_header(&dir.join("model.safetensors"), |h| {
+        h.remove("model.layers.1.mlp.experts.down_proj_scales");
+        // Same bytes, wrong shape: 256 rows of one block for blocks of 128 rows of two.
+        h["model.layers.0.mlp.experts.gate_up_proj_scales"]["shape"] = json!([8, 256, 1]);
+    });
+    edit_config(&dir, |c| c["rope_scaling"]["rope_type"] = json!("dynamic"));
+    let error = load_error(&dir);
+    let p = problems(&error);
+    assert_has(p, "rope_scaling.rope_type `dynamic` is not supported (supported: default, linear, llama3, yarn)");
+    assert_eq!(p.len(), 1, "config problems come first: {error}");
+
+    edit_config(&dir, |c| c["rope_scaling"]["rope_type"] = json!("yarn"));
+    let error = load_error(&dir);
+    let p = problems(&error);
+    assert_has(p, "model.safetensors: MXFP4 tensor model.layers.1.mlp.experts.down_proj_blocks U8[8, 64, 2, 16] has no model.layers.1.mlp.experts.down_proj_scales");
+    assert_has(p, "model.safetensors: MXFP4 tensor model.layers.0.mlp.experts.gate_up_proj_blocks is U8[8, 128, 2, 16] but model.layers.0.mlp.experts.gate_up_proj_scales is U8[8, 256, 1]");
+    assert_eq!(p.len(), 2, "{error}");
+}
+
+/// The transformers layout of gpt-oss with a fused expert tensor of the wrong orientation.
+#[test]
+fn gpt_oss_bf16_fused_tensor_shape() {
+    let dir = copy_fixture("gpt-oss-tiny-bf16");
+    edit_header(&dir.join("model.safetensors"), |h| {
+        h["model.layers.2.mlp.experts.gate_up_proj"]["shape"] = json!([8, 128, 64]);
+    });
+    assert_has(
+        problems(&load_error(&dir)),
+        "tensor model.layers.2.mlp.experts.gate_up_proj: expected shape [8, 64, 128], found bf16[8, 128, 64]",
+    );
 }
 
 #[test]

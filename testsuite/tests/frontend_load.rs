@@ -315,3 +315,36 @@ fn tokenizer_matches_transformers() {
 fn fixtures_without_tokenizer_json_have_none() {
     assert!(load_fixture("qwen2-bias").tokenizer.is_none());
 }
+
+/// gpt-oss in both layouts: windowed attention with sinks on the sliding layers (0 and 2),
+/// full attention with sinks on the others, YaRN rope, a biased router and eight experts of
+/// `matvec, matvec, swiglu, matvec` with biases; the release layout's expert matrices stay MXFP4
+/// (the same values as the bf16 layout's). The printed IR parses back to the same text.
+#[test]
+fn gpt_oss_layouts_lower_alike() {
+    let mut printed = Vec::new();
+    for (name, expert_dtype) in [("gpt-oss-tiny-bf16", DType::BF16), ("gpt-oss-tiny-mxfp4", DType::Mxfp4)] {
+        let module = load_fixture(name).module;
+        let attention: Vec<(Option<u32>, bool)> = module
+            .body
+            .iter()
+            .filter_map(|(_, i)| match i.op {
+                Op::Attention { window, sinks, .. } => Some((window, sinks.is_some())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(attention, [(Some(8), true), (None, true), (Some(8), true), (None, true)], "{name}");
+        assert_eq!(module.body.iter().filter(|(_, i)| i.op.name() == "swiglu").count(), 4 * 8, "{name}");
+        let gate = module.weight_by_name("model.layers.3.mlp.experts.5.gate_proj.weight").unwrap();
+        assert_eq!(module.weights[gate].ty, waferc_ir::TensorType::new(expert_dtype, [64, 64]), "{name}");
+        let text = waferc_ir::text::print(&module);
+        assert!(
+            text.contains("scaling=yarn factor=32.0 beta_fast=32.0 beta_slow=1.0 original_max_position=64"),
+            "{text}"
+        );
+        let parsed = waferc_ir::text::parse(&text).unwrap();
+        assert_eq!(waferc_ir::text::print(&parsed), text, "{name}: text round trip");
+        printed.push(text.replace("mxfp4[", "bf16["));
+    }
+    assert_eq!(printed[0], printed[1], "the two layouts lower to the same program");
+}

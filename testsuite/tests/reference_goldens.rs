@@ -121,6 +121,16 @@ fn mixtral_sharded_bf16() {
     check_fixture("mixtral-sharded-bf16");
 }
 
+#[test]
+fn gpt_oss_tiny_bf16() {
+    check_fixture("gpt-oss-tiny-bf16");
+}
+
+#[test]
+fn gpt_oss_tiny_mxfp4() {
+    check_fixture("gpt-oss-tiny-mxfp4");
+}
+
 /// Every fixture directory has a test above.
 #[test]
 fn every_fixture_is_checked() {
@@ -133,6 +143,8 @@ fn every_fixture_is_checked() {
     assert_eq!(
         names,
         [
+            "gpt-oss-tiny-bf16",
+            "gpt-oss-tiny-mxfp4",
             "llama-tiny-tok",
             "llama31-gqa-bf16",
             "mixtral-sharded-bf16",

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde_json::json;
-use waferc_ir::wafer::{artifact, Plan, WaferProgram};
+use waferc_ir::wafer::{artifact, Plan, RegionKind, WaferProgram};
+use waferc_ir::{DType, Handle, Module};
 use waferc_passes::wafer::{self as lowering, CompileOptions, ExpertOrder};
 use waferc_passes::{registry, PassManager, PassRecord, PassReport};
 use waferc_targets::Target;
@@ -41,9 +42,15 @@ pub struct CompileArgs {
     #[arg(short, long)]
     pub output: PathBuf,
     /// IR passes to run before lowering, comma-separated with their arguments
-    /// (e.g. "quantize q8_0, dce"): `verify`, `dce`, `quantize q8_0|q4_0 [embedding]`.
-    #[arg(long, default_value = "")]
-    pub passes: String,
+    /// (e.g. "quantize q8_0, dce"): `verify`, `rewrite`, `dce`,
+    /// `quantize FORMAT[:WHAT]...` (FORMAT q8_0|q4_0|q4_1; WHAT layers, embedding, lm_head joined
+    /// by +, or all; a bare FORMAT is every matvec weight but a tied LM head).
+    /// Without it, the default pipeline runs: `rewrite, dce`.
+    #[arg(long)]
+    pub passes: Option<String>,
+    /// Leave this pass out of the pipeline (default or `--passes`); repeatable.
+    #[arg(long)]
+    pub skip_pass: Vec<String>,
     /// The matvec plan: `tiled` (default: each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
     /// `stacked:K` (K consecutive layers per region, every matvec tiled over the whole region).
@@ -96,7 +103,8 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     let start = Instant::now();
     let target = Target::resolve(&args.target)?;
     let plan = parse_plan(&args.plan)?;
-    let passes = registry::parse_pipeline(&args.passes)?;
+    let spec = args.passes.as_deref().unwrap_or(registry::DEFAULT_PIPELINE);
+    let passes = registry::without_passes(registry::parse_pipeline(spec)?, &args.skip_pass)?;
     for name in &args.print_after {
         let known = name == waferc_passes::INPUT_LABEL || passes.iter().any(|p| p.name() == name);
         if !known {
@@ -147,7 +155,7 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     if args.time_passes {
         eprint!("{}", report.time_table());
     }
-    let summary = Summary::of(&compiled.program, &args, &report, start.elapsed());
+    let summary = Summary::of(&compiled.program, &compiled.module, &args, &report, start.elapsed());
     if args.json {
         println!("{}", summary.json());
     } else {
@@ -177,6 +185,7 @@ fn timed<T>(name: &str, stage: impl FnOnce() -> T) -> (T, PassRecord) {
             peak_rss: after,
             peak_rss_growth: growth,
             text: None,
+            changes: None,
         },
     )
 }
@@ -198,11 +207,85 @@ struct Summary {
     artifact_bytes: u64,
     seconds: f64,
     passes: Vec<serde_json::Value>,
+    formats: Vec<FormatUse>,
+    pes_without_weights: usize,
+}
+
+/// What one weight storage format takes in a compiled program.
+struct FormatUse {
+    dtype: DType,
+    /// Weights of the module stored in it.
+    weights: usize,
+    /// Their bytes as stored (packed blocks for a quantised format).
+    bytes: u64,
+    /// Bytes of their tiles on the wafer (more than `bytes` when a weight is placed twice, as a
+    /// table tied to the LM head is: once for `embed`, once for the head's matvec).
+    tile_bytes: u64,
+    /// PEs holding at least one tile of them (a PE holding two formats counts for each).
+    pes: usize,
+    /// Those PEs as a share of one wafer.
+    wafers: f64,
+}
+
+/// Per storage format: the module's weights in it and the PEs its tiles occupy, in
+/// [`DType::ALL`] order; also the PEs that hold no weight tile (KV caches, vectors).
+fn weight_formats(program: &WaferProgram, module: &Module) -> (Vec<FormatUse>, usize) {
+    let wafer_pes = (program.target.grid_cols as u64 * program.target.grid_rows as u64).max(1) as f64;
+    let dtype_of = |weight: u32| module.weights.get(Handle::new(weight as usize)).map(|w| w.ty.dtype);
+    let mut pes_without_weights = 0;
+    let mut pes_per_dtype = vec![0usize; DType::ALL.len()];
+    let mut tile_bytes = vec![0u64; DType::ALL.len()];
+    for image in &program.pes {
+        let mut held = vec![false; DType::ALL.len()];
+        for region in &image.regions {
+            if let RegionKind::Weight { weight, blob, .. } = &region.kind {
+                if let Some(index) = dtype_of(*weight).and_then(|d| DType::ALL.iter().position(|&x| x == d)) {
+                    held[index] = true;
+                    tile_bytes[index] += blob.end - blob.start;
+                }
+            }
+        }
+        if !held.contains(&true) {
+            pes_without_weights += 1;
+        }
+        for (count, held) in pes_per_dtype.iter_mut().zip(held) {
+            *count += usize::from(held);
+        }
+    }
+    let formats = DType::ALL
+        .iter()
+        .zip(pes_per_dtype)
+        .zip(tile_bytes)
+        .filter_map(|((&dtype, pes), tile_bytes)| {
+            let stored: Vec<u64> = module
+                .weights
+                .iter()
+                .filter(|(_, w)| w.ty.dtype == dtype)
+                .map(|(_, w)| w.ty.bytes().unwrap_or(0))
+                .collect();
+            (!stored.is_empty()).then(|| FormatUse {
+                dtype,
+                weights: stored.len(),
+                bytes: stored.iter().sum(),
+                tile_bytes,
+                pes,
+                wafers: pes as f64 / wafer_pes,
+            })
+        })
+        .collect();
+    (formats, pes_without_weights)
 }
 
 impl Summary {
-    fn of(program: &WaferProgram, args: &CompileArgs, report: &PassReport, elapsed: Duration) -> Summary {
+    fn of(
+        program: &WaferProgram,
+        module: &Module,
+        args: &CompileArgs,
+        report: &PassReport,
+        elapsed: Duration,
+    ) -> Summary {
         let t = &program.target;
+        let (formats, pes_without_weights) = weight_formats(program, module);
         Summary {
             output: args.output.clone(),
             target: t.name.clone(),
@@ -220,8 +303,24 @@ impl Summary {
             passes: report
                 .records
                 .iter()
-                .map(|r| json!({ "name": r.name, "wall_seconds": (r.wall + r.verify_wall).as_secs_f64(), "peak_rss_bytes": r.peak_rss }))
+                .map(|r| {
+                    let changes = r.changes.map(|c| {
+                        json!({
+                            "instrs": [c.instrs.0, c.instrs.1],
+                            "matvecs": [c.matvecs.0, c.matvecs.1],
+                            "weight_bytes": [c.weight_bytes.0, c.weight_bytes.1],
+                        })
+                    });
+                    json!({
+                        "name": r.name,
+                        "wall_seconds": (r.wall + r.verify_wall).as_secs_f64(),
+                        "peak_rss_bytes": r.peak_rss,
+                        "changes": changes,
+                    })
+                })
                 .collect(),
+            formats,
+            pes_without_weights,
         }
     }
 
@@ -241,17 +340,42 @@ impl Summary {
             "artifact_bytes": self.artifact_bytes,
             "compile_seconds": self.seconds,
             "passes": self.passes,
+            "weight_formats": self.formats.iter().map(|f| json!({
+                "dtype": f.dtype.name(),
+                "weights": f.weights,
+                "bytes": f.bytes,
+                "tile_bytes": f.tile_bytes,
+                "pes": f.pes,
+                "wafers": f.wafers,
+            })).collect::<Vec<_>>(),
+            "pes_without_weights": self.pes_without_weights,
         })
     }
 
     fn text(&self) -> String {
+        let mut formats = String::new();
+        for f in &self.formats {
+            formats.push_str(&format!(
+                "\n  {:<5} {:>5} weights {:>10.2} MB, tiles {:>10.2} MB on {:>9} PEs ({:.3} wafers)",
+                f.dtype.name(),
+                f.weights,
+                f.bytes as f64 / 1e6,
+                f.tile_bytes as f64 / 1e6,
+                f.pes,
+                f.wafers
+            ));
+        }
+        formats.push_str(&format!(
+            "\n  no weight tile (KV caches, vectors only) {:>22} on {:>9} PEs",
+            "", self.pes_without_weights
+        ));
         let sequences = match self.max_sequences {
             1 => String::new(),
             n => format!(" x {n} sequences"),
         };
         let experts = self.expert_placement.as_ref().map(|e| format!("\n{e}")).unwrap_or_default();
         format!(
-            "compiled for {} ({} plan, KV capacity {} positions{sequences}): {} of {} PEs ({:.1}%), {} routes, {:.2} MB of weight tiles{}{experts}\nwrote {} ({:.2} MB) in {:.2} s",
+            "compiled for {} ({} plan, KV capacity {} positions{sequences}): {} of {} PEs ({:.1}%), {} routes, {:.2} MB of weight tiles{}{experts}\nweights by storage format (a PE holding two formats counts for each):{}\nwrote {} ({:.2} MB) in {:.2} s",
             self.target,
             self.plan,
             self.max_context,
@@ -261,6 +385,7 @@ impl Summary {
             self.routes,
             self.tile_bytes as f64 / 1e6,
             if self.weights_present { "" } else { " (shape-only: no weight bytes packed)" },
+            formats,
             self.output.display(),
             self.artifact_bytes as f64 / 1e6,
             self.seconds

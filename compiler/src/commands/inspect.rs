@@ -98,8 +98,32 @@ fn modeled_speed(compiled: &artifact::Artifact) -> anyhow::Result<String> {
     let mut executor = Executor::new(&compiled.program, &compiled.module, None, options)?;
     executor.step(0)?;
     let report = executor.timing_report(1).context("the executor ran no step")?;
-    Ok(format!(
+    let mut text = format!(
         "{:.0} tokens/s decode ({} cycles per token at position 0, timing-only)",
         report.modeled_decode_tok_s, report.cycles_per_token
-    ))
+    );
+    text += "\n  critical path by layer (cycles: total = compute + communication + waiting for links):";
+    for layer in &report.layers {
+        let name = layer.layer.map_or("outside layers".to_string(), |l| format!("layer {l}"));
+        text += &format!(
+            "\n    {name}: {} = {} + {} + {}",
+            layer.cycles, layer.compute_cycles, layer.comm_cycles, layer.wait_cycles
+        );
+    }
+    text += "\n  the ten most expensive steps:";
+    for span in &report.costliest_steps {
+        let layer = span.layer.map_or("-".to_string(), |l| l.to_string());
+        text += &format!(
+            "\n    step {} {} %{} {:?} (layer {layer}): {} cycles = {} + {} + {}",
+            span.step,
+            span.op,
+            span.instr,
+            span.phase,
+            span.duration_cycles,
+            span.compute_cycles,
+            span.comm_cycles,
+            span.wait_cycles
+        );
+    }
+    Ok(text)
 }

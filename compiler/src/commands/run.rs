@@ -196,7 +196,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "text": text_of(&outcome.tokens)?,
                 "modeled_decode_tok_s": r.modeled_decode_tok_s,
                 "modeled_ttft_us": r.modeled_ttft_us,
+                "modeled_ttft_prefill_us": r.modeled_ttft_prefill_us,
+                "prefill": r.prefill,
                 "cycles_per_token": r.cycles_per_token,
+                "layers": r.layers,
+                "mean_layer": r.mean_layer,
+                "costliest_steps": r.costliest_steps,
                 "busiest_pes": r.busiest_pes,
                 "busiest_links": r.busiest_links,
             });
@@ -355,6 +360,17 @@ pub(super) fn describe_timing(r: &TimingReport) -> String {
         "modeled on {}: {} cycles per token, {:.0} tokens/s decode, time to first token {:.1} us ({} prompt tokens), {} PEs",
         r.target, r.cycles_per_token, r.modeled_decode_tok_s, r.modeled_ttft_us, r.prompt_tokens, r.pes_used
     );
+    if let Some(layer) = &r.mean_layer {
+        text += &format!(
+            "\nper layer (critical path, mean): {} cycles = {} compute + {} communication + {} waiting for links",
+            layer.cycles, layer.compute_cycles, layer.comm_cycles, layer.wait_cycles
+        );
+    }
+    for prefill in &r.prefill {
+        if let Some(us) = prefill.ttft_us {
+            text += &format!("\nprefill of {} prompt tokens (batched, pipelined): {us:.1} us", prefill.prompt_tokens);
+        }
+    }
     if let Some(link) = r.busiest_links.first() {
         text += &format!(
             "\nbusiest link: {} -> {}, {} bytes/token ({:.1}% busy)",

@@ -1,7 +1,10 @@
 //! The executor's modeled timeline as a Chrome trace-event file (the JSON object format that
 //! Perfetto and chrome://tracing read): one process for the wafer, one track per decoder layer
 //! (plus one for the embedding and head, and one for whole tokens), a complete event ("X") per
-//! schedule step, named by op and phase, categorised as compute or collective.
+//! schedule step, named by op and phase, categorised as compute or collective, with its compute,
+//! communication and waiting cycles as args; a nested "waiting for links" slice (category `wait`)
+//! at the end of a step shows how much later link contention made it end; each token's slice
+//! carries its critical path by layer (compute, communication, waiting).
 
 use std::collections::BTreeSet;
 
@@ -37,7 +40,16 @@ pub fn chrome_trace(program: &WaferProgram, steps: &[StepTiming]) -> Value {
             "tid": TOKEN_TRACK,
             "ts": micros(offset),
             "dur": micros(step.cycles),
-            "args": { "cycles": step.cycles },
+            "args": {
+                "cycles": step.cycles,
+                "critical_path": step.layers.iter().map(|l| json!({
+                    "layer": l.layer,
+                    "cycles": l.cycles,
+                    "compute_cycles": l.compute_cycles,
+                    "comm_cycles": l.comm_cycles,
+                    "wait_cycles": l.wait_cycles,
+                })).collect::<Vec<_>>(),
+            },
         }));
         for span in &step.spans {
             layers.insert(span.layer);
@@ -47,6 +59,7 @@ pub fn chrome_trace(program: &WaferProgram, steps: &[StepTiming]) -> Value {
                 "cycles": span.duration_cycles,
                 "compute_cycles": span.compute_cycles,
                 "comm_cycles": span.comm_cycles,
+                "wait_cycles": span.wait_cycles,
                 "pes": span.pes,
                 "routes": span.routes,
             });
@@ -63,6 +76,20 @@ pub fn chrome_trace(program: &WaferProgram, steps: &[StepTiming]) -> Value {
                 "dur": micros(span.duration_cycles),
                 "args": args,
             }));
+            // Waiting for busy links, nested at the end of the step it delays.
+            if span.wait_cycles > 0 {
+                let start = span.start_cycle + span.duration_cycles - span.wait_cycles;
+                events.push(json!({
+                    "name": format!("{} %{} {:?} waiting for links", span.op, span.instr, span.phase),
+                    "cat": "wait",
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": track_of(span.layer),
+                    "ts": micros(offset + start),
+                    "dur": micros(span.wait_cycles),
+                    "args": { "cycles": span.wait_cycles, "step": span.step },
+                }));
+            }
         }
         offset += step.cycles;
     }

@@ -11,7 +11,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 use waferc_ir::{Rope, RopeScaling};
 
-use super::{Architecture, FrontendError, ModelConfig, MoeConfig};
+use super::{Architecture, FrontendError, ModelConfig, MoeConfig, SlidingWindow};
 
 /// Reads and parses `path` (a `config.json`).
 pub fn read_config(path: &Path) -> Result<ModelConfig, FrontendError> {
@@ -52,13 +52,14 @@ pub fn parse_config(text: &str, file: &Path) -> Result<ModelConfig, FrontendErro
     }
 }
 
-const ALL_ARCHITECTURES: [Architecture; 6] = [
+const ALL_ARCHITECTURES: [Architecture; 7] = [
     Architecture::Llama,
     Architecture::Mistral,
     Architecture::Qwen2,
     Architecture::Qwen3,
     Architecture::Mixtral,
     Architecture::Qwen3Moe,
+    Architecture::GptOss,
 ];
 
 fn architecture(model_type: &str) -> Option<Architecture> {
@@ -82,6 +83,7 @@ fn parse_fields(arch: Architecture, f: &Fields, problems: &mut Vec<String>) -> O
         Got::Invalid => None,
         // Qwen3's configuration class defaults head_dim to 128; the others derive it.
         Got::Absent if arch == Qwen3 => Some(128),
+        Got::Absent if arch == GptOss => Some(64),
         Got::Absent => match (hidden_size, num_heads) {
             (Some(hidden), Some(heads)) if hidden % heads == 0 => Some(hidden / heads),
             (Some(hidden), Some(heads)) => {
@@ -102,7 +104,7 @@ fn parse_fields(arch: Architecture, f: &Fields, problems: &mut Vec<String>) -> O
         p.push(format!("head_dim {d} must be even (rotary embeddings rotate pairs)"));
     }
 
-    let default_eps = if arch == Mixtral { 1e-5 } else { 1e-6 };
+    let default_eps = if matches!(arch, Mixtral | GptOss) { 1e-5 } else { 1e-6 };
     let rms_norm_eps = f.optional(p, "rms_norm_eps", "a positive number", positive_f32).or_default(Some(default_eps));
     match f.optional(p, "hidden_act", "a string", Value::as_str) {
         // transformers' "swish" is the same SiLU.
@@ -115,6 +117,13 @@ fn parse_fields(arch: Architecture, f: &Fields, problems: &mut Vec<String>) -> O
         // Qwen2's q/k/v projections always carry biases; it has no field for it.
         Qwen2 => true,
         Mistral | Mixtral => false,
+        // gpt-oss's q/k/v/o projections carry biases; its configuration class defaults to that.
+        GptOss => {
+            if f.optional(p, "attention_bias", "a boolean", Value::as_bool).or_default(Some(true)) == Some(false) {
+                p.push("attention_bias false is not supported for gpt_oss (its release has biases)".to_string());
+            }
+            true
+        }
         Llama | Qwen3 | Qwen3Moe => {
             if f.optional(p, "attention_bias", "a boolean", Value::as_bool).or_default(Some(false)) == Some(true) {
                 p.push("attention_bias true (biases on q/k/v/o projections) is not supported".to_string());
@@ -128,18 +137,18 @@ fn parse_fields(arch: Architecture, f: &Fields, problems: &mut Vec<String>) -> O
 
     let default_max_position = match arch {
         Llama => 2048,
-        Mistral | Mixtral => 131_072,
+        Mistral | Mixtral | GptOss => 131_072,
         Qwen2 | Qwen3 | Qwen3Moe => 32_768,
     };
     let max_position = f
         .optional(p, "max_position_embeddings", "a positive integer", positive_u32)
         .or_default(Some(default_max_position));
-    check_sliding_window(arch, f, num_layers, max_position, p);
+    let sliding_window = parse_sliding_window(arch, f, num_layers, max_position, p);
     let rope = parse_rope(f, max_position, p);
 
     let (default_bos, default_eos) = match arch {
         Llama | Mistral | Mixtral => (Some(1), vec![2]),
-        Qwen2 | Qwen3 | Qwen3Moe => (None, vec![]),
+        Qwen2 | Qwen3 | Qwen3Moe | GptOss => (None, vec![]),
     };
     let bos_token_id = match f.optional(p, "bos_token_id", "a token id", as_u32) {
         Got::Value(id) => Some(id),
@@ -155,7 +164,7 @@ fn parse_fields(arch: Architecture, f: &Fields, problems: &mut Vec<String>) -> O
     };
 
     let moe = match arch {
-        Mixtral | Qwen3Moe => parse_moe(arch, f, num_layers, intermediate_size, p).map(Some),
+        Mixtral | Qwen3Moe | GptOss => parse_moe(arch, f, num_layers, intermediate_size, p).map(Some),
         Llama | Mistral | Qwen2 | Qwen3 => Some(None),
     };
 
@@ -172,6 +181,8 @@ fn parse_fields(arch: Architecture, f: &Fields, problems: &mut Vec<String>) -> O
         rope: rope?,
         tie_word_embeddings: tie_word_embeddings?,
         attention_bias,
+        attention_sinks: arch == GptOss,
+        sliding_window: sliding_window?,
         qk_norm: matches!(arch, Qwen3 | Qwen3Moe),
         moe: moe?,
         bos_token_id,
@@ -179,41 +190,44 @@ fn parse_fields(arch: Architecture, f: &Fields, problems: &mut Vec<String>) -> O
     })
 }
 
-/// Reports a sliding window that would change attention at some position the model supports.
+/// The sliding window in force, if it changes attention at some position the model supports
+/// (`Some(None)`: none; `None`: a field it depends on is unusable, its problem recorded).
 /// Mistral and Mixtral apply `sliding_window` to every layer when it is set (Mistral's default is
 /// 4096); the Qwen models only when `use_sliding_window` is on, and Qwen2/Qwen3 only on the layers
-/// `layer_types` (or `max_window_layers`) marks as sliding.
-fn check_sliding_window(
+/// `layer_types` (or `max_window_layers`) marks as sliding; gpt-oss on the layers `layer_types`
+/// marks (by default every other layer, starting with the first; window 128).
+fn parse_sliding_window(
     arch: Architecture,
     f: &Fields,
     num_layers: Option<u32>,
     max_position: Option<u32>,
     p: &mut Vec<String>,
-) {
+) -> Option<Option<SlidingWindow>> {
     use Architecture::*;
     // An unusable max_position_embeddings is already reported.
-    let Some(max_position) = max_position else { return };
+    let max_position = max_position?;
     let default_window = match arch {
-        Llama => return,
+        Llama => return Some(None),
         Mistral | Qwen2 | Qwen3 | Qwen3Moe => Some(4096),
+        GptOss => Some(128),
         Mixtral => None,
     };
     let window = match f.optional(p, "sliding_window", "a positive integer", positive_u32) {
         Got::Value(w) => Some(w),
         Got::Absent if f.is_null("sliding_window") => None,
         Got::Absent => default_window,
-        Got::Invalid => return,
+        Got::Invalid => return None,
     };
     let enabled = match arch {
-        Mistral | Mixtral => true,
+        Mistral | Mixtral | GptOss => true,
         _ => match f.optional(p, "use_sliding_window", "a boolean", Value::as_bool) {
             Got::Value(on) => on,
             Got::Absent => false,
-            Got::Invalid => return,
+            Got::Invalid => return None,
         },
     };
     let layer_types = match arch {
-        Qwen2 | Qwen3 => f.optional(p, "layer_types", "a list of strings", string_list),
+        Qwen2 | Qwen3 | GptOss => f.optional(p, "layer_types", "a list of strings", string_list),
         _ => Got::Absent,
     };
     let mut sliding_layers = Vec::new();
@@ -226,11 +240,13 @@ fn check_sliding_window(
                 match t.as_str() {
                     "full_attention" => {}
                     "sliding_attention" => sliding_layers.push(layer as u32),
-                    other => p.push(format!("layer_types[{layer}] `{other}` is not supported (only full_attention)")),
+                    other => p.push(format!(
+                        "layer_types[{layer}] `{other}` is not supported (full_attention or sliding_attention)"
+                    )),
                 }
             }
         }
-        Got::Invalid => return,
+        Got::Invalid => return None,
         Got::Absent => {
             let all_layers = 0..num_layers.unwrap_or(0);
             sliding_layers = match arch {
@@ -238,23 +254,21 @@ fn check_sliding_window(
                     let first = match f.optional(p, "max_window_layers", "an integer", as_u32) {
                         Got::Value(n) => n,
                         Got::Absent => 28,
-                        Got::Invalid => return,
+                        Got::Invalid => return None,
                     };
                     all_layers.filter(|&l| l >= first).collect()
                 }
+                GptOss => all_layers.filter(|l| l % 2 == 0).collect(),
                 _ => all_layers.collect(),
             };
         }
     }
-    let (Some(window), true) = (window, enabled) else { return };
+    let (Some(window), true) = (window, enabled) else { return Some(None) };
     // A window at least as long as the longest context never drops a position.
     if window >= max_position || sliding_layers.is_empty() {
-        return;
+        return Some(None);
     }
-    p.push(format!(
-        "sliding_window {window} is in force on layers {sliding_layers:?} (max_position_embeddings {max_position}); \
-         only full attention is supported"
-    ));
+    Some(Some(SlidingWindow { window, layers: sliding_layers }))
 }
 
 /// Rotary embedding parameters, from either layout: `rope_theta` + `rope_scaling` (older hub
@@ -325,8 +339,33 @@ fn parse_rope(f: &Fields, max_position: Option<u32>, p: &mut Vec<String>) -> Opt
                 original_max_position: original?,
             })
         }
+        "yarn" => {
+            let factor = r.required(p, "factor", "a positive number", positive_f32);
+            let beta_fast = r.optional(p, "beta_fast", "a positive number", positive_f32).or_default(Some(32.0));
+            let beta_slow = r.optional(p, "beta_slow", "a positive number", positive_f32).or_default(Some(1.0));
+            let original = r
+                .optional(p, "original_max_position_embeddings", "a positive integer", positive_u32)
+                .or_default(max_position);
+            let truncate = r.optional(p, "truncate", "a boolean", Value::as_bool).or_default(Some(true));
+            for key in ["attention_factor", "mscale", "mscale_all_dim"] {
+                if r.get(key).is_some() {
+                    p.push(format!(
+                        "{params_key}.{key} is not supported (yarn's attention factor is 0.1 ln(factor) + 1)"
+                    ));
+                }
+            }
+            Some(RopeScaling::Yarn {
+                factor: factor?,
+                beta_fast: beta_fast?,
+                beta_slow: beta_slow?,
+                original_max_position: original?,
+                truncate: truncate?,
+            })
+        }
         other => {
-            p.push(format!("{params_key}.rope_type `{other}` is not supported (supported: default, linear, llama3)"));
+            p.push(format!(
+                "{params_key}.rope_type `{other}` is not supported (supported: default, linear, llama3, yarn)"
+            ));
             None
         }
     };
@@ -343,7 +382,7 @@ fn parse_moe(
 ) -> Option<MoeConfig> {
     // Mixtral calls it num_local_experts, Qwen3-MoE num_experts; each accepts the other's name.
     let (primary, alias) = match arch {
-        Architecture::Mixtral => ("num_local_experts", "num_experts"),
+        Architecture::Mixtral | Architecture::GptOss => ("num_local_experts", "num_experts"),
         _ => ("num_experts", "num_local_experts"),
     };
     let num_experts = match (
@@ -391,7 +430,36 @@ fn parse_moe(
         // Mixtral's experts are as wide as intermediate_size, and it always renormalises.
         _ => (intermediate_size, Some(true), Some(vec![])),
     };
+    let gpt_oss_experts = match arch {
+        Architecture::GptOss => {
+            let alpha = f.optional(p, "swiglu_alpha", "a positive number", positive_f32).or_default(Some(1.702));
+            let limit = f.optional(p, "swiglu_limit", "a positive number", positive_f32).or_default(Some(7.0));
+            Some(Some((alpha?, limit?)))
+        }
+        _ => Some(None),
+    };
+    // Other families' quantization_config (bitsandbytes and such) is not read.
+    let quantization = f.get("quantization_config").filter(|_| arch == Architecture::GptOss);
+    let mxfp4_experts = match quantization {
+        None => Some(false),
+        Some(Value::Object(q)) => match q.get("quant_method").and_then(Value::as_str) {
+            Some("mxfp4") => Some(true),
+            other => {
+                p.push(format!(
+                    "quantization_config.quant_method {} is not supported (only mxfp4, for gpt_oss)",
+                    other.map_or("(absent)".to_string(), |m| format!("`{m}`"))
+                ));
+                None
+            }
+        },
+        Some(v) => {
+            p.push(format!("field `quantization_config` must be an object, found {}", kind(v)));
+            None
+        }
+    };
     Some(MoeConfig {
+        gpt_oss_experts: gpt_oss_experts?,
+        mxfp4_experts: mxfp4_experts?,
         num_experts: num_experts?,
         top_k: top_k?,
         expert_intermediate_size: expert_intermediate_size?,
@@ -633,7 +701,9 @@ mod tests {
                 top_k: 2,
                 expert_intermediate_size: 128,
                 normalize_top_k: true,
-                dense_layers: vec![]
+                dense_layers: vec![],
+                gpt_oss_experts: None,
+                mxfp4_experts: false,
             })
         );
         assert_eq!(c.rms_norm_eps, 1e-5);
@@ -677,26 +747,53 @@ mod tests {
 
     #[test]
     fn sliding_windows_only_when_in_force() {
+        let window = |json: Value| parse(json).unwrap().sliding_window.map(|w| (w.window, w.layers));
         // Mistral's window applies to every layer, unless it covers the whole context.
         // (transformers' defaults: a 4096 window, 131072 positions.)
-        let in_force = problems(config("mistral", serde_json::json!({})));
-        assert_eq!(
-            in_force,
-            ["sliding_window 4096 is in force on layers [0, 1, 2, 3] (max_position_embeddings 131072); \
-              only full attention is supported"]
-        );
+        assert_eq!(window(config("mistral", serde_json::json!({}))), Some((4096, vec![0, 1, 2, 3])));
         let covering = serde_json::json!({"sliding_window": 32768, "max_position_embeddings": 32768});
-        assert!(parse(config("mistral", covering)).is_ok());
-        assert!(parse(config("mistral", serde_json::json!({"sliding_window": null}))).is_ok());
+        assert_eq!(window(config("mistral", covering)), None);
+        assert_eq!(window(config("mistral", serde_json::json!({"sliding_window": null}))), None);
         // Qwen: only with use_sliding_window, and only from max_window_layers on.
         let off = serde_json::json!({"sliding_window": 128, "use_sliding_window": false});
-        assert!(parse(config("qwen2", off)).is_ok());
+        assert_eq!(window(config("qwen2", off)), None);
         let late = serde_json::json!({"sliding_window": 128, "use_sliding_window": true, "max_window_layers": 4});
-        assert!(parse(config("qwen3", late)).is_ok());
+        assert_eq!(window(config("qwen3", late)), None);
         let on = serde_json::json!({"sliding_window": 128, "use_sliding_window": true, "max_window_layers": 3});
+        assert_eq!(window(config("qwen3", on)), Some((128, vec![3])));
+        // gpt-oss: every other layer from the first by default, window 128.
+        let gpt_oss = serde_json::json!({"num_local_experts": 8, "num_experts_per_tok": 2});
+        assert_eq!(window(config("gpt_oss", gpt_oss)), Some((128, vec![0, 2])));
+    }
+
+    #[test]
+    fn gpt_oss_fields() {
+        let release = serde_json::json!({"num_local_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": 5.0,
+            "quantization_config": {"quant_method": "mxfp4"},
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false}, "rope_theta": 150000.0});
+        let c = parse(config("gpt_oss", release)).unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!((moe.gpt_oss_experts, moe.mxfp4_experts, moe.normalize_top_k), (Some((1.702, 5.0)), true, true));
+        assert!(c.attention_bias && c.attention_sinks);
         assert_eq!(
-            problems(config("qwen3", on)),
-            ["sliding_window 128 is in force on layers [3] (max_position_embeddings 32768); only full attention is supported"]
+            c.rope.scaling,
+            RopeScaling::Yarn {
+                factor: 32.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                original_max_position: 4096,
+                truncate: false
+            }
+        );
+        let other = serde_json::json!({"num_local_experts": 8, "num_experts_per_tok": 2,
+            "quantization_config": {"quant_method": "fp8"}, "rope_scaling": {"rope_type": "yarn"}});
+        assert_eq!(
+            problems(config("gpt_oss", other)),
+            [
+                "missing field `rope_scaling.factor` (a positive number)",
+                "quantization_config.quant_method `fp8` is not supported (only mxfp4, for gpt_oss)",
+            ]
         );
     }
 
@@ -726,7 +823,7 @@ mod tests {
         let p = problems(serde_json::json!({"model_type": "gemma2", "hidden_size": "x"}));
         assert_eq!(
             p,
-            ["model_type `gemma2` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe)"]
+            ["model_type `gemma2` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, gpt_oss)"]
         );
     }
 

@@ -108,6 +108,8 @@ fn model_config(file: &GgufFile, problems: &mut Vec<String>) -> Option<ModelConf
         rope: Rope { theta: theta as f32, scaling },
         tie_word_embeddings: !file.tensors.iter().any(|t| t.name == "output.weight"),
         attention_bias: false,
+        attention_sinks: false,
+        sliding_window: None,
         qk_norm: false,
         moe: None,
         bos_token_id,

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use super::config::read_config;
 use super::lower::lower_with_unusable;
-use super::safetensors::read_checkpoint_dir;
+use super::safetensors::{pair_mxfp4, read_checkpoint_dir};
 use super::tokenizer::Tokenizer;
 use super::{Checkpoint, LoadedModel};
 
@@ -15,7 +15,10 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// Reads, checks and lowers the checkpoint in `dir`.
 pub fn load(dir: &Path) -> Result<LoadedModel, super::FrontendError> {
     let config = read_config(&dir.join(CONFIG_FILE))?;
-    let read = read_checkpoint_dir(dir)?;
+    let mut read = read_checkpoint_dir(dir)?;
+    if config.moe.as_ref().is_some_and(|moe| moe.mxfp4_experts) {
+        pair_mxfp4(&mut read);
+    }
     let checkpoint = Checkpoint { config, tensors: read.tensors, path: dir.to_path_buf() };
     let module = lower_with_unusable(&checkpoint, &read.unusable)?;
     let tokenizer_path = dir.join(TOKENIZER_FILE);

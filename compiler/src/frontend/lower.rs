@@ -15,7 +15,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use waferc_ir::{Handle, KvCache, ModelMeta, Module, Op, Value, Weight};
+use waferc_ir::{DType, Handle, KvCache, ModelMeta, Module, Op, TensorType, Value, Weight, WeightBytes};
 
 use super::{Architecture, Checkpoint, FrontendError, ModelConfig, TensorEntry};
 
@@ -57,6 +57,29 @@ struct GatedMlp {
 enum FeedForward {
     Dense(GatedMlp),
     Moe { router: TensorSpec, top_k: u32, normalize: bool, experts: Vec<GatedMlp> },
+    GptOss(GptOssMoe),
+}
+
+/// gpt-oss's MoE block: a router with a bias, and all experts fused in four tensors (gate and up
+/// interleaved along one axis), each expert with biases and the clamped SwiGLU.
+#[derive(Debug)]
+struct GptOssMoe {
+    router: TensorSpec,
+    router_bias: TensorSpec,
+    /// transformers' layout `[E, H, 2I]`, or the MXFP4 release layout `[E, 2I, H]` (rows = outputs).
+    gate_up: TensorSpec,
+    gate_up_bias: TensorSpec,
+    /// `[E, I, H]`, or `[E, H, I]` in the release layout.
+    down: TensorSpec,
+    down_bias: TensorSpec,
+    experts: u32,
+    top_k: u32,
+    width: u64,
+    hidden: u64,
+    /// Rows are outputs (the release layout) rather than transformers' in-memory `[in, out]`.
+    rows_are_outputs: bool,
+    alpha: f32,
+    limit: f32,
 }
 
 #[derive(Debug)]
@@ -70,6 +93,10 @@ struct LayerPlan {
     /// Per-head q/k RMSNorm weights (Qwen3).
     qk_norm: Option<[TensorSpec; 2]>,
     o: TensorSpec,
+    /// The output projection's bias and the per-head sink logits (gpt-oss).
+    o_bias_and_sinks: Option<[TensorSpec; 2]>,
+    /// The sliding window, on a sliding layer.
+    window: Option<u32>,
     post_attention_norm: TensorSpec,
     ffn: FeedForward,
 }
@@ -115,6 +142,33 @@ impl ModelPlan {
                     )
                 };
                 let ffn = match &c.moe {
+                    Some(moe) if moe.gpt_oss_experts.is_some() => {
+                        let (e, width) = (moe.num_experts as u64, moe.expert_intermediate_size as u64);
+                        let (alpha, limit) = moe.gpt_oss_experts.unwrap_or_default();
+                        let experts = |what: &str| format!("{p}.mlp.experts.{what}");
+                        let release = moe.mxfp4_experts;
+                        FeedForward::GptOss(GptOssMoe {
+                            router: spec(format!("{p}.mlp.router.weight"), [e, hidden]),
+                            router_bias: spec(format!("{p}.mlp.router.bias"), [e]),
+                            gate_up: spec(
+                                experts("gate_up_proj"),
+                                if release { [e, 2 * width, hidden] } else { [e, hidden, 2 * width] },
+                            ),
+                            gate_up_bias: spec(experts("gate_up_proj_bias"), [e, 2 * width]),
+                            down: spec(
+                                experts("down_proj"),
+                                if release { [e, hidden, width] } else { [e, width, hidden] },
+                            ),
+                            down_bias: spec(experts("down_proj_bias"), [e, hidden]),
+                            experts: moe.num_experts,
+                            top_k: moe.top_k,
+                            width,
+                            hidden,
+                            rows_are_outputs: release,
+                            alpha,
+                            limit,
+                        })
+                    }
                     Some(moe) if !moe.dense_layers.contains(&layer) => {
                         let width = moe.expert_intermediate_size as u64;
                         // Mixtral: block_sparse_moe.{gate, experts.E.w1 (gate) / w3 (up) / w2 (down)};
@@ -150,6 +204,13 @@ impl ModelPlan {
                         [spec(attn("q_norm", "weight"), [head_dim]), spec(attn("k_norm", "weight"), [head_dim])]
                     }),
                     o: spec(attn("o_proj", "weight"), [hidden, q_width]),
+                    o_bias_and_sinks: c.attention_sinks.then(|| {
+                        [
+                            spec(attn("o_proj", "bias"), [hidden]),
+                            spec(format!("{p}.self_attn.sinks"), [c.num_heads as u64]),
+                        ]
+                    }),
+                    window: c.sliding_window.as_ref().filter(|w| w.layers.contains(&layer)).map(|w| w.window),
                     post_attention_norm: spec(format!("{p}.post_attention_layernorm.weight"), [hidden]),
                     ffn,
                 }
@@ -169,9 +230,15 @@ impl ModelPlan {
             all.extend([&l.input_norm, &l.q, &l.k, &l.v]);
             all.extend(l.qkv_bias.iter().flatten());
             all.extend(l.qk_norm.iter().flatten());
-            all.extend([&l.o, &l.post_attention_norm]);
+            all.push(&l.o);
+            all.extend(l.o_bias_and_sinks.iter().flatten());
+            all.push(&l.post_attention_norm);
             let mlps = match &l.ffn {
                 FeedForward::Dense(mlp) => std::slice::from_ref(mlp),
+                FeedForward::GptOss(m) => {
+                    all.extend([&m.router, &m.router_bias, &m.gate_up, &m.gate_up_bias, &m.down, &m.down_bias]);
+                    &[]
+                }
                 FeedForward::Moe { router, experts, .. } => {
                     all.push(router);
                     experts.as_slice()
@@ -288,6 +355,16 @@ fn edit_distance(a: &str, b: &str) -> usize {
     previous[b.len()]
 }
 
+/// The `size`-byte items of `tensor` at `indices`, concatenated (absent when the tensor is).
+fn gather(tensor: &TensorEntry, size: usize, indices: impl IntoIterator<Item = usize>) -> WeightBytes {
+    let Some(bytes) = tensor.data.bytes() else { return WeightBytes::Absent };
+    let mut out = Vec::new();
+    for index in indices {
+        out.extend_from_slice(&bytes[index * size..(index + 1) * size]);
+    }
+    WeightBytes::owned(out)
+}
+
 /// Emits the IR for a checked checkpoint.
 struct Builder<'a> {
     checkpoint: &'a Checkpoint,
@@ -384,8 +461,13 @@ impl<'a> Builder<'a> {
         let cache = self.module.add_cache(KvCache { layer: index, kv_heads, head_dim });
         // transformers' scaling is head_dim ** -0.5 in f64, applied as an f32 scalar.
         let scale = (1.0 / f64::from(head_dim).sqrt()) as f32;
-        let attended = self.push(Op::Attention { q, k, v, cache, heads, scale }, at)?;
-        let projected = self.matvec(attended, &plan.o, None, at)?;
+        let (o_bias, sinks) = match &plan.o_bias_and_sinks {
+            Some([bias, sinks]) => (Some(bias), Some(self.weight(sinks)?)),
+            None => (None, None),
+        };
+        let window = plan.window;
+        let attended = self.push(Op::Attention { q, k, v, cache, heads, scale, window, sinks }, at)?;
+        let projected = self.matvec(attended, &plan.o, o_bias, at)?;
         let x = self.push(Op::Add { a: x, b: projected }, at)?;
 
         let h = self.rms_norm(x, &plan.post_attention_norm, at)?;
@@ -401,8 +483,92 @@ impl<'a> Builder<'a> {
                 }
                 self.push(Op::ExpertCombine { routing, experts: outputs }, at)?
             }
+            FeedForward::GptOss(moe) => self.gpt_oss_moe(h, moe, at)?,
         };
         self.push(Op::Add { a: x, b: ffn }, at)
+    }
+
+    /// Router (with bias), top-k softmax over the chosen logits (the same function as a softmax
+    /// over all, top-k and renormalised: `RouterTopK` with `normalize`), then per expert
+    /// `down(swiglu(gate(x), up(x)))`, every projection with its bias.
+    fn gpt_oss_moe(&mut self, h: Value, moe: &GptOssMoe, at: Option<u32>) -> Result<Value, FrontendError> {
+        let logits = self.matvec(h, &moe.router, Some(&moe.router_bias), at)?;
+        let routing = self.push(Op::RouterTopK { logits, top_k: moe.top_k, normalize: true }, at)?;
+        let mut outputs = Vec::with_capacity(moe.experts as usize);
+        for expert in 0..moe.experts {
+            let w = self.expert_weights(moe, expert)?;
+            let x = self.push(Op::ExpertDispatch { x: h, routing, expert }, at)?;
+            let gate = self.push(Op::MatVec { x, weight: w[0], bias: Some(w[1]) }, at)?;
+            let up = self.push(Op::MatVec { x, weight: w[2], bias: Some(w[3]) }, at)?;
+            let act = self.push(Op::SwiGlu { gate, up, alpha: moe.alpha, limit: moe.limit }, at)?;
+            outputs.push(self.push(Op::MatVec { x: act, weight: w[4], bias: Some(w[5]) }, at)?);
+        }
+        self.push(Op::ExpertCombine { routing, experts: outputs }, at)
+    }
+
+    /// One expert's `[gate, gate bias, up, up bias, down, down bias]` cut out of the fused
+    /// tensors: gate rows are the even rows of gate_up (columns in transformers' layout), up the
+    /// odd ones; transformers' `[in, out]` matrices are transposed to the IR's `[out, in]`.
+    /// Copies (the fused layout has no per-expert row-major view); shape-only tensors stay absent.
+    fn expert_weights(&mut self, moe: &GptOssMoe, expert: u32) -> Result<[Handle<Weight>; 6], FrontendError> {
+        let (e, i, h) = (expert as usize, moe.width as usize, moe.hidden as usize);
+        let tensors = &self.checkpoint.tensors;
+        let entry = |spec: &TensorSpec| &tensors[&spec.name];
+        let (gate_up, down) = (entry(&moe.gate_up), entry(&moe.down));
+        let (gate_up_bias, down_bias) = (entry(&moe.gate_up_bias), entry(&moe.down_bias));
+        let dtype = gate_up.ty.dtype;
+        for t in [gate_up, down] {
+            let fits = if moe.rows_are_outputs { t.ty.dtype == DType::Mxfp4 } else { !t.ty.dtype.is_block_quantized() };
+            if !fits || t.ty.dtype != dtype {
+                return Err(FrontendError::Invalid {
+                    path: self.checkpoint.path.clone(),
+                    problems: vec![format!(
+                        "{}: tensor {} is {}: expected {} (gate_up_proj is {})",
+                        t.file.display(),
+                        if std::ptr::eq(t, gate_up) { &moe.gate_up.name } else { &moe.down.name },
+                        t.ty,
+                        if moe.rows_are_outputs { "MXFP4 _blocks/_scales" } else { "f32, bf16 or f16" },
+                        gate_up.ty
+                    )],
+                });
+            }
+        }
+        let prefix = moe.gate_up.name.trim_end_matches("gate_up_proj");
+        let name = |what: &str| format!("{prefix}{expert}.{what}");
+        let element = |t: &TensorEntry| t.ty.dtype.row_bytes(1).unwrap_or(0) as usize;
+        let (gate, up, down_w) = if moe.rows_are_outputs {
+            // Release layout: whole MXFP4 rows.
+            let row = dtype.row_bytes(moe.hidden).unwrap_or(0) as usize;
+            let down_row = dtype.row_bytes(moe.width).unwrap_or(0) as usize;
+            (
+                gather(gate_up, row, (0..i).map(|r| e * 2 * i + 2 * r)),
+                gather(gate_up, row, (0..i).map(|r| e * 2 * i + 2 * r + 1)),
+                gather(down, down_row * h, [e]),
+            )
+        } else {
+            // transformers' [E, H, 2I] and [E, I, H]: transpose element by element.
+            let size = element(gate_up);
+            let down_size = element(down);
+            (
+                gather(gate_up, size, (0..i).flat_map(|r| (0..h).map(move |k| (e * h + k) * 2 * i + 2 * r))),
+                gather(gate_up, size, (0..i).flat_map(|r| (0..h).map(move |k| (e * h + k) * 2 * i + 2 * r + 1))),
+                gather(down, down_size, (0..h).flat_map(|r| (0..i).map(move |k| (e * i + k) * h + r))),
+            )
+        };
+        let bias_size = element(gate_up_bias);
+        let gate_bias = gather(gate_up_bias, bias_size, (0..i).map(|r| e * 2 * i + 2 * r));
+        let up_bias = gather(gate_up_bias, bias_size, (0..i).map(|r| e * 2 * i + 2 * r + 1));
+        let down_bias_bytes = gather(down_bias, element(down_bias) * h, [e]);
+        let bias_dtype = gate_up_bias.ty.dtype;
+        let parts = [
+            (name("gate_proj.weight"), TensorType::new(dtype, [moe.width, moe.hidden]), gate),
+            (name("gate_proj.bias"), TensorType::new(bias_dtype, [moe.width]), gate_bias),
+            (name("up_proj.weight"), TensorType::new(dtype, [moe.width, moe.hidden]), up),
+            (name("up_proj.bias"), TensorType::new(bias_dtype, [moe.width]), up_bias),
+            (name("down_proj.weight"), TensorType::new(down.ty.dtype, [moe.hidden, moe.width]), down_w),
+            (name("down_proj.bias"), TensorType::new(down_bias.ty.dtype, [moe.hidden]), down_bias_bytes),
+        ];
+        Ok(parts.map(|(name, ty, data)| self.module.add_weight(name, ty, data)))
     }
 
     fn gated_mlp(&mut self, x: Value, mlp: &GatedMlp, layer: Option<u32>) -> Result<Value, FrontendError> {
@@ -417,8 +583,6 @@ impl<'a> Builder<'a> {
 #[cfg(test)]
 mod tests {
     use std::path::{Path, PathBuf};
-
-    use waferc_ir::{DType, TensorType, WeightBytes};
 
     use super::*;
     use crate::frontend::config::parse_config;

@@ -30,6 +30,7 @@ pub enum Architecture {
     Qwen3,
     Mixtral,
     Qwen3Moe,
+    GptOss,
 }
 
 impl Architecture {
@@ -41,6 +42,7 @@ impl Architecture {
             Architecture::Qwen3 => "qwen3",
             Architecture::Mixtral => "mixtral",
             Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::GptOss => "gpt_oss",
         }
     }
 }
@@ -57,6 +59,20 @@ pub struct MoeConfig {
     /// Layers that keep a dense FFN of `ModelConfig::intermediate_size` (Qwen3-MoE's
     /// `mlp_only_layers` and `decoder_sparse_step`).
     pub dense_layers: Vec<u32>,
+    /// gpt-oss: the router's logits carry a bias, each expert's projections carry biases, gate
+    /// and up are one interleaved tensor (all experts fused), and the activation is the clamped
+    /// SwiGLU with these `(alpha, limit)`.
+    pub gpt_oss_experts: Option<(f32, f32)>,
+    /// The fused expert tensors are stored as MXFP4 `_blocks`/`_scales` pairs in the release
+    /// layout (`quantization_config.quant_method = "mxfp4"`).
+    pub mxfp4_experts: bool,
+}
+
+/// Attention layers that only see the last `window` positions.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    pub window: u32,
+    pub layers: Vec<u32>,
 }
 
 /// Everything lowering needs to know about a model, whatever format it came from.
@@ -73,8 +89,12 @@ pub struct ModelConfig {
     pub rms_norm_eps: f32,
     pub rope: Rope,
     pub tie_word_embeddings: bool,
-    /// q/k/v projections carry biases (Qwen2).
+    /// q/k/v projections carry biases (Qwen2, gpt-oss).
     pub attention_bias: bool,
+    /// The output projection carries a bias and each attention head a sink logit (gpt-oss).
+    pub attention_sinks: bool,
+    /// A sliding window in force on some layers (Mistral, Qwen with `use_sliding_window`, gpt-oss).
+    pub sliding_window: Option<SlidingWindow>,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
     pub moe: Option<MoeConfig>,

@@ -27,6 +27,9 @@ pub struct CheckpointTensors {
     /// Well-formed tensors in a type waferc does not read (i64, f8, ...): name -> why, naming the
     /// file, so lowering reports them with every other problem.
     pub unusable: BTreeMap<String, String>,
+    /// The U8 tensors among the unusable ones, kept so that MXFP4 `_blocks`/`_scales` pairs can
+    /// become one tensor ([`pair_mxfp4`]).
+    pub bytes: BTreeMap<String, TensorEntry>,
 }
 
 /// One tensor as a safetensors header describes it.
@@ -214,6 +217,16 @@ fn add_file_tensors(out: &mut CheckpointTensors, file: SafetensorsFile, keep: im
                 out.tensors.insert(t.name, entry);
             }
             StoredDtype::Other { name, .. } => {
+                if name == "U8" {
+                    // Kept as a byte tensor: raw MXFP4 blocks or scales, paired later.
+                    let data = if file.shape_only {
+                        WeightBytes::Absent
+                    } else {
+                        WeightBytes::Mapped { map: file.map.clone(), range: t.range.clone(), file: file.path.clone() }
+                    };
+                    let ty = TensorType::new(DType::F32, t.shape.clone());
+                    out.bytes.insert(t.name.clone(), TensorEntry { ty, data, file: file.path.as_ref().clone() });
+                }
                 let why = format!(
                     "{}: tensor {} is {name}{:?}; waferc reads F32, BF16 and F16 tensors",
                     file.path.display(),
@@ -224,6 +237,81 @@ fn add_file_tensors(out: &mut CheckpointTensors, file: SafetensorsFile, keep: im
             }
         }
     }
+}
+
+/// Joins each MXFP4 pair `X_blocks` (U8 `[.., rows, cols / 32, 16]`, two e2m1 codes a byte, low
+/// nibble first) and `X_scales` (U8 `[.., rows, cols / 32]`, e8m0) into one tensor `X` of dtype
+/// [`DType::Mxfp4`], shape `[.., rows, cols]`, each block's scale byte in front of its 16 code
+/// bytes (a copy; shape-only files stay without data). A pair that does not match, or a half
+/// without the other, becomes an unusable `X` whose reason names both tensors and the file.
+pub fn pair_mxfp4(read: &mut CheckpointTensors) {
+    let bases: std::collections::BTreeSet<String> = read
+        .bytes
+        .keys()
+        .filter_map(|n| n.strip_suffix("_blocks").or_else(|| n.strip_suffix("_scales")))
+        .map(str::to_string)
+        .collect();
+    for base in bases {
+        let (blocks_name, scales_name) = (format!("{base}_blocks"), format!("{base}_scales"));
+        let blocks = read.bytes.remove(&blocks_name);
+        let scales = read.bytes.remove(&scales_name);
+        read.unusable.remove(&blocks_name);
+        read.unusable.remove(&scales_name);
+        match (blocks, scales) {
+            (Some(b), Some(s)) => match mxfp4_tensor(&b, &s) {
+                Some(entry) => {
+                    read.tensors.insert(base, entry);
+                }
+                None => {
+                    let why = format!(
+                        "{}: MXFP4 tensor {blocks_name} is U8{:?} but {scales_name} is U8{:?}: expected blocks \
+                         [.., rows, n, 16] and scales [.., rows, n]",
+                        b.file.display(),
+                        b.ty.shape,
+                        s.ty.shape
+                    );
+                    read.unusable.insert(base, why);
+                }
+            },
+            (Some(half), None) => {
+                read.unusable.insert(base, half_pair(&half, &blocks_name, &scales_name));
+            }
+            (None, Some(half)) => {
+                read.unusable.insert(base, half_pair(&half, &scales_name, &blocks_name));
+            }
+            (None, None) => {}
+        }
+    }
+}
+
+fn half_pair(half: &TensorEntry, have: &str, lack: &str) -> String {
+    format!(
+        "{}: MXFP4 tensor {have} U8{:?} has no {lack} (the release stores both)",
+        half.file.display(),
+        half.ty.shape
+    )
+}
+
+/// One MXFP4 tensor from a matching `_blocks`/`_scales` pair, or `None` if the shapes disagree.
+fn mxfp4_tensor(blocks: &TensorEntry, scales: &TensorEntry) -> Option<TensorEntry> {
+    let (b, s) = (&blocks.ty.shape, &scales.ty.shape);
+    if b.len() < 3 || b[b.len() - 1] != 16 || s.as_slice() != &b[..b.len() - 1] {
+        return None;
+    }
+    let mut shape = s.clone();
+    *shape.last_mut()? *= 32;
+    let data = match (blocks.data.bytes(), scales.data.bytes()) {
+        (Some(codes), Some(exponents)) => {
+            let mut packed = Vec::with_capacity(exponents.len() * 17);
+            for (e, block) in exponents.iter().zip(codes.chunks_exact(16)) {
+                packed.push(*e);
+                packed.extend_from_slice(block);
+            }
+            WeightBytes::owned(packed)
+        }
+        _ => WeightBytes::Absent,
+    };
+    Some(TensorEntry { ty: TensorType::new(DType::Mxfp4, shape), data, file: blocks.file.clone() })
 }
 
 /// Maps `path` and validates its header.

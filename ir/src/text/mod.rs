@@ -127,6 +127,10 @@ fn op_text(module: &Module, op: &Op) -> String {
     let mut attrs = Vec::new();
     match op {
         Op::Embed { .. } | Op::MatVec { .. } | Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } => {}
+        Op::SwiGlu { alpha, limit, .. } => {
+            attrs.push(format!("alpha={alpha:?}"));
+            attrs.push(format!("limit={limit:?}"));
+        }
         Op::ExpertCombine { .. } => {}
         Op::RmsNorm { eps, .. } => attrs.push(format!("eps={eps:?}")),
         Op::Rope { head_dim, rope, .. } => {
@@ -145,12 +149,25 @@ fn op_text(module: &Module, op: &Op) -> String {
                     attrs.push(format!("high_freq_factor={high_freq_factor:?}"));
                     attrs.push(format!("original_max_position={original_max_position}"));
                 }
+                RopeScaling::Yarn { factor, beta_fast, beta_slow, original_max_position, truncate } => {
+                    attrs.push("scaling=yarn".into());
+                    attrs.push(format!("factor={factor:?}"));
+                    attrs.push(format!("beta_fast={beta_fast:?}"));
+                    attrs.push(format!("beta_slow={beta_slow:?}"));
+                    attrs.push(format!("original_max_position={original_max_position}"));
+                    if *truncate {
+                        attrs.push("truncate".into());
+                    }
+                }
             }
         }
-        Op::Attention { cache, heads, scale, .. } => {
+        Op::Attention { cache, heads, scale, window, .. } => {
             operands.push(format!("#{}", cache.index()));
             attrs.push(format!("heads={heads}"));
             attrs.push(format!("scale={scale:?}"));
+            if let Some(window) = window {
+                attrs.push(format!("window={window}"));
+            }
         }
         Op::RouterTopK { top_k, normalize, .. } => {
             attrs.push(format!("top_k={top_k}"));
@@ -159,6 +176,10 @@ fn op_text(module: &Module, op: &Op) -> String {
             }
         }
         Op::ExpertDispatch { expert, .. } => attrs.push(format!("expert={expert}")),
+        Op::Slice { offset, len, .. } => {
+            attrs.push(format!("offset={offset}"));
+            attrs.push(format!("len={len}"));
+        }
     }
     let mut text = op.name().to_string();
     if !operands.is_empty() {

@@ -515,15 +515,21 @@ fn build_op(name: &str, pos: Pos, operands: &[Operand], attrs: &mut Attrs) -> Re
             _ => return Err(signature("%x")),
         },
         "attention" => match operands {
-            [V(q), V(k), V(v), C(cache)] => Op::Attention {
+            [V(q), V(k), V(v), sinks @ .., C(cache)] if sinks.len() <= 1 => Op::Attention {
                 q: *q,
                 k: *k,
                 v: *v,
                 cache: *cache,
                 heads: attrs.u32("heads")?,
                 scale: attrs.f32("scale")?,
+                window: attrs.opt_number("window", "an unsigned 32-bit integer")?,
+                sinks: match sinks {
+                    [] => None,
+                    [W(sinks)] => Some(*sinks),
+                    _ => return Err(signature("%q, %k, %v[, @sinks], #cache")),
+                },
             },
-            _ => return Err(signature("%q, %k, %v, #cache")),
+            _ => return Err(signature("%q, %k, %v[, @sinks], #cache")),
         },
         "silu" => match operands {
             [V(x)] => Op::Silu { x: *x },
@@ -533,6 +539,12 @@ fn build_op(name: &str, pos: Pos, operands: &[Operand], attrs: &mut Attrs) -> Re
             [V(a), V(b)] if name == "mul" => Op::Mul { a: *a, b: *b },
             [V(a), V(b)] => Op::Add { a: *a, b: *b },
             _ => return Err(signature("%a, %b")),
+        },
+        "swiglu" => match operands {
+            [V(gate), V(up)] => {
+                Op::SwiGlu { gate: *gate, up: *up, alpha: attrs.f32("alpha")?, limit: attrs.f32("limit")? }
+            }
+            _ => return Err(signature("%gate, %up")),
         },
         "router_topk" => match operands {
             [V(logits)] => {
@@ -557,10 +569,14 @@ fn build_op(name: &str, pos: Pos, operands: &[Operand], attrs: &mut Attrs) -> Re
             }
             _ => return Err(signature("%routing, %expert0, %expert1, ...")),
         },
+        "slice" => match operands {
+            [V(x)] => Op::Slice { x: *x, offset: attrs.u32("offset")?, len: attrs.u32("len")? },
+            _ => return Err(signature("%x")),
+        },
         _ => {
             return Err(pos.error(format!(
                 "unknown op `{name}`: expected one of embed, rms_norm, matvec, rope, attention, silu, mul, add, \
-                 router_topk, expert_dispatch, expert_combine"
+                 swiglu, router_topk, expert_dispatch, expert_combine, slice"
             )))
         }
     };
@@ -569,7 +585,7 @@ fn build_op(name: &str, pos: Pos, operands: &[Operand], attrs: &mut Attrs) -> Re
 
 fn rope(attrs: &mut Attrs) -> Result<Rope, IrError> {
     let theta = attrs.f32("theta")?;
-    let scaling = match attrs.scalar("scaling", "`linear` or `llama3`")? {
+    let scaling = match attrs.scalar("scaling", "`linear`, `llama3` or `yarn`")? {
         None => RopeScaling::None,
         Some((kind, _)) if kind == "linear" => RopeScaling::Linear { factor: attrs.f32("factor")? },
         Some((kind, _)) if kind == "llama3" => RopeScaling::Llama3 {
@@ -578,8 +594,15 @@ fn rope(attrs: &mut Attrs) -> Result<Rope, IrError> {
             high_freq_factor: attrs.f32("high_freq_factor")?,
             original_max_position: attrs.u32("original_max_position")?,
         },
+        Some((kind, _)) if kind == "yarn" => RopeScaling::Yarn {
+            factor: attrs.f32("factor")?,
+            beta_fast: attrs.f32("beta_fast")?,
+            beta_slow: attrs.f32("beta_slow")?,
+            original_max_position: attrs.u32("original_max_position")?,
+            truncate: attrs.flag("truncate")?,
+        },
         Some((kind, pos)) => {
-            return Err(pos.error(format!("unknown rope scaling `{kind}`: expected `linear` or `llama3`")))
+            return Err(pos.error(format!("unknown rope scaling `{kind}`: expected `linear`, `llama3` or `yarn`")))
         }
     };
     Ok(Rope { theta, scaling })

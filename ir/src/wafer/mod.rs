@@ -38,8 +38,10 @@
 //! independent outputs and are cut anywhere.
 
 pub mod artifact;
+mod bound;
 pub mod profile;
 
+pub use bound::distance_bound_cycles;
 pub use profile::{LayerProfile, RoutingProfile};
 
 use std::fmt;
@@ -341,6 +343,10 @@ pub enum Work {
     Dispatch {
         routing: RouteId,
     },
+    /// `slice`: no data moves; the result names elements `offset..offset + len` of `x`'s layout
+    /// (its segments are the overlapping parts of `x`'s, numbered from the slice's start), and
+    /// `x`'s deliveries reach the slice's readers.
+    Slice,
     RmsNorm(NormPlacement),
     Attention(AttentionPlacement),
     /// `router_topk` on the result's PE; it sends the decision on `routing` to every PE of the
@@ -386,6 +392,31 @@ pub struct MatVecPlacement {
     /// Per result segment, a [`RouteKind::Collect`] route from the roots of the row blocks it
     /// covers (each adds its bias slice, then sends its rows).
     pub collects: Vec<RouteId>,
+}
+
+impl MatVecPlacement {
+    /// A `rows x cols` matvec on `tiles` (a `row_blocks x col_blocks` grid), before routing adds
+    /// its reductions, broadcasts and collects.
+    pub fn unrouted(
+        rows: u64,
+        cols: u64,
+        row_blocks: u32,
+        col_blocks: u32,
+        tiles: Vec<Tile>,
+        bias: Option<u32>,
+    ) -> Self {
+        MatVecPlacement {
+            rows,
+            cols,
+            row_blocks,
+            col_blocks,
+            tiles,
+            reductions: Vec::new(),
+            broadcasts: Vec::new(),
+            bias,
+            collects: Vec::new(),
+        }
+    }
 }
 
 /// Tile `(r, c)` of a matvec: output rows `rows` x reduction chunks `chunks` (32 elements each,
@@ -447,6 +478,24 @@ pub struct KvHeadPlacement {
     pub sum_reduce: Option<RouteId>,
     pub sum_broadcast: Option<RouteId>,
     pub out_reduce: Option<RouteId>,
+}
+
+impl KvHeadPlacement {
+    /// KV head `kv_head` on `blocks`, before routing adds its routes.
+    pub fn unrouted(kv_head: u32, blocks: Vec<KvBlock>) -> Self {
+        KvHeadPlacement {
+            kv_head,
+            blocks,
+            q_routes: Vec::new(),
+            k_routes: Vec::new(),
+            v_routes: Vec::new(),
+            max_reduce: None,
+            max_broadcast: None,
+            sum_reduce: None,
+            sum_broadcast: None,
+            out_reduce: None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -38,7 +38,8 @@ fn attention_block(m: &mut Module, layer: u32, residual: Value, rope: &Rope, qk_
     let q = m.push(Op::Rope { x: q, head_dim: HEAD_DIM, rope: rope.clone() }, l).unwrap();
     let k = m.push(Op::Rope { x: k, head_dim: HEAD_DIM, rope: rope.clone() }, l).unwrap();
     let cache = m.add_cache(KvCache { layer, kv_heads: KV_HEADS, head_dim: HEAD_DIM });
-    let attn = m.push(Op::Attention { q, k, v, cache, heads: HEADS, scale: 0.25 }, l).unwrap();
+    let attn =
+        m.push(Op::Attention { q, k, v, cache, heads: HEADS, scale: 0.25, window: None, sinks: None }, l).unwrap();
     let o_w = weight(m, &format!("{p}.self_attn.o_proj.weight"), DType::BF16, &[HIDDEN, HIDDEN]);
     let o = m.push(Op::MatVec { x: attn, weight: o_w, bias: None }, l).unwrap();
     m.push(Op::Add { a: residual, b: o }, l).unwrap()

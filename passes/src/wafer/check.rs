@@ -299,6 +299,7 @@ impl<'a> Checker<'a> {
                 Op::Embed { table } => (vec![*table], vec![]),
                 Op::MatVec { weight, bias, .. } => (vec![*weight], bias.iter().copied().collect()),
                 Op::RmsNorm { weight, .. } => (vec![], vec![*weight]),
+                Op::Attention { sinks: Some(sinks), .. } => (vec![*sinks], vec![]),
                 _ => continue,
             };
             for w in exact {
@@ -465,9 +466,13 @@ impl<'a> Checker<'a> {
     }
 
     fn kv(&mut self) {
-        let max_context = self.program.max_context;
         for p in &self.program.instrs {
             let Work::Attention(att) = &p.work else { continue };
+            // A windowed cache holds the window's rows only.
+            let max_context = match self.module.body[Handle::new(p.instr as usize)].op {
+                Op::Attention { window: Some(window), .. } => window.min(self.program.max_context),
+                _ => self.program.max_context,
+            };
             for head in &att.kv_heads_placed {
                 let mut next = 0u32;
                 // The run every block has (a lone block may be cut short by max_context).
@@ -670,11 +675,19 @@ impl<'a> Checker<'a> {
     /// Every operand region is fed: the PE holds the value itself, or an operand route of the
     /// value's source ends here and is listed by the instruction.
     fn operands(&mut self, routes: &HashMap<u32, &Route>) {
-        // Which value's data an operand is: through expert_dispatch to the dispatched vector.
-        let source = |mut v: usize| loop {
-            match &self.module.body[Handle::new(v)].op {
-                Op::ExpertDispatch { x, .. } => v = x.index(),
-                _ => return v as u32,
+        // Which value's data an operand is, and where in it: through expert_dispatch to the
+        // dispatched vector, through slice to the sliced one.
+        let source = |mut v: usize| {
+            let mut shift = 0u64;
+            loop {
+                match &self.module.body[Handle::new(v)].op {
+                    Op::ExpertDispatch { x, .. } => v = x.index(),
+                    Op::Slice { x, offset, .. } => {
+                        shift += *offset as u64;
+                        v = x.index();
+                    }
+                    _ => return (v as u32, shift),
+                }
             }
         };
         // (value, destination PE) -> element ranges arriving, with their routes.
@@ -716,7 +729,8 @@ impl<'a> Checker<'a> {
                 let (RegionKind::Operand { value, elements }, Some(instr)) = (&region.kind, region.instr) else {
                     continue;
                 };
-                let src = source(*value as usize);
+                let (src, shift) = source(*value as usize);
+                let elements = &(elements.start + shift..elements.end + shift);
                 // What the PE holds of the source's result itself, then what routes bring.
                 let mut held: Vec<Range<u64>> = image
                     .regions
@@ -789,7 +803,7 @@ impl<'a> Checker<'a> {
                     named.push(*routing);
                     named.extend(collects);
                 }
-                Work::Elementwise => {}
+                Work::Elementwise | Work::Slice => {}
             }
             for id in named {
                 if !routes.contains_key(&id) {

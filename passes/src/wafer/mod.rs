@@ -157,7 +157,7 @@ impl fmt::Display for NotFit {
             write!(f, "; it would fit: {}", self.would_fit.join(", "))?;
             // Entries read `q4_0 on wse3`: show the pass that makes the first of them true.
             match self.would_fit.iter().find_map(|option| option.split_once(" on ").map(|(format, _)| format)) {
-                Some(format) => write!(f, " (quantise with `--passes \"quantize {format}\"`)"),
+                Some(format) => write!(f, " (quantise with `--passes \"quantize {format}:all\"`)"),
                 None => Ok(()),
             }
         }

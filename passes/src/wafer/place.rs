@@ -357,6 +357,7 @@ impl<'a> Placer<'a> {
             .into_iter()
             .filter(|v| matches!(self.module.body[*v].ty, ValueType::Tensor(_)))
             .max_by_key(|v| self.rank[v.index()])
+            .filter(|v| self.analysis.offset[v.index()] == 0)
             .map(|v| self.analysis.source[v.index()] as usize);
         if let Some(ResultLayout::Vector(host)) = host.map(|h| &self.placements[h].result) {
             let host = host.clone();
@@ -415,8 +416,25 @@ impl<'a> Placer<'a> {
     }
 
     /// Whether `pe` holds `elements` of value `value`'s data (its source's result).
+    /// A `slice`'s layout: the parts of its source's segments it covers, numbered from its start
+    /// (every plan places a slice this way: no PEs, no data moved).
+    pub(super) fn slice_layout(&self, i: usize, len: u64) -> Result<ResultLayout, WaferError> {
+        let source = self.analysis.source[i] as usize;
+        let start = self.analysis.offset[i];
+        let ResultLayout::Vector(whole) = &self.placements[source].result else {
+            return Err(self.unsupported(i, "internal: a slice of a routing".into()));
+        };
+        let segments = whole
+            .overlapping(start..start + len)
+            .map(|(seg, part)| Segment { pe: seg.pe, elements: part.start - start..part.end - start })
+            .collect();
+        Ok(ResultLayout::Vector(VectorLayout { segments }))
+    }
+
     fn holds(&self, pe: Pe, value: usize, elements: &Range<u64>) -> bool {
         let source = self.analysis.source[value] as usize;
+        let shift = self.analysis.offset[value];
+        let elements = &(elements.start + shift..elements.end + shift);
         match &self.placements[source].result {
             ResultLayout::Vector(l) => l
                 .segments
@@ -544,17 +562,14 @@ impl<'a> Placer<'a> {
                         layout.segments.push(Segment { pe, elements: seg.clone() });
                     }
                 }
-                let placement = MatVecPlacement {
+                let placement = MatVecPlacement::unrouted(
                     rows,
                     cols,
-                    row_blocks: *row_blocks,
-                    col_blocks: *col_blocks,
+                    *row_blocks,
+                    *col_blocks,
                     tiles,
-                    reductions: Vec::new(),
-                    broadcasts: Vec::new(),
-                    bias: bias.map(|b| b.index() as u32),
-                    collects: Vec::new(),
-                };
+                    bias.map(|b| b.index() as u32),
+                );
                 (ResultLayout::Vector(layout), Work::MatVec(placement))
             }
             (Op::RmsNorm { weight, .. }, Shape::Vector { segments }) => {
@@ -574,39 +589,33 @@ impl<'a> Placer<'a> {
                 })?;
                 (ResultLayout::Vector(layout), Work::Combine { routing: 0, collects: Vec::new() })
             }
-            (Op::Rope { .. } | Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. }, Shape::Vector { segments }) => {
+            (
+                Op::Rope { .. } | Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. },
+                Shape::Vector { segments },
+            ) => {
                 let layout = self.vector_layout(i, wafer, segments, operand_regions)?;
                 (ResultLayout::Vector(layout), Work::Elementwise)
             }
             (
-                Op::Attention { cache, heads, .. },
+                Op::Attention { cache, heads, window, .. },
                 Shape::Attention { positions_per_block, blocks_per_head, segments },
             ) => {
                 let c = &module.caches[*cache];
                 let kv_heads = c.kv_heads;
+                // A windowed cache keeps only the window's rows.
+                let rows = window.map_or(self.options.max_context as u64, u64::from);
                 let per = *positions_per_block as u64;
                 let mut placed = Vec::with_capacity(kv_heads as usize);
                 for h in 0..kv_heads as u64 {
                     let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
                     for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
-                        let positions = (b * per) as u32..((b + 1) * per).min(self.options.max_context as u64) as u32;
+                        let positions = (b * per) as u32..((b + 1) * per).min(rows) as u32;
                         let requests =
                             kv_block_requests(module, i, h, positions.clone(), self.options.max_sequences as u64);
                         let region = self.fill(pe, instr, requests)?[0];
                         blocks.push(KvBlock { pe, positions, region });
                     }
-                    placed.push(KvHeadPlacement {
-                        kv_head: h as u32,
-                        blocks,
-                        q_routes: Vec::new(),
-                        k_routes: Vec::new(),
-                        v_routes: Vec::new(),
-                        max_reduce: None,
-                        max_broadcast: None,
-                        sum_reduce: None,
-                        sum_broadcast: None,
-                        out_reduce: None,
-                    });
+                    placed.push(KvHeadPlacement::unrouted(h as u32, blocks));
                 }
                 let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
                 let placement = AttentionPlacement {
@@ -631,10 +640,11 @@ impl<'a> Placer<'a> {
                 self.fill(pe, instr, requests)?;
                 (ResultLayout::Routing { pe }, Work::Router { routing: 0 })
             }
-            (Op::ExpertDispatch { .. }, Shape::Dispatch) => {
+            (Op::ExpertDispatch { .. }, Shape::Alias) => {
                 let source = self.analysis.source[i] as usize;
                 (self.placements[source].result.clone(), Work::Dispatch { routing: 0 })
             }
+            (Op::Slice { len, .. }, Shape::Alias) => (self.slice_layout(i, *len as u64)?, Work::Slice),
             (op, shape) => {
                 return Err(self.unsupported(i, format!("internal: {} was sized as {shape:?}", op.name())));
             }
@@ -798,7 +808,7 @@ impl<'a> Placer<'a> {
                 };
                 *routing = id;
             }
-            Work::Elementwise => {}
+            Work::Elementwise | Work::Slice => {}
         }
         if let (Work::Combine { collects, .. }, Op::ExpertCombine { experts, .. }) =
             (&mut work, &self.module.body[waferc_ir::Handle::new(i)].op)
@@ -916,7 +926,7 @@ impl<'a> Placer<'a> {
     }
 
     /// Appends the PEs of `reader` that need `elements` of value `value` (an operand, possibly
-    /// through `expert_dispatch`).
+    /// through `expert_dispatch` or as a `slice` of it).
     fn reader_pes(
         &self,
         value: usize,
@@ -925,15 +935,29 @@ impl<'a> Placer<'a> {
         out: &mut Vec<Pe>,
         reached: &mut Vec<(usize, Option<(usize, usize)>)>,
     ) {
-        let overlaps = |r: &Range<u64>| r.start < elements.end && elements.start < r.end;
-        let reads = |v: waferc_ir::Value| self.analysis.source[v.index()] as usize == value;
+        let overlaps = |r: &Range<u64>, part: &Range<u64>| r.start < part.end && part.start < r.end;
+        // The part of `elements` that operand `v` reads, in `v`'s own element numbering.
+        let part_of = |v: waferc_ir::Value| -> Option<Range<u64>> {
+            if self.analysis.source[v.index()] as usize != value {
+                return None;
+            }
+            let shift = self.analysis.offset[v.index()];
+            let len = match &self.module.body[v].ty {
+                ValueType::Tensor(t) => t.elements(),
+                ValueType::Routing { .. } => 0,
+            };
+            let (start, end) = (elements.start.max(shift), elements.end.min(shift + len));
+            (start < end).then(|| start - shift..end - shift)
+        };
         let placement = &self.placements[reader];
-        match (&placement.work, &self.module.body[waferc_ir::Handle::new(reader)].op) {
-            (Work::MatVec(mv), _) => {
+        let op = &self.module.body[waferc_ir::Handle::new(reader)].op;
+        match (&placement.work, op) {
+            (Work::MatVec(mv), Op::MatVec { x, .. }) => {
+                let Some(part) = part_of(*x) else { return };
                 let c_count = mv.col_blocks as usize;
                 let cols_of = |t: &Tile| t.chunks.start * CHUNK..(t.chunks.end * CHUNK).min(mv.cols);
                 for c in 0..c_count {
-                    if overlaps(&cols_of(&mv.tiles[c])) {
+                    if overlaps(&cols_of(&mv.tiles[c]), &part) {
                         out.extend(mv.tiles.iter().skip(c).step_by(c_count).map(|t| t.pe));
                     }
                 }
@@ -942,25 +966,27 @@ impl<'a> Placer<'a> {
                 let hd = att.head_dim as u64;
                 let q_per_kv = (att.heads / att.kv_heads) as u64;
                 for (role, operand) in [q, k, v].into_iter().enumerate() {
-                    if !reads(*operand) {
-                        continue;
-                    }
+                    let Some(part) = part_of(*operand) else { continue };
                     for (head, placed) in att.kv_heads_placed.iter().enumerate() {
                         let h = placed.kv_head as u64;
                         let range =
                             if role == 0 { h * q_per_kv * hd..(h + 1) * q_per_kv * hd } else { h * hd..(h + 1) * hd };
-                        if overlaps(&range) {
+                        if overlaps(&range, &part) {
                             out.extend(placed.blocks.iter().map(|b| b.pe));
                             reached.push((reader, Some((head, role))));
                         }
                     }
                 }
             }
-            (Work::Combine { .. }, _) | (Work::Dispatch { .. }, _) | (Work::Embed { .. }, _) => {}
-            (_, _) => match &placement.result {
-                ResultLayout::Routing { pe } => out.push(*pe),
-                ResultLayout::Vector(l) => out.extend(l.overlapping(elements.clone()).map(|(s, _)| s.pe)),
-            },
+            (Work::Combine { .. }, _) | (Work::Dispatch { .. }, _) | (Work::Slice, _) | (Work::Embed { .. }, _) => {}
+            (_, op) => {
+                for part in op.operands().into_iter().filter_map(part_of) {
+                    match &placement.result {
+                        ResultLayout::Routing { pe } => out.push(*pe),
+                        ResultLayout::Vector(l) => out.extend(l.overlapping(part).map(|(s, _)| s.pe)),
+                    }
+                }
+            }
         }
     }
 
@@ -1009,7 +1035,7 @@ impl<'a> Placer<'a> {
                     step(i, Phase::Compute, Vec::new());
                     step(i, Phase::Deliver, vec![*routing]);
                 }
-                Work::Elementwise | Work::Dispatch { .. } => step(i, Phase::Compute, Vec::new()),
+                Work::Elementwise | Work::Dispatch { .. } | Work::Slice => step(i, Phase::Compute, Vec::new()),
             }
             if !p.deliveries.is_empty() {
                 step(i, Phase::Deliver, p.deliveries.clone());
@@ -1090,7 +1116,7 @@ pub(super) fn kv_block_requests(
     positions: Range<u32>,
     sequences: u64,
 ) -> Vec<Request> {
-    let Op::Attention { q, k, v, cache, heads, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
+    let Op::Attention { q, k, v, cache, heads, sinks, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
         return Vec::new();
     };
     let c = &module.caches[*cache];
@@ -1099,14 +1125,22 @@ pub(super) fn kv_block_requests(
     let n = (positions.end - positions.start) as u64;
     let q_range = h * q_per_kv * hd..(h + 1) * q_per_kv * hd;
     let kv_range = h * hd..(h + 1) * hd;
-    vec![
+    let first = positions.start == 0;
+    let mut requests = vec![
         (RegionKind::KvCache { kv_head: h as u32, positions }, sequences * n * hd * 2 * F32),
         (RegionKind::Operand { value: q.index() as u32, elements: q_range }, q_per_kv * (hd + 2) * F32),
         (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
         (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),
         (RegionKind::Scratch, q_per_kv * n * F32),
         (RegionKind::Partial { elements: (q_per_kv * (hd + 2)) as u32 }, q_per_kv * (hd + 2) * F32),
-    ]
+    ];
+    // The KV head's sink logits live on its first block, the reductions' root.
+    if let (Some(sinks), true) = (sinks, first) {
+        let cols = h * q_per_kv..(h + 1) * q_per_kv;
+        let bytes = module.weights[*sinks].ty.dtype.row_bytes(q_per_kv).unwrap_or(q_per_kv * F32);
+        requests.push((RegionKind::Weight { weight: sinks.index() as u32, rows: 0..1, cols, blob: 0..0 }, bytes));
+    }
+    requests
 }
 
 /// An instruction the placer cannot place, with why.
@@ -1159,7 +1193,7 @@ fn push_unique(list: &mut Vec<RouteId>, id: RouteId) {
 fn placement_pes(p: &InstrPlacement) -> Vec<Pe> {
     let mut pes = Vec::new();
     match &p.work {
-        Work::Dispatch { .. } => return pes,
+        Work::Dispatch { .. } | Work::Slice => return pes,
         Work::MatVec(mv) => pes.extend(mv.tiles.iter().map(|t| t.pe)),
         Work::Embed { blocks, .. } => pes.extend(blocks.iter().map(|b| b.pe)),
         Work::Attention(att) => pes.extend(att.kv_heads_placed.iter().flat_map(|h| h.blocks.iter().map(|b| b.pe))),

@@ -25,9 +25,11 @@ const F32: u64 = 4;
 pub(super) struct Analysis {
     /// The MoE expert an instruction computes for (through `expert_dispatch`), per instruction.
     pub expert: Vec<Option<u32>>,
-    /// The value whose data an instruction's result is: itself, or for `expert_dispatch` the
-    /// dispatched `x`'s source.
+    /// The value whose data an instruction's result is: itself, or for `expert_dispatch` and
+    /// `slice` their `x`'s source.
     pub source: Vec<u32>,
+    /// Where an instruction's data starts in its source's result (non-zero for a `slice`).
+    pub offset: Vec<u64>,
     /// Per value (by source): the instructions reading it as an operand, in program order,
     /// `expert_dispatch` looked through (its readers read the dispatched `x`).
     pub readers: Vec<Vec<u32>>,
@@ -40,6 +42,7 @@ impl Analysis {
         let n = module.body.len();
         let mut expert = vec![None; n];
         let mut source: Vec<u32> = (0..n as u32).collect();
+        let mut offset = vec![0u64; n];
         let mut readers = vec![Vec::new(); n];
         let mut router = vec![None; n];
         for (handle, instr) in module.body.iter() {
@@ -51,6 +54,12 @@ impl Analysis {
                     router[i] = Some(routing.index() as u32);
                 }
                 Op::ExpertCombine { routing, .. } => router[i] = Some(routing.index() as u32),
+                Op::Slice { x, offset: start, .. } => {
+                    source[i] = source[x.index()];
+                    offset[i] = offset[x.index()] + *start as u64;
+                    expert[i] = expert[x.index()];
+                    router[i] = router[x.index()];
+                }
                 op => {
                     for operand in op.operands() {
                         if expert[i].is_none() {
@@ -60,7 +69,7 @@ impl Analysis {
                     }
                 }
             }
-            if !matches!(instr.op, Op::ExpertDispatch { .. }) {
+            if !matches!(instr.op, Op::ExpertDispatch { .. } | Op::Slice { .. }) {
                 for operand in instr.op.operands() {
                     let list = &mut readers[source[operand.index()] as usize];
                     if list.last() != Some(&(i as u32)) {
@@ -69,7 +78,7 @@ impl Analysis {
                 }
             }
         }
-        Analysis { expert, source, readers, router }
+        Analysis { expert, source, offset, readers, router }
     }
 }
 
@@ -98,8 +107,8 @@ pub(super) enum Shape {
         segments: Vec<Range<u64>>,
     },
     Router,
-    /// Aliases its `x`: no PEs.
-    Dispatch,
+    /// Aliases its `x` (`expert_dispatch`) or part of it (`slice`): no PEs.
+    Alias,
 }
 
 pub(super) struct Sizes {
@@ -120,13 +129,15 @@ pub(super) fn segments(len: u64, size: u64) -> Vec<Range<u64>> {
 }
 
 /// The storage type a weight is sized with: its own, or the quantisation being tried for the
-/// does-not-fit hint (only for 2-D weights whose rows are whole blocks and that it would shrink).
+/// does-not-fit hint (only for 2-D weights whose rows are whole blocks and that it would shrink;
+/// the `quantize` pass never requantises a weight already in a block format).
 pub(super) fn effective_dtype(weight: &Weight, quantise: Option<DType>) -> DType {
     let own = weight.ty.dtype;
     match quantise {
         Some(q)
             if weight.ty.shape.len() == 2
                 && weight.ty.shape[1].is_multiple_of(CHUNK)
+                && !own.is_block_quantized()
                 && q.row_bytes(CHUNK) < own.row_bytes(CHUNK) =>
         {
             q
@@ -264,6 +275,10 @@ pub(super) fn size_module(
                     let blocks = rows.div_ceil(per_block);
                     rows_per_block.push(rows.div_ceil(blocks));
                 }
+                // One row banding for every segment (a narrower last segment, as for a width of
+                // 2880, takes the wider ones' bands), so each band of rows is held across its width.
+                let band = rows_per_block.iter().copied().min().unwrap_or(rows);
+                rows_per_block.iter_mut().for_each(|per| *per = band);
                 Shape::Embed { segments: segs, rows_per_block }
             }
             Op::MatVec { weight, bias, .. } => {
@@ -309,14 +324,23 @@ pub(super) fn size_module(
                 Shape::Vector { segments: segs }
             }
             Op::Rope { head_dim, .. } => Shape::Vector { segments: unit_segments(*head_dim as u64)? },
-            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::ExpertCombine { .. } => {
+            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } | Op::ExpertCombine { .. } => {
                 Shape::Vector { segments: pow2_segments(&|_| true)? }
             }
-            Op::Attention { cache, heads, .. } => {
+            Op::Attention { window: Some(window), .. } if *window > options.max_context => {
+                return Err(unsupported(format!(
+                    "its sliding window of {window} positions is larger than the KV capacity (max context {}): \
+                     raise the max context to at least {window}",
+                    options.max_context
+                )))
+            }
+            Op::Attention { cache, heads, window, .. } => {
                 let c = &module.caches[*cache];
                 let head_dim = c.head_dim as u64;
                 let q_per_kv = (*heads / c.kv_heads) as u64;
-                let max_positions = CHUNK * (options.max_context as u64).div_ceil(CHUNK).next_power_of_two();
+                // A windowed cache keeps only the window's rows.
+                let rows = window.map_or(options.max_context as u64, u64::from);
+                let max_positions = CHUNK * rows.div_ceil(CHUNK).next_power_of_two();
                 let sequences = options.max_sequences as u64;
                 let mut positions = CHUNK;
                 if kv_block_bytes(positions, head_dim, q_per_kv, sequences) > usable {
@@ -331,7 +355,7 @@ pub(super) fn size_module(
                 {
                     positions *= 2;
                 }
-                let blocks = (options.max_context as u64).div_ceil(positions);
+                let blocks = rows.div_ceil(positions);
                 Shape::Attention {
                     positions_per_block: positions as u32,
                     blocks_per_head: blocks as u32,
@@ -348,7 +372,7 @@ pub(super) fn size_module(
                 }
                 Shape::Router
             }
-            Op::ExpertDispatch { .. } => Shape::Dispatch,
+            Op::ExpertDispatch { .. } | Op::Slice { .. } => Shape::Alias,
         };
         let count = match (&shape, &instr.op) {
             (Shape::Attention { blocks_per_head, segments, .. }, Op::Attention { cache, .. }) => {

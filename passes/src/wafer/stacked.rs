@@ -46,7 +46,7 @@ const CHUNK: u64 = BLOCK as u64;
 const F32: u64 = 4;
 /// The share of a PE's usable SRAM the matvec tiles of its unit may take together; the rest
 /// holds vector segments, norm weights and receive buffers.
-const TILE_SHARE: f64 = 0.8;
+const TILE_SHARE: f64 = 0.6;
 /// The most 32-element chunks a tile spans: each chunk of a matvec's input is one multicast
 /// down the tile's column, and more than four per column crowd the router's colours.
 const MAX_CHUNKS_PER_TILE: u64 = 4;
@@ -54,6 +54,9 @@ const MAX_CHUNKS_PER_TILE: u64 = 4;
 /// and the multicasts of one vector into a tile grid of several panels cross each other (each
 /// runs along its row across the panels, then down whole columns), so they need a colour each.
 const MAX_SEGMENTS: u64 = 16;
+/// The longest segment (8 KiB of f32): only the logits are long enough to need more than
+/// [`MAX_SEGMENTS`] of these, and nothing reads them on the wafer.
+const MAX_SEGMENT_ELEMENTS: u64 = 2048;
 /// The most segments the embedding's result is cut in: each is gathered from its own band of
 /// the table, and all of an instruction's routes need distinct colours where they meet.
 const EMBED_SEGMENTS: u64 = 8;
@@ -112,9 +115,9 @@ struct Region {
 }
 
 /// The segment length of an `len`-element vector: a power-of-two run of chunks cutting it in at
-/// most [`MAX_SEGMENTS`] pieces.
+/// most [`MAX_SEGMENTS`] pieces, at most [`MAX_SEGMENT_ELEMENTS`] long.
 fn vector_cut(len: u64) -> u64 {
-    len.div_ceil(MAX_SEGMENTS).next_power_of_two().max(CHUNK)
+    len.div_ceil(MAX_SEGMENTS).next_power_of_two().clamp(CHUNK, MAX_SEGMENT_ELEMENTS)
 }
 
 /// Positions per KV block: the largest aligned power-of-two run of 32-position chunks whose
@@ -377,6 +380,7 @@ pub(super) fn place(
         unit_slack: Vec::new(),
         expert_pes: HashMap::new(),
         lane_cursors: HashMap::new(),
+        layers_per_region: layers_per_region.max(1) as u64,
     };
     let limit = (TILE_SHARE * usable as f64) as u64;
     for (u, unit) in units.iter().enumerate() {
@@ -413,6 +417,7 @@ struct Stacked<'a> {
     expert_pes: HashMap<u32, HashSet<Pe>>,
     /// The walk's next cell in each expert lane, by the lane's corner.
     lane_cursors: HashMap<(u16, u16, u16), u64>,
+    layers_per_region: u64,
 }
 
 impl Stacked<'_> {
@@ -553,20 +558,27 @@ impl Stacked<'_> {
                         tiles.push(Tile { pe, rows: tile_rows.clone(), chunks, region });
                     }
                 }
-                // Result segments of 32 elements (a head when rope reads the result), so norms
-                // and rope run in place; each sits in the tile row of its first element, the
-                // segments starting in one row block spread along that row.
+                // Result segments of `vector_cut` elements (whole heads when rope reads the
+                // result), so norms and rope run in place.
                 let mut layout = VectorLayout::default();
                 // An expert's result segments avoid the PEs of its layer's other experts' (lanes
                 // repeat tile positions): a combine's gather takes one message per sending PE.
                 let router = self.placer.analysis.router[i].filter(|_| self.placer.analysis.expert[i].is_some());
                 let mut taken = router.map(|r| self.expert_pes.entry(r).or_default().clone()).unwrap_or_default();
-                let mut along = (u64::MAX, 0);
-                for seg in super::size::segments(rows, self.segment_cut(i, rows)) {
-                    let r = seg.start / g.rows_per_tile;
-                    along = if along.0 == r { (r, along.1 + 1) } else { (r, 0) };
+                // Each segment sits in the middle tile row of its rows, in a column of its own
+                // (segments spread over the panel's columns), not all on the row roots.
+                // The layers of a group interleave their columns.
+                let segments = super::size::segments(rows, self.segment_cut(i, rows));
+                let count = segments.len() as u64;
+                let (k, local) = match ir.layer {
+                    Some(l) => (self.layers_per_region, l as u64 % self.layers_per_region),
+                    None => (1, 0),
+                };
+                for (j, seg) in segments.into_iter().enumerate() {
+                    let r = ((seg.start + seg.end - 1) / 2) / g.rows_per_tile;
+                    let c = ((j as u64 * k + local) * g.col_blocks / (count * k).max(1)) % g.col_blocks;
                     let bytes = (seg.end - seg.start) * F32;
-                    let pe = match tiles.get((r * g.col_blocks + along.1) as usize).filter(|_| along.1 < g.col_blocks) {
+                    let pe = match tiles.get((r * g.col_blocks + c) as usize) {
                         Some(tile) if !taken.contains(&tile.pe) => tile.pe,
                         _ => self.fresh_pe(i, unit, bytes, &taken)?,
                     };
@@ -577,17 +589,14 @@ impl Stacked<'_> {
                     self.placer.fill(pe, instr, vec![(RegionKind::Output { elements: seg.clone() }, bytes)])?;
                     layout.segments.push(Segment { pe, elements: seg });
                 }
-                let placement = MatVecPlacement {
+                let placement = MatVecPlacement::unrouted(
                     rows,
                     cols,
-                    row_blocks: g.row_blocks as u32,
-                    col_blocks: g.col_blocks as u32,
+                    g.row_blocks as u32,
+                    g.col_blocks as u32,
                     tiles,
-                    reductions: Vec::new(),
-                    broadcasts: Vec::new(),
-                    bias: bias.map(|b| b.index() as u32),
-                    collects: Vec::new(),
-                };
+                    bias.map(|b| b.index() as u32),
+                );
                 (ResultLayout::Vector(layout), Work::MatVec(placement))
             }
             Op::RmsNorm { weight, .. } => {
@@ -602,7 +611,7 @@ impl Stacked<'_> {
                     self.vector_layout(i, unit, len, *head_dim as u64, &|seg| operand_requests(module, i, seg))?;
                 (ResultLayout::Vector(layout), Work::Elementwise)
             }
-            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } => {
+            Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } => {
                 let layout =
                     self.vector_layout(i, unit, len, vector_cut(len), &|seg| operand_requests(module, i, seg))?;
                 (ResultLayout::Vector(layout), Work::Elementwise)
@@ -637,6 +646,7 @@ impl Stacked<'_> {
                 let source = self.placer.analysis.source[i] as usize;
                 (self.placer.placements[source].result.clone(), Work::Dispatch { routing: 0 })
             }
+            Op::Slice { len, .. } => (self.placer.slice_layout(i, *len as u64)?, Work::Slice),
         };
         Ok(InstrPlacement {
             instr,
@@ -675,7 +685,11 @@ impl Stacked<'_> {
         let c = &module.caches[cache];
         let (hd, kv_heads) = (c.head_dim as u64, c.kv_heads);
         let q_per_kv = (heads / kv_heads) as u64;
-        let max = self.placer.options.max_context as u64;
+        // A windowed cache keeps only the window's rows.
+        let max = match module.body[waferc_ir::Handle::new(i)].op {
+            Op::Attention { window: Some(window), .. } => u64::from(window).min(self.placer.options.max_context as u64),
+            _ => self.placer.options.max_context as u64,
+        };
         let usable = self.placer.params.usable_bytes_per_pe() as u64;
         let per = positions_per_block(hd, q_per_kv, max, usable, self.placer.options.max_sequences as u64).ok_or_else(
             || unsupported(module, i, format!("32 positions of a KV head (head_dim {hd}) do not fit one PE")),
@@ -696,18 +710,7 @@ impl Stacked<'_> {
                 )?[0];
                 blocks.push(KvBlock { pe, positions, region: index });
             }
-            placed.push(KvHeadPlacement {
-                kv_head: h as u32,
-                blocks,
-                q_routes: Vec::new(),
-                k_routes: Vec::new(),
-                v_routes: Vec::new(),
-                max_reduce: None,
-                max_broadcast: None,
-                sum_reduce: None,
-                sum_broadcast: None,
-                out_reduce: None,
-            });
+            placed.push(KvHeadPlacement::unrouted(h as u32, blocks));
         }
         let layout = self.fresh_layout(i, unit, &super::size::segments(len, hd), &|_| Vec::new())?;
         let placement =

@@ -149,7 +149,7 @@ pub fn build(shape: &Shape) -> Module {
         let k = b.push(Op::Rope { x: k, head_dim: shape.head_dim, rope: rope.clone() }, at);
         let cache = b.m.add_cache(KvCache { layer: l, kv_heads: shape.kv_heads, head_dim: shape.head_dim });
         let scale = 1.0 / (hd as f32).sqrt();
-        let a = b.push(Op::Attention { q, k, v, cache, heads: shape.heads, scale }, at);
+        let a = b.push(Op::Attention { q, k, v, cache, heads: shape.heads, scale, window: None, sinks: None }, at);
         let o = b.proj(p("o"), h, q_width, a, false, at);
         x = b.push(Op::Add { a: x, b: o }, at);
         let norm2 = b.weight(p("post_norm"), DType::F32, vec![h]);

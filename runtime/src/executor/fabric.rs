@@ -146,6 +146,8 @@ impl<'p> Executor<'p> {
         elements: Range<u64>,
     ) -> Result<Data, ExecError> {
         let source = self.alias[value as usize];
+        let shift = self.alias_offset[value as usize];
+        let elements = elements.start + shift..elements.end + shift;
         let mut pieces: Vec<(Range<u64>, Data)> = Vec::new();
         if let (Held::Segments(held), ResultLayout::Vector(layout)) =
             (&state.held[source as usize], &self.program.instrs[source as usize].result)
@@ -236,7 +238,23 @@ impl<'p> Executor<'p> {
         state: &mut StepState,
         run: &mut InstrRun,
         id: RouteId,
+        leaves: Vec<Data>,
+    ) -> Result<(Pe, Data), ExecError> {
+        let sending = leaves.len();
+        self.reduce_leading(state, run, id, leaves, sending)
+    }
+
+    /// [`Executor::reduce`] where only the first `sending` leaves hold anything (attention's KV
+    /// blocks holding a position, in position order): an edge whose sender's subtree lies beyond
+    /// them is skipped, which changes no bit (an empty subtree's partial is +0.0 for a sum, -inf
+    /// for a maximum; NUMERICS.md, "the chunk tree").
+    pub(super) fn reduce_leading(
+        &self,
+        state: &mut StepState,
+        run: &mut InstrRun,
+        id: RouteId,
         mut leaves: Vec<Data>,
+        sending: usize,
     ) -> Result<(Pe, Data), ExecError> {
         let route = self.route(run, id)?;
         let RouteKind::Reduce { op, elements } = route.kind else {
@@ -254,6 +272,9 @@ impl<'p> Executor<'p> {
         }
         let destination = single_destination(run, route)?;
         for (receiver, sender) in reduce_tree(leaves.len()) {
+            if sender >= sending {
+                continue;
+            }
             let (from, to) = (route.sources[sender], route.sources[receiver]);
             self.send(state, run, id, from, Payload::Data(leaves[sender].clone()))?;
             let right = data_of(run, id, from, to, self.message(state, run, id, from, to)?, elements as usize)?;

@@ -55,7 +55,7 @@ use sram::load_sram;
 
 pub use error::{ExecError, InstrSite, WeightRegionError};
 pub use pipeline::{pipeline, PipelineTiming, SequenceCosts, SequenceTiming, StepCost};
-pub use timing::{LinkLoad, PeLoad, StepSpan, StepTiming, TimingReport};
+pub use timing::{LayerTime, LinkLoad, PeLoad, PrefillTime, StepSpan, StepTiming, TimingReport, PREFILL_PROMPTS};
 pub use validate::{validate, Mismatch, Validation, ValidationOptions};
 
 /// How an [`Executor`] runs.
@@ -142,8 +142,11 @@ pub struct Executor<'p> {
     runs: Vec<(InstrIndex, Range<usize>)>,
     /// Per PE image (in `program.pes` order), its SRAM with the weight regions filled.
     sram: Vec<Vec<u8>>,
-    /// Each value, followed through `expert_dispatch` (which aliases its `x`).
+    /// Each value, followed through `expert_dispatch` (which aliases its `x`) and `slice`
+    /// (which names part of its `x`).
     alias: Vec<InstrIndex>,
+    /// Where each value's elements start in its alias's result (non-zero for a `slice`).
+    alias_offset: Vec<u64>,
     gates: Vec<Option<Gate>>,
     /// Per `expert_dispatch`: how early its expert receives the input and the routing, before
     /// their multicasts end (`arrival`).
@@ -152,7 +155,7 @@ pub struct Executor<'p> {
     instr_pes: Vec<Vec<Pe>>,
     /// Attention's `Collect` routes (the placement does not list them), in element order.
     attention_collects: HashMap<InstrIndex, Vec<RouteId>>,
-    rope_frequencies: Vec<Option<Vec<f32>>>,
+    rope_frequencies: Vec<Option<kernels::RopeTable>>,
     /// KV caches, keyed by (attention instruction, KV head placement, block).
     kv: HashMap<(InstrIndex, usize, usize), KvBlockState>,
     /// Destinations of each route, sorted (membership tests on big multicasts).
@@ -193,6 +196,7 @@ impl<'p> Executor<'p> {
         let sram = if options.timing_only { Vec::new() } else { load_sram(program, module, tile_blob)? };
 
         let mut alias: Vec<InstrIndex> = Vec::with_capacity(module.body.len());
+        let mut alias_offset: Vec<u64> = Vec::with_capacity(module.body.len());
         let mut gates: Vec<Option<Gate>> = Vec::with_capacity(module.body.len());
         for (handle, instr) in module.body.iter() {
             let index = handle.index() as InstrIndex;
@@ -200,6 +204,7 @@ impl<'p> Executor<'p> {
             match &instr.op {
                 Op::ExpertDispatch { x, expert, .. } => {
                     alias.push(alias[x.index()]);
+                    alias_offset.push(alias_offset[x.index()]);
                     let Work::Dispatch { routing } = program.instrs[index as usize].work else {
                         return Err(ExecError::Malformed { site, problem: "its work is not Dispatch".into() });
                     };
@@ -207,10 +212,17 @@ impl<'p> Executor<'p> {
                 }
                 Op::ExpertCombine { .. } => {
                     alias.push(index);
+                    alias_offset.push(0);
                     gates.push(None);
+                }
+                Op::Slice { x, offset, .. } => {
+                    alias.push(alias[x.index()]);
+                    alias_offset.push(alias_offset[x.index()] + *offset as u64);
+                    gates.push(gates[x.index()]);
                 }
                 op => {
                     alias.push(index);
+                    alias_offset.push(0);
                     gates.push(op.operands().iter().find_map(|o| gates[o.index()]));
                 }
             }
@@ -267,6 +279,7 @@ impl<'p> Executor<'p> {
             runs,
             sram,
             alias,
+            alias_offset,
             gates,
             dispatch_leads,
             instr_pes,
@@ -335,7 +348,7 @@ impl<'p> Executor<'p> {
             held: vec![Held::Pending; self.module.body.len()],
             messages: HashMap::new(),
             token,
-            timeline: timing::Timeline::new(self.program),
+            timeline: timing::Timeline::new(self.program, &self.costs),
         };
         for run_index in 0..self.runs.len() {
             let (instr, steps) = self.runs[run_index].clone();
@@ -368,26 +381,41 @@ impl<'p> Executor<'p> {
     /// `prompt_tokens` tokens (see [`timing`] for the model). `None` before the first step.
     pub fn timing_report(&self, prompt_tokens: usize) -> Option<TimingReport> {
         let last = self.last_timing.as_ref()?;
-        Some(timing::report(self.program, &self.history, last, prompt_tokens))
+        Some(timing::report(self.program, &self.costs, &self.history, last, prompt_tokens))
     }
 
-    /// The cycle at which all of `instr`'s operands (and, for an expert, the routing) are ready.
-    fn ready_cycle(&self, state: &StepState, instr: InstrIndex) -> u64 {
+    /// The cycle at which all of `instr`'s operands (and, for an expert, the routing) are ready,
+    /// and the instruction that ended then (none when nothing precedes it).
+    fn ready_cycle(&self, state: &StepState, instr: InstrIndex) -> (u64, Option<InstrIndex>) {
         let op = &self.module.body[waferc_ir::Handle::new(instr as usize)].op;
-        op.operands().iter().map(|o| self.done_cycle(state, o.index() as InstrIndex)).max().unwrap_or(0)
+        let mut ready = (0, None);
+        for operand in op.operands() {
+            let done = self.done_cycle(state, operand.index() as InstrIndex);
+            if ready.1.is_none() || done.0 > ready.0 {
+                ready = done;
+            }
+        }
+        ready
     }
 
-    /// When `value` is available: its instruction's end (`expert_dispatch`: when its inputs
-    /// reach its expert, which may be before their multicasts end).
-    fn done_cycle(&self, state: &StepState, value: InstrIndex) -> u64 {
+    /// When `value` is available, and the instruction whose end that is: its instruction's end
+    /// (`expert_dispatch`: when its inputs reach its expert, which may be before their
+    /// multicasts end).
+    fn done_cycle(&self, state: &StepState, value: InstrIndex) -> (u64, Option<InstrIndex>) {
         match &self.module.body[waferc_ir::Handle::new(value as usize)].op {
             Op::ExpertDispatch { x, routing, .. } => {
                 let (x_lead, routing_lead) = self.dispatch_leads.get(&value).copied().unwrap_or((0, 0));
-                let x_done = self.done_cycle(state, x.index() as InstrIndex);
-                let routing_done = self.done_cycle(state, routing.index() as InstrIndex);
-                x_done.saturating_sub(x_lead).max(routing_done.saturating_sub(routing_lead))
+                let (x_done, x_by) = self.done_cycle(state, x.index() as InstrIndex);
+                let (routing_done, routing_by) = self.done_cycle(state, routing.index() as InstrIndex);
+                let (x_done, routing_done) = (x_done.saturating_sub(x_lead), routing_done.saturating_sub(routing_lead));
+                if routing_done > x_done {
+                    (routing_done, routing_by)
+                } else {
+                    (x_done, x_by)
+                }
             }
-            _ => state.timeline.instr_end(value),
+            Op::Slice { x, .. } => self.done_cycle(state, x.index() as InstrIndex),
+            _ => (state.timeline.instr_end(value), Some(value)),
         }
     }
 
@@ -423,6 +451,13 @@ impl<'p> Executor<'p> {
                         InstrValue::Absent
                     }
                 }
+                Op::Slice { len, .. } => match value_of(&state.held[self.alias[i] as usize]) {
+                    InstrValue::Tensor(values) => {
+                        let start = self.alias_offset[i] as usize;
+                        InstrValue::Tensor(values[start..start + *len as usize].to_vec())
+                    }
+                    other => other,
+                },
                 _ => value_of(&state.held[i]),
             })
             .collect()
@@ -478,7 +513,7 @@ fn compute_pes(placement: &waferc_ir::wafer::InstrPlacement) -> Vec<Pe> {
         Work::Embed { blocks, .. } => pes.extend(blocks.iter().map(|b| b.pe)),
         Work::MatVec(p) => pes.extend(p.tiles.iter().map(|t| t.pe)),
         Work::Attention(p) => pes.extend(p.kv_heads_placed.iter().flat_map(|kh| kh.blocks.iter().map(|b| b.pe))),
-        Work::Dispatch { .. } => pes.clear(),
+        Work::Dispatch { .. } | Work::Slice => pes.clear(),
         Work::Elementwise | Work::RmsNorm(_) | Work::Router { .. } | Work::Combine { .. } => {}
     }
     pes.sort_unstable();

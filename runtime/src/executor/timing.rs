@@ -25,7 +25,11 @@
 //! for the weighted values, plus one exponential and one division per score; the combine one
 //! MAC per chosen expert per element; the router an exponential and a division per expert; each
 //! edge of a reduction tree one add per element on the receiving PE. A step's compute time is its
-//! **busiest PE's**.
+//! **busiest PE's**. An attention KV block holding no position yet (all its positions beyond the
+//! step's) computes nothing and sends nothing: the reduction edges whose sender's subtree holds
+//! only such blocks are skipped (bit-exact: an empty subtree's partial is +0.0 or, for the
+//! maximum, -inf, which change nothing; NUMERICS.md, "the chunk tree"), so attention's cost grows
+//! with the context as on the hardware.
 //!
 //! # Communication
 //!
@@ -39,36 +43,80 @@
 //! [`reduce_tree`]: an edge starts when the sender's subtree is complete, costs its runs' hops,
 //! one message's serialisation and the receiver's adds, and the route ends when the root has its
 //! total (plus the forward to the destination, if any): its cost is the tree's critical path,
-//! `~ depth x (distance + message)`. In one step, routes run concurrently on their colours, except
-//! that a reduction or broadcast whose sources include an earlier such route's destination waits
-//! for it (a MeshGemv row reduce after its group reduces; a broadcast after its reduce); and
-//! routes that share a link serialise on it: the step's communication time is at least the
-//! busiest link's bytes in the step over its bandwidth.
+//! `~ depth x (distance + message)`. In one step, a reduction or broadcast whose sources include
+//! an earlier such route's destination waits for it (a MeshGemv row reduce after its group
+//! reduces; a broadcast after its reduce).
+//!
+//! # Link contention
+//!
+//! Every directed link (one per PE and direction, plus one per ordered pair of wafers) has a
+//! *busy-until* cycle for the decode step, starting at 0. Routes claim links in the order the
+//! executor sends on them (schedule order, then send order within a step): a route starts at the
+//! later of when it may start (its step's compute done, the collectives it depends on done) and
+//! the busy-until of **every** link it uses; it then holds each of its links for its own bytes on
+//! that link over the link's bandwidth, from its start: the link's busy-until becomes the route's
+//! start plus that serialisation (a reduction's or a gather's runs over one link add up; a
+//! multicast's message counts once). So two routes sharing a link, in one step or in two steps
+//! that overlap in time, serialise on it; routes on disjoint links do not wait. A link is granted
+//! first come first served in that order, with no back-filling of an earlier gap (a
+//! conservative rule: it never makes a step faster). A reduction with skipped edges (empty
+//! attention blocks) claims only the links of the edges it sends.
+//!
+//! A step's time splits in three: `compute_cycles` (its busiest PE's compute), `comm_cycles`
+//! (its routes from the end of the compute to the last route's end as if every link were free)
+//! and `wait_cycles` (how much later the last route ends because routes waited for busy links).
 //!
 //! # The decode step's critical path, and the overlap modeled
 //!
-//! A step lasts its compute time then its communication time. An instruction's steps run one
-//! after another. An instruction starts when all its operands' instructions have finished (their
-//! `Deliver` steps done; an expert's also waits for the router's decision) **and** when its PEs
-//! are free: instructions on disjoint PEs whose inputs are ready overlap (the q, k and v
-//! projections; the chosen experts), instructions sharing PEs run one after the other. Links
-//! shared between overlapping steps of different instructions are not modeled as contended. The
-//! decode step's cycles are the end of its last step. An unchosen expert takes no time.
+//! A step lasts its compute, communication and waiting. An instruction's steps run one after
+//! another. An instruction starts when all its operands' instructions have finished (their
+//! `Deliver` steps done; an expert's also waits for the router's decision, and starts when its
+//! own PEs have received both multicasts, which for an expert near the dispatch point is before
+//! the multicasts reach their farthest PE: `arrival`) **and** when its PEs are free:
+//! instructions on disjoint PEs whose inputs are ready overlap (the q, k and v projections; the
+//! chosen experts), instructions sharing PEs run one after the other, and overlapping
+//! instructions contend for links as above. The decode step's cycles are the end of its last
+//! step. An unchosen expert takes no time, and an MoE combine's gather waits only for the
+//! farthest chosen expert's message, not for the farthest expert's.
 //!
-//! Prompt tokens are processed as decode steps, one position at a time (the executor and the
-//! reference decoder both do so), so the time to first token for `n` prompt tokens is the sum of
-//! the first `n` steps' cycles: attention grows with the position, everything else is constant.
-//! Modeled decode throughput is `clock_hz / cycles per token`.
+//! The *critical path* is the chain of instructions that determined the step's end: from the
+//! instruction ending last, each instruction's start was the end of one operand's instruction or
+//! of the instruction that last held one of its PEs (an expert may start before its inputs'
+//! multicasts end, when its own copy has arrived: only the part of those spans before the
+//! expert's start counts). Its spans add up to the step's cycles exactly; [`LayerTime`] splits them by decoder layer into compute, communication and waiting.
+//!
+//! # Tokens per second and time to first token
+//!
+//! Modeled decode throughput is `clock_hz / cycles per token`. Prompt tokens are processed by the
+//! executor as decode steps, one position at a time (the reference decoder does the same), so
+//! `modeled_ttft_us` is the sum of the prompt's steps' cycles.
+//!
+//! **Prefill** ([`TimingReport::prefill`]) is modeled analytically instead, as the hardware would run it:
+//! the prompt's `T` tokens go through the same placement as a batch, streamed: each tile computes
+//! `T` dot products, each link carries `T` times the bytes, and the layers are pipelined (while
+//! layer `l` works on one part of the prompt, layer `l + 1` works on the part before it). The
+//! first token takes one whole decode step at position 0 (`D0`: every latency on the critical
+//! path); every further token is admitted at the rate of the busiest resource:
+//!
+//! `prefill(T) = D0 + max over resources r of (L_r(T) - L_r(1))`
+//!
+//! where `L_r(T)` is the busy cycles of resource `r` over the first `T` tokens: a PE's compute (its
+//! per-token compute in the decode step times `T`, except attention, which is counted per block
+//! and per token from the positions the block holds: block `[s, e)` attends `min(t + 1 - s,
+//! e - s)` positions for token `t`), or a link's serialisation (its bytes per token, every
+//! reduction counted over all its blocks, times `T`). It is a lower estimate of a real pipeline
+//! (perfect streaming, no bubbles between micro-batches) and needs `T <= max_context`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 
 use serde::Serialize;
 use waferc_ir::wafer::{
-    reduce_tree, InstrIndex, Pe, Phase, Route, RouteId, RouteKind, Run, TargetParams, WaferProgram,
+    reduce_tree, InstrIndex, Pe, Phase, Route, RouteId, RouteKind, Run, TargetParams, WaferProgram, Work,
 };
 
 use super::error::ExecError;
-use super::{route_of, site_of, InstrRun};
+use super::{site_of, InstrRun};
 
 /// FMA slots of one transcendental (`exp`, `sqrt`, `sin`, `cos`): a model assumption.
 pub const EXP_FLOPS: u64 = 8;
@@ -81,8 +129,11 @@ pub const ROPE_FLOPS: u64 = 3;
 /// `1 / sqrt(ms / g + eps)` once per norm group.
 pub const RMS_INVERSE_FLOPS: u64 = EXP_FLOPS + 2 * DIVIDE_FLOPS + 1;
 
-/// How many of the busiest PEs and links a report lists.
+/// How many of the busiest PEs and links, and of the costliest steps, a report lists.
 const BUSIEST: usize = 10;
+
+/// The prompt lengths a report gives the modeled prefill time for (when the KV cache holds them).
+pub const PREFILL_PROMPTS: [u32; 2] = [1024, 8192];
 
 /// One step of the schedule as it ran: what a Chrome trace shows as one slice.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -95,14 +146,30 @@ pub struct StepSpan {
     pub expert: Option<u32>,
     pub phase: Phase,
     pub start_cycle: u64,
+    /// `compute_cycles + comm_cycles + wait_cycles`.
     pub duration_cycles: u64,
     /// The busiest PE's compute in the step.
     pub compute_cycles: u64,
+    /// The step's routes as if every link were free.
     pub comm_cycles: u64,
+    /// How much later the step ends because its routes waited for busy links.
+    pub wait_cycles: u64,
     /// PEs that computed in the step.
     pub pes: usize,
     /// Routes the step sent on.
     pub routes: usize,
+}
+
+/// Cycles of the decode step's critical path spent in one decoder layer (`layer: None`: the
+/// embedding, the head and anything else outside the layers), split by kind.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct LayerTime {
+    pub layer: Option<u32>,
+    /// `compute_cycles + comm_cycles + wait_cycles`.
+    pub cycles: u64,
+    pub compute_cycles: u64,
+    pub comm_cycles: u64,
+    pub wait_cycles: u64,
 }
 
 /// The modeled timing of one decode step.
@@ -113,9 +180,15 @@ pub struct StepTiming {
     /// The step's critical path: the end of its last schedule step.
     pub cycles: u64,
     pub spans: Vec<StepSpan>,
+    /// The critical path's cycles by layer, in layer order (outside the layers first); they add
+    /// up to `cycles`.
+    pub layers: Vec<LayerTime>,
     /// Compute cycles of each PE that worked in the step.
     #[serde(skip)]
     pub(crate) pe_cycles: HashMap<Pe, u64>,
+    /// The part of `pe_cycles` that attention's KV blocks spent (it grows with the position).
+    #[serde(skip)]
+    pub(crate) pe_attention_cycles: HashMap<Pe, u64>,
     /// Routes that carried messages in the step, and how many messages each.
     #[serde(skip)]
     pub(crate) active_routes: Vec<(RouteId, u32)>,
@@ -128,6 +201,8 @@ pub struct PeLoad {
     pub cycles: u64,
 }
 
+/// One directed link's load. The model keeps one link per ordered pair of wafers (their
+/// bandwidth is the system's, not a PE's), named by PE (0, 0) of each wafer.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LinkLoad {
     pub from: Pe,
@@ -135,6 +210,16 @@ pub struct LinkLoad {
     pub bytes_per_token: u64,
     /// `bytes_per_token / (link bytes per cycle x cycles per token)`.
     pub utilisation: f64,
+}
+
+/// The modeled prefill of a prompt of `prompt_tokens` tokens (module documentation, "Prefill").
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PrefillTime {
+    pub prompt_tokens: u32,
+    /// `None` when the program's KV cache holds fewer positions.
+    pub cycles: Option<u64>,
+    /// Time to first token, microseconds.
+    pub ttft_us: Option<f64>,
 }
 
 /// The modeled performance of a program, for `waferc run --json` and `--trace`.
@@ -150,20 +235,110 @@ pub struct TimingReport {
     /// Time to first token: the prompt's steps, one per token (positions not run are charged the
     /// last step's cycles).
     pub modeled_ttft_us: f64,
+    /// Time to first token with the prompt prefilled as a batch (module documentation,
+    /// "Prefill"); `None`
+    /// without a prompt or when the KV cache is shorter than the prompt.
+    pub modeled_ttft_prefill_us: Option<f64>,
+    /// The modeled prefill of [`PREFILL_PROMPTS`].
+    pub prefill: Vec<PrefillTime>,
+    /// The last step's critical path by layer: compute, communication and waiting.
+    pub layers: Vec<LayerTime>,
+    /// Mean of `layers` over the decoder layers (`layer` is `None`).
+    pub mean_layer: Option<LayerTime>,
+    /// The last step's longest steps, longest first.
+    pub costliest_steps: Vec<StepSpan>,
     pub busiest_pes: Vec<PeLoad>,
     pub busiest_links: Vec<LinkLoad>,
     /// The last step's schedule, step by step.
     pub steps: Vec<StepSpan>,
 }
 
-/// Per-route and per-step communication costs, computed once per program.
+/// Dense numbering of a program's directed links: `((wafer x rows + y) x cols + x) x 4 +
+/// direction` for a link leaving PE `(x, y)` (direction 0 east, 1 west, 2 south, 3 north), then
+/// one per ordered pair of wafers. Vectors indexed by it stand in for maps keyed by `(Pe, Pe)`,
+/// which are slow at millions of links.
+#[derive(Clone, Copy, Debug)]
+struct LinkIndex {
+    cols: usize,
+    rows: usize,
+    wafers: usize,
+}
+
+impl LinkIndex {
+    fn new(params: &TargetParams) -> Self {
+        LinkIndex { cols: params.grid_cols as usize, rows: params.grid_rows as usize, wafers: params.wafers as usize }
+    }
+
+    fn len(&self) -> usize {
+        self.wafers * self.rows * self.cols * 4 + self.wafers * self.wafers
+    }
+
+    fn pe_base(&self, pe: Pe) -> Option<usize> {
+        let (w, x, y) = (pe.wafer as usize, pe.x as usize, pe.y as usize);
+        (w < self.wafers && x < self.cols && y < self.rows).then(|| ((w * self.rows + y) * self.cols + x) * 4)
+    }
+
+    fn inter_wafer(&self, from: u16, to: u16) -> Option<usize> {
+        let (f, t) = (from as usize, to as usize);
+        (f < self.wafers && t < self.wafers).then(|| self.wafers * self.rows * self.cols * 4 + f * self.wafers + t)
+    }
+
+    /// Calls `visit` with the index of every link of `run` (none for a malformed run or a PE off
+    /// the target, which the checker rejects).
+    fn for_each(&self, run: &Run, mut visit: impl FnMut(usize)) {
+        if run.is_inter_wafer() {
+            if let Some(index) = self.inter_wafer(run.from.wafer, run.to.wafer) {
+                visit(index);
+            }
+            return;
+        }
+        let (a, b) = (run.from, run.to);
+        let (direction, n) = match (a.x.cmp(&b.x), a.y.cmp(&b.y)) {
+            (std::cmp::Ordering::Less, std::cmp::Ordering::Equal) => (0, b.x - a.x),
+            (std::cmp::Ordering::Greater, std::cmp::Ordering::Equal) => (1, a.x - b.x),
+            (std::cmp::Ordering::Equal, std::cmp::Ordering::Less) => (2, b.y - a.y),
+            (std::cmp::Ordering::Equal, std::cmp::Ordering::Greater) => (3, a.y - b.y),
+            _ => return,
+        };
+        let (dx, dy): (i32, i32) = [(1, 0), (-1, 0), (0, 1), (0, -1)][direction];
+        for k in 0..n as i32 {
+            let pe = Pe::new(a.wafer, (a.x as i32 + dx * k) as u16, (a.y as i32 + dy * k) as u16);
+            if let Some(base) = self.pe_base(pe) {
+                visit(base + direction);
+            }
+        }
+    }
+
+    /// The `(from, to)` PEs of link `index`.
+    fn endpoints(&self, index: usize) -> (Pe, Pe) {
+        let on_wafer = self.wafers * self.rows * self.cols * 4;
+        if index >= on_wafer {
+            let pair = index - on_wafer;
+            let (from, to) = ((pair / self.wafers) as u16, (pair % self.wafers) as u16);
+            return (Pe::new(from, 0, 0), Pe::new(to, 0, 0));
+        }
+        let (pe, direction) = (index / 4, index % 4);
+        let (x, rest) = (pe % self.cols, pe / self.cols);
+        let (y, w) = (rest % self.rows, rest / self.rows);
+        let from = Pe::new(w as u16, x as u16, y as u16);
+        let (dx, dy): (i32, i32) = [(1, 0), (-1, 0), (0, 1), (0, -1)][direction];
+        (from, Pe::new(w as u16, (x as i32 + dx) as u16, (y as i32 + dy) as u16))
+    }
+
+    fn is_inter_wafer(&self, index: usize) -> bool {
+        index >= self.wafers * self.rows * self.cols * 4
+    }
+}
+
+/// Per-route communication costs, computed once per program.
 #[derive(Clone, Debug)]
 pub(crate) struct CostModel {
     params: TargetParams,
     routes: Vec<RouteCost>,
-    /// Per schedule step: the busiest link's serialisation over the routes the step lists
-    /// (collects excepted: how many of their sources send is only known when they run).
-    step_link_cycles: Vec<u64>,
+    /// Per route: the edges of a reduction (empty otherwise), for reductions some of whose
+    /// leaves do not send.
+    reduce_edges: Vec<ReduceShape>,
+    links: LinkIndex,
 }
 
 /// A route's cost when all its sources send.
@@ -177,33 +352,26 @@ struct RouteCost {
     bytes_per_cycle: f64,
 }
 
+/// A reduction's tree edges, timed, and which runs of its path each uses.
+#[derive(Clone, Debug, Default)]
+struct ReduceShape {
+    /// `(receiver, sender, cycles of the edge, its runs)` in [`reduce_tree`] order.
+    edges: Vec<(usize, usize, u64, Range<usize>)>,
+    /// The root's forward to the destination: cycles and runs.
+    forward: (u64, Range<usize>),
+}
+
 impl CostModel {
     pub(crate) fn new(program: &WaferProgram) -> Result<Self, ExecError> {
         let params = program.target.clone();
-        let routes =
-            program.routes.iter().map(|route| route_cost(program, &params, route)).collect::<Result<_, _>>()?;
-        let mut step_link_cycles = Vec::with_capacity(program.schedule.len());
-        let mut load: HashMap<(Pe, Pe), u64> = HashMap::new();
-        for step in &program.schedule {
-            // One route's own serialisation is already in its cost.
-            if step.routes.len() < 2 {
-                step_link_cycles.push(0);
-                continue;
-            }
-            load.clear();
-            for &id in &step.routes {
-                let route = route_of(program, &site_of(program, step.instr), id)?;
-                if matches!(route.kind, RouteKind::Collect { .. }) {
-                    continue;
-                }
-                for (hop, messages) in route.link_messages() {
-                    *load.entry(hop).or_insert(0) += route.message_bytes as u64 * messages as u64;
-                }
-            }
-            let busiest = load.iter().map(|(&(from, to), &bytes)| serialise(&params, from, to, bytes)).max();
-            step_link_cycles.push(busiest.unwrap_or(0));
+        let mut routes = Vec::with_capacity(program.routes.len());
+        let mut reduce_edges = Vec::with_capacity(program.routes.len());
+        for route in &program.routes {
+            let (cost, shape) = route_cost(program, &params, route)?;
+            routes.push(cost);
+            reduce_edges.push(shape);
         }
-        Ok(CostModel { params, routes, step_link_cycles })
+        Ok(CostModel { links: LinkIndex::new(&params), params, routes, reduce_edges })
     }
 
     /// Cycles of `n` fused multiply-adds on one PE.
@@ -222,58 +390,107 @@ impl CostModel {
         from.distance(to).map_or(u64::MAX, |hops| hops as u64 * self.params.hop_latency_cycles as u64)
     }
 
-    /// Cycles of route `id` carrying `messages` messages: a collect whose sources do not all
-    /// send (the embedding: one table block; an MoE combine: the chosen experts) serialises only
-    /// the messages sent, and an MoE combine's waits only for its farthest sender (`reach`).
-    fn route_cycles(&self, route: &Route, messages: u32, reach: Option<u64>) -> u64 {
-        let mut cost = self.routes[route.id as usize];
-        if let Some(reach) = reach {
-            cost.latency = cost.latency.min(reach);
-        }
-        let serial = match route.kind {
-            RouteKind::Collect { .. } => {
-                let sent = (messages as u64 * route.message_bytes as u64) as f64 / cost.bytes_per_cycle;
-                cost.serial.min(sent.ceil() as u64)
-            }
-            _ => cost.serial,
-        };
-        cost.latency + serial
+    /// How many leading sources of reduction `route` sent, from the `messages` sent on it: the
+    /// edges among the first `a` leaves of [`reduce_tree`] are `a - 1` (every leaf but the first
+    /// sends exactly once), plus the forward when the destination is not the root.
+    fn reduce_leaves(route: &Route, messages: u32) -> usize {
+        let forward = route.destinations.first().is_some_and(|&d| Some(&d) != route.sources.first());
+        (messages as usize + 1).saturating_sub(forward as usize).clamp(1, route.sources.len().max(1))
     }
 
-    /// Communication cycles of schedule step `step` that sent on `routes` (in send order).
-    fn comm_cycles(
-        &self,
-        program: &WaferProgram,
-        step: usize,
-        routes: &[(RouteId, u32)],
-        reach: &[(RouteId, u64)],
-    ) -> u64 {
-        if routes.is_empty() {
-            return 0;
-        }
-        // (destination, end) of the reductions and broadcasts so far: later ones may wait on them.
-        let mut collective_ends: Vec<(Pe, u64)> = Vec::new();
-        let mut end = 0;
-        for &(id, messages) in routes {
-            let route = &program.routes[id as usize];
-            let farthest = reach.iter().find(|(r, _)| *r == id).map(|(_, latency)| *latency);
-            let cycles = self.route_cycles(route, messages, farthest);
-            let start = match route.kind {
-                RouteKind::Reduce { .. } | RouteKind::Statistic { .. } => {
-                    let start = collective_ends
-                        .iter()
-                        .filter(|(pe, _)| route.sources.contains(pe))
-                        .map(|(_, e)| *e)
-                        .max()
-                        .unwrap_or(0);
-                    collective_ends.extend(route.destinations.iter().map(|&pe| (pe, start + cycles)));
-                    start
+    /// Cycles of route `route` carrying `messages` messages: a collect whose sources do not all
+    /// send (the embedding: one table block; an MoE combine: the chosen experts) serialises only
+    /// the messages sent, and waits only for its farthest sender that did send (`reach`, an MoE
+    /// combine); a reduction whose trailing leaves do not send (attention blocks with no
+    /// position yet) is the critical path of the edges that do.
+    fn route_cycles(&self, route: &Route, messages: u32, reach: Option<u64>) -> u64 {
+        let cost = self.routes[route.id as usize];
+        match route.kind {
+            RouteKind::Collect { .. } => {
+                let sent = (messages as u64 * route.message_bytes as u64) as f64 / cost.bytes_per_cycle;
+                let latency = reach.map_or(cost.latency, |reach| cost.latency.min(reach));
+                latency + cost.serial.min(sent.ceil() as u64)
+            }
+            RouteKind::Reduce { .. } => {
+                let leaves = Self::reduce_leaves(route, messages);
+                if leaves >= route.sources.len() {
+                    return cost.latency;
                 }
-                _ => 0,
-            };
-            end = end.max(start + cycles);
+                let shape = &self.reduce_edges[route.id as usize];
+                let mut ready = vec![0u64; leaves];
+                for (receiver, sender, cycles, _) in &shape.edges {
+                    if *sender < leaves {
+                        ready[*receiver] = ready[*receiver].max(ready[*sender] + cycles);
+                    }
+                }
+                ready[0] + shape.forward.0
+            }
+            _ => cost.latency + cost.serial,
         }
-        end.max(self.step_link_cycles[step])
+    }
+
+    /// The runs of `route` that carry messages when `messages` were sent on it, each with the
+    /// messages it carries.
+    fn sending_runs<'r>(&'r self, route: &'r Route, messages: u32) -> impl Iterator<Item = (&'r Run, u64)> + 'r {
+        let reduce_runs: Option<Vec<Range<usize>>> = match route.kind {
+            RouteKind::Reduce { .. } => {
+                let leaves = Self::reduce_leaves(route, messages);
+                let shape = &self.reduce_edges[route.id as usize];
+                let mut ranges: Vec<Range<usize>> =
+                    shape.edges.iter().filter(|e| e.1 < leaves).map(|e| e.3.clone()).collect();
+                ranges.push(shape.forward.1.clone());
+                Some(ranges)
+            }
+            _ => None,
+        };
+        let collect = matches!(route.kind, RouteKind::Collect { .. });
+        let runs: Box<dyn Iterator<Item = &'r Run> + 'r> = match reduce_runs {
+            Some(ranges) => Box::new(ranges.into_iter().flat_map(move |r| route.path[r].iter())),
+            None => Box::new(route.path.iter()),
+        };
+        runs.map(move |run| {
+            let carried = if collect { (run.messages as u32).min(messages) } else { run.messages as u32 };
+            (run, carried as u64)
+        })
+    }
+
+    /// Cycles to push `bytes` over link `index`.
+    fn serialise_link(&self, index: usize, bytes: u64) -> u64 {
+        if self.links.is_inter_wafer(index) {
+            (bytes as f64 / self.params.inter_wafer_bytes_per_cycle).ceil() as u64
+        } else {
+            bytes.div_ceil(self.params.link_bytes_per_cycle.max(1) as u64)
+        }
+    }
+
+    /// Bytes each link carries per token for `active` routes (`all_leaves`: every reduction
+    /// counted over all its sources, as for a prompt's later tokens), dense by link index.
+    fn link_loads(&self, program: &WaferProgram, active: &[(RouteId, u32)], all_leaves: bool) -> Vec<u64> {
+        let mut load = vec![0u64; self.links.len()];
+        // Which route last touched a link, so a multicast counts its message once per link.
+        let mut stamp = vec![u32::MAX; self.links.len()];
+        for (n, &(id, sent)) in active.iter().enumerate() {
+            let route = &program.routes[id as usize];
+            let messages = match (route.kind.clone(), all_leaves) {
+                (RouteKind::Reduce { .. }, true) => u32::MAX,
+                _ => sent,
+            };
+            let multicast = route.kind.is_multicast();
+            let bytes = route.message_bytes as u64;
+            for (run, carried) in self.sending_runs(route, messages) {
+                self.links.for_each(run, |l| {
+                    if multicast {
+                        if stamp[l] != n as u32 {
+                            stamp[l] = n as u32;
+                            load[l] += bytes;
+                        }
+                    } else {
+                        load[l] += bytes * carried;
+                    }
+                });
+            }
+        }
+        load
     }
 }
 
@@ -298,8 +515,12 @@ fn path_error(program: &WaferProgram, route: &Route, problem: String) -> ExecErr
     ExecError::RoutePath { site: site_of(program, route.instr), route: route.id, problem }
 }
 
-/// A route's cost from its path (see the module documentation).
-fn route_cost(program: &WaferProgram, params: &TargetParams, route: &Route) -> Result<RouteCost, ExecError> {
+/// A route's cost from its path (see the module documentation), and a reduction's edges.
+fn route_cost(
+    program: &WaferProgram,
+    params: &TargetParams,
+    route: &Route,
+) -> Result<(RouteCost, ReduceShape), ExecError> {
     let bytes_per_cycle = match route.path.iter().any(Run::is_inter_wafer) {
         true => params.inter_wafer_bytes_per_cycle.min(params.link_bytes_per_cycle as f64),
         false => params.link_bytes_per_cycle as f64,
@@ -309,42 +530,47 @@ fn route_cost(program: &WaferProgram, params: &TargetParams, route: &Route) -> R
         let Some(&root) = route.sources.first() else {
             return Err(path_error(program, route, "the reduction has no sources".into()));
         };
-        let mut runs = route.path.iter().enumerate().peekable();
-        // Walks the runs of one edge `from -> to`: (latency, serialisation).
-        let mut walk = |from: Pe, to: Pe| -> Result<(u64, u64), ExecError> {
-            let (mut at, mut latency, mut serial) = (from, 0, 0);
+        let mut next_run = 0usize;
+        // Walks the runs of one edge `from -> to`: (latency, serialisation, its runs).
+        let walk = |next_run: &mut usize, from: Pe, to: Pe| -> Result<(u64, u64, Range<usize>), ExecError> {
+            let (mut at, mut latency, mut serial, first) = (from, 0, 0, *next_run);
             while at != to {
-                let Some((index, run)) = runs.next() else {
+                let Some(run) = route.path.get(*next_run) else {
                     return Err(path_error(program, route, format!("the path ends before {from} reaches {to}")));
                 };
                 if run.from != at {
                     return Err(path_error(
                         program,
                         route,
-                        format!("run {index} starts at {}, but the edge {from} -> {to} is at {at}", run.from),
+                        format!("run {next_run} starts at {}, but the edge {from} -> {to} is at {at}", run.from),
                     ));
                 }
                 latency += run_latency(params, run);
                 serial = serial.max(serialise(params, run.from, run.to, bytes));
                 at = run.to;
+                *next_run += 1;
             }
-            Ok((latency, serial))
+            Ok((latency, serial, first..*next_run))
         };
+        let add = (elements as f64 / params.f32_fma_per_cycle).ceil() as u64;
+        let mut shape = ReduceShape::default();
         let mut ready = vec![0u64; route.sources.len()];
         for (receiver, sender) in reduce_tree(route.sources.len()) {
-            let (latency, serial) = walk(route.sources[sender], route.sources[receiver])?;
-            let add = (elements as f64 / params.f32_fma_per_cycle).ceil() as u64;
-            ready[receiver] = ready[receiver].max(ready[sender] + latency + serial + add);
+            let (latency, serial, runs) = walk(&mut next_run, route.sources[sender], route.sources[receiver])?;
+            let cycles = latency + serial + add;
+            ready[receiver] = ready[receiver].max(ready[sender] + cycles);
+            shape.edges.push((receiver, sender, cycles, runs));
         }
-        let mut total = ready[0];
+        let (mut forward, forward_start) = (0, next_run);
         for &destination in &route.destinations {
-            let (latency, serial) = walk(root, destination)?;
-            total += latency + serial;
+            let (latency, serial, _) = walk(&mut next_run, root, destination)?;
+            forward += latency + serial;
         }
-        if let Some((index, _)) = runs.next() {
-            return Err(path_error(program, route, format!("run {index} is not on any edge of the tree")));
+        shape.forward = (forward, forward_start..next_run);
+        if next_run < route.path.len() {
+            return Err(path_error(program, route, format!("run {next_run} is not on any edge of the tree")));
         }
-        return Ok(RouteCost { latency: total, serial: 0, bytes_per_cycle });
+        return Ok((RouteCost { latency: ready[0] + forward, serial: 0, bytes_per_cycle }, shape));
     }
     // Depth (cycles from a source) of every PE the runs reach so far.
     let mut depth: HashMap<Pe, u64> = route.sources.iter().map(|&pe| (pe, 0)).collect();
@@ -370,45 +596,131 @@ fn route_cost(program: &WaferProgram, params: &TargetParams, route: &Route) -> R
         }
         serial = serial.max(serialise(params, run.from, run.to, bytes * run.messages as u64));
     }
-    Ok(RouteCost { latency, serial, bytes_per_cycle })
+    Ok((RouteCost { latency, serial, bytes_per_cycle }, ReduceShape::default()))
 }
 
-/// The decode step's schedule as it runs: when each instruction ends, when each PE is free.
+/// Where an instruction ran on the timeline.
+#[derive(Clone, Debug, Default)]
+struct Placed {
+    end: u64,
+    /// The instruction whose end was this one's start (an operand's, or the last one on its PEs).
+    cause: Option<InstrIndex>,
+    /// Its spans in [`Timeline::spans`].
+    spans: Range<usize>,
+    /// Order in which instructions were placed (a cause is always placed earlier).
+    order: usize,
+}
+
+/// The decode step's schedule as it runs: when each instruction ends, when each PE and link is
+/// free.
 pub(crate) struct Timeline {
-    instr_end: Vec<u64>,
-    pe_free: HashMap<Pe, u64>,
+    instrs: Vec<Placed>,
+    placed: usize,
+    pe_free: HashMap<Pe, (u64, InstrIndex)>,
+    /// Per link (dense [`LinkIndex`]), the cycle it is free from.
+    link_busy: Vec<u64>,
+    /// Scratch: the links one route uses, with their bytes.
+    route_links: Vec<(usize, u64)>,
     spans: Vec<StepSpan>,
     pe_cycles: HashMap<Pe, u64>,
+    pe_attention_cycles: HashMap<Pe, u64>,
     active_routes: Vec<(RouteId, u32)>,
-    end: u64,
 }
 
 impl Timeline {
-    pub(crate) fn new(program: &WaferProgram) -> Self {
+    pub(crate) fn new(program: &WaferProgram, costs: &CostModel) -> Self {
         Timeline {
-            instr_end: vec![0; program.instrs.len()],
+            instrs: vec![Placed::default(); program.instrs.len()],
+            placed: 0,
             pe_free: HashMap::new(),
+            link_busy: vec![0; costs.links.len()],
+            route_links: Vec::new(),
             spans: Vec::with_capacity(program.schedule.len()),
             pe_cycles: HashMap::new(),
+            pe_attention_cycles: HashMap::new(),
             active_routes: Vec::new(),
-            end: 0,
         }
     }
 
     pub(crate) fn instr_end(&self, instr: InstrIndex) -> u64 {
-        self.instr_end[instr as usize]
+        self.instrs[instr as usize].end
+    }
+
+    /// Gathers the links `route` uses when `messages` were sent on it, with its bytes on each.
+    fn gather_links(&mut self, costs: &CostModel, route: &Route, messages: u32) {
+        let multicast = route.kind.is_multicast();
+        let bytes = route.message_bytes as u64;
+        self.route_links.clear();
+        for (run, carried) in costs.sending_runs(route, messages) {
+            let per_link = if multicast { bytes } else { bytes * carried };
+            let links = &mut self.route_links;
+            costs.links.for_each(run, |l| links.push((l, per_link)));
+        }
+    }
+
+    /// The gathered route may start at `earliest`: it starts when all its links are free too,
+    /// and holds each for its bytes there (module documentation, "Link contention"). Returns its
+    /// start.
+    fn occupy(&mut self, costs: &CostModel, multicast: bool, earliest: u64) -> u64 {
+        let start = self.route_links.iter().map(|&(l, _)| self.link_busy[l]).fold(earliest, u64::max);
+        for &(l, bytes) in &self.route_links {
+            let cycles = costs.serialise_link(l, bytes);
+            let busy = &mut self.link_busy[l];
+            // A multicast's runs may share a link: its message crosses it once.
+            *busy = if multicast { start + cycles } else { (*busy).max(start) + cycles };
+        }
+        start
+    }
+
+    /// Communication of one step starting at `comm_start`: `(comm_cycles, wait_cycles)`.
+    fn communicate(
+        &mut self,
+        program: &WaferProgram,
+        costs: &CostModel,
+        routes: &[(RouteId, u32)],
+        reach: &[(RouteId, u64)],
+        comm_start: u64,
+    ) -> (u64, u64) {
+        // (destination, end with contention, end without) of the reductions and broadcasts so
+        // far: later ones may wait on them.
+        let mut collective_ends: Vec<(Pe, u64, u64)> = Vec::new();
+        let (mut end, mut free_end) = (comm_start, comm_start);
+        for &(id, messages) in routes {
+            let route = &program.routes[id as usize];
+            let farthest = reach.iter().find(|(r, _)| *r == id).map(|&(_, latency)| latency);
+            let cycles = costs.route_cycles(route, messages, farthest);
+            let collective = matches!(route.kind, RouteKind::Reduce { .. } | RouteKind::Statistic { .. });
+            let (mut after, mut after_free) = (comm_start, comm_start);
+            if collective {
+                for &(pe, e, f) in &collective_ends {
+                    if route.sources.contains(&pe) {
+                        after = after.max(e);
+                        after_free = after_free.max(f);
+                    }
+                }
+            }
+            self.gather_links(costs, route, messages);
+            let start = self.occupy(costs, route.kind.is_multicast(), after);
+            if collective {
+                collective_ends.extend(route.destinations.iter().map(|&pe| (pe, start + cycles, after_free + cycles)));
+            }
+            end = end.max(start + cycles);
+            free_end = free_end.max(after_free + cycles);
+        }
+        (free_end - comm_start, end - free_end)
     }
 
     /// Places an executed instruction's steps on the timeline: it starts at `ready` (its
-    /// operands' end) or when its PEs are free, whichever is later; an unchosen expert
-    /// (`worked == false`) takes no time and occupies nothing.
+    /// operands' end, and the instruction that ended last among them) or when its PEs are free,
+    /// whichever is later; an unchosen expert (`worked == false`) takes no time and occupies
+    /// nothing.
     pub(crate) fn finish_instr(
         &mut self,
         program: &WaferProgram,
         costs: &CostModel,
         run: &mut InstrRun,
         worked: bool,
-        ready: u64,
+        ready: (u64, Option<InstrIndex>),
         pes: &[Pe],
     ) {
         let orphan = run.take_orphan();
@@ -417,19 +729,27 @@ impl Timeline {
                 *last.compute.entry(pe).or_insert(0) += cycles;
             }
         }
-        let mut at = ready;
+        let (mut at, mut cause) = ready;
         if worked {
-            at = pes.iter().filter_map(|pe| self.pe_free.get(pe)).fold(at, |a, &b| a.max(b));
+            for pe in pes {
+                if let Some(&(free, by)) = self.pe_free.get(pe) {
+                    if free > at {
+                        (at, cause) = (free, Some(by));
+                    }
+                }
+            }
         }
         let placement = &program.instrs[run.instr as usize];
+        let is_attention = matches!(placement.work, Work::Attention(_));
+        let first_span = self.spans.len();
         for ((index, step), work) in run.steps.iter().zip(&run.work) {
             let (compute, routes) = (&work.compute, &work.routes);
-            let (compute_cycles, comm_cycles) = if worked {
-                (compute.values().copied().max().unwrap_or(0), costs.comm_cycles(program, *index, routes, &work.reach))
-            } else {
-                (0, 0)
+            let compute_cycles = if worked { compute.values().copied().max().unwrap_or(0) } else { 0 };
+            let (comm_cycles, wait_cycles) = match worked && !routes.is_empty() {
+                true => self.communicate(program, costs, routes, &work.reach, at + compute_cycles),
+                false => (0, 0),
             };
-            let duration = compute_cycles + comm_cycles;
+            let duration = compute_cycles + comm_cycles + wait_cycles;
             self.spans.push(StepSpan {
                 step: *index,
                 instr: run.instr,
@@ -441,6 +761,7 @@ impl Timeline {
                 duration_cycles: duration,
                 compute_cycles,
                 comm_cycles,
+                wait_cycles,
                 pes: compute.len(),
                 routes: routes.len(),
             });
@@ -448,32 +769,166 @@ impl Timeline {
             if worked {
                 for (&pe, &cycles) in compute {
                     *self.pe_cycles.entry(pe).or_insert(0) += cycles;
+                    if is_attention {
+                        *self.pe_attention_cycles.entry(pe).or_insert(0) += cycles;
+                    }
                 }
                 self.active_routes.extend_from_slice(routes);
             }
         }
-        self.instr_end[run.instr as usize] = at;
+        self.instrs[run.instr as usize] =
+            Placed { end: at, cause, spans: first_span..self.spans.len(), order: self.placed };
+        self.placed += 1;
         if worked {
             for &pe in pes {
-                self.pe_free.insert(pe, at);
+                self.pe_free.insert(pe, (at, run.instr));
             }
         }
-        self.end = self.end.max(at);
     }
 
     pub(crate) fn into_step_timing(self, position: u32) -> StepTiming {
+        let cycles = self.spans.iter().map(|s| s.start_cycle + s.duration_cycles).max().unwrap_or(0);
+        // The critical path: from the instruction placed last among those ending last.
+        let mut layers: BTreeMap<Option<u32>, LayerTime> = BTreeMap::new();
+        let mut at = (0..self.instrs.len())
+            .filter(|&i| !self.instrs[i].spans.is_empty() && self.instrs[i].end == cycles)
+            .max_by_key(|&i| self.instrs[i].order);
+        // Where the instruction after this one on the path started: an expert may start before
+        // its inputs' multicasts end (`arrival`), so only the part of a span before it counts.
+        let mut until = cycles;
+        while let Some(i) = at {
+            let placed = &self.instrs[i];
+            for span in &self.spans[placed.spans.clone()] {
+                let layer =
+                    layers.entry(span.layer).or_insert_with(|| LayerTime { layer: span.layer, ..LayerTime::default() });
+                // A span is its compute, then its communication, then its waiting.
+                let mut left = until.saturating_sub(span.start_cycle).min(span.duration_cycles);
+                layer.cycles += left;
+                for (part, total) in [
+                    (span.compute_cycles, &mut layer.compute_cycles),
+                    (span.comm_cycles, &mut layer.comm_cycles),
+                    (span.wait_cycles, &mut layer.wait_cycles),
+                ] {
+                    *total += part.min(left);
+                    left -= part.min(left);
+                }
+            }
+            until = self.spans.get(placed.spans.start).map_or(until, |s| s.start_cycle);
+            at = placed.cause.map(|c| c as usize).filter(|&c| self.instrs[c].order < placed.order);
+        }
         StepTiming {
             position,
-            cycles: self.end,
+            cycles,
             spans: self.spans,
+            layers: layers.into_values().collect(),
             pe_cycles: self.pe_cycles,
+            pe_attention_cycles: self.pe_attention_cycles,
             active_routes: self.active_routes,
         }
     }
 }
 
+/// Attention's compute on one KV block for a step in which it holds `n` positions (the same
+/// charges as `ops::attention`, without the append): scores, exponentials and sums, weighted
+/// values, in exact (unrounded) cycles.
+fn attention_position_cycles(params: &TargetParams, group: u64, head_dim: u64) -> f64 {
+    let slots = 2 * group * head_dim + group * (1 + EXP_FLOPS + 1 + DIVIDE_FLOPS);
+    slots as f64 / params.f32_fma_per_cycle
+}
+
+/// Positions block `[start, end)` attends, summed over the prompt's tokens `0..tokens`.
+fn attended_positions(block: &Range<u32>, tokens: u32) -> u64 {
+    let (start, len) = (block.start as u64, (block.end - block.start) as u64);
+    let seeing = (tokens as u64).saturating_sub(start);
+    if seeing <= len {
+        seeing * (seeing + 1) / 2
+    } else {
+        len * (len + 1) / 2 + (seeing - len) * len
+    }
+}
+
+/// The prefill model over one decode step (module documentation, "Prefill").
+pub(crate) struct Prefill<'a> {
+    program: &'a WaferProgram,
+    costs: &'a CostModel,
+    /// The decode step at position 0.
+    first_cycles: u64,
+    /// Any decode step: its per-PE compute.
+    last: &'a StepTiming,
+    /// The busiest link's serialisation per token, every reduction over all its sources.
+    link_cycles: u64,
+}
+
+impl<'a> Prefill<'a> {
+    pub(crate) fn new(
+        program: &'a WaferProgram,
+        costs: &'a CostModel,
+        first_cycles: u64,
+        last: &'a StepTiming,
+    ) -> Self {
+        let loads = costs.link_loads(program, &last.active_routes, true);
+        let link_cycles = loads
+            .iter()
+            .enumerate()
+            .filter(|(_, &b)| b > 0)
+            .map(|(l, &b)| costs.serialise_link(l, b))
+            .max()
+            .unwrap_or(0);
+        Prefill { program, costs, first_cycles, last, link_cycles }
+    }
+
+    /// Modeled cycles to prefill a prompt of `tokens` tokens; `None` when the KV cache holds
+    /// fewer positions.
+    pub(crate) fn cycles(&self, tokens: u32) -> Option<u64> {
+        let (program, last) = (self.program, self.last);
+        if tokens > program.max_context {
+            return None;
+        }
+        if tokens <= 1 {
+            return Some(self.first_cycles * tokens as u64);
+        }
+        let params = &program.target;
+        let later = (tokens - 1) as u64;
+        // Attention per PE over the prompt's tokens, and over the first token alone.
+        let mut attention: HashMap<Pe, (f64, f64)> = HashMap::new();
+        for placement in &program.instrs {
+            let Work::Attention(p) = &placement.work else { continue };
+            let group = (p.heads / p.kv_heads.max(1)) as u64;
+            let per_position = attention_position_cycles(params, group, p.head_dim as u64);
+            let append = self.costs.flops(2 * p.head_dim as u64) as f64;
+            for block in p.kv_heads_placed.iter().flat_map(|kh| &kh.blocks) {
+                let appended =
+                    |tokens: u32| tokens.saturating_sub(block.positions.start).min(block.positions.len() as u32);
+                let load = |tokens: u32| {
+                    attended_positions(&block.positions, tokens) as f64 * per_position
+                        + appended(tokens) as f64 * append
+                };
+                let entry = attention.entry(block.pe).or_insert((0.0, 0.0));
+                entry.0 += load(tokens);
+                entry.1 += load(1);
+            }
+        }
+        let mut busiest = (later * self.link_cycles) as f64;
+        for (pe, &cycles) in &last.pe_cycles {
+            let other = cycles.saturating_sub(last.pe_attention_cycles.get(pe).copied().unwrap_or(0)) as f64;
+            let (all, first) = attention.get(pe).copied().unwrap_or((0.0, 0.0));
+            busiest = busiest.max(later as f64 * other + (all - first));
+        }
+        for &(all, first) in attention.values() {
+            busiest = busiest.max(all - first);
+        }
+        Some(self.first_cycles + busiest.ceil() as u64)
+    }
+}
+
 /// The report over the steps run so far (`history`: cycles by position; `last`: the last step).
-pub(crate) fn report(program: &WaferProgram, history: &[u64], last: &StepTiming, prompt_tokens: usize) -> TimingReport {
+pub(crate) fn report(
+    program: &WaferProgram,
+    costs: &CostModel,
+    history: &[u64],
+    last: &StepTiming,
+    prompt_tokens: usize,
+) -> TimingReport {
     let params = &program.target;
     let decode = history.get(prompt_tokens..).unwrap_or(&[]);
     let cycles_per_token = match decode.len() {
@@ -483,30 +938,52 @@ pub(crate) fn report(program: &WaferProgram, history: &[u64], last: &StepTiming,
     .max(1);
     let run_prompt = prompt_tokens.min(history.len());
     let ttft_cycles = history[..run_prompt].iter().sum::<u64>() + (prompt_tokens - run_prompt) as u64 * last.cycles;
+    let micros = |cycles: u64| cycles as f64 / params.clock_hz * 1e6;
+
+    let first_cycles = history.first().copied().unwrap_or(last.cycles);
+    let model = Prefill::new(program, costs, first_cycles, last);
+    let prefill = |tokens: u32| model.cycles(tokens);
+    let modeled_ttft_prefill_us = (prompt_tokens > 0).then(|| prefill(prompt_tokens as u32)).flatten().map(micros);
+    let prefill = PREFILL_PROMPTS
+        .iter()
+        .map(|&tokens| {
+            let cycles = prefill(tokens);
+            PrefillTime { prompt_tokens: tokens, cycles, ttft_us: cycles.map(micros) }
+        })
+        .collect();
+
+    let decoder_layers: Vec<&LayerTime> = last.layers.iter().filter(|l| l.layer.is_some()).collect();
+    let mean_layer = (!decoder_layers.is_empty()).then(|| {
+        let n = decoder_layers.len() as f64;
+        let mean =
+            |f: fn(&LayerTime) -> u64| (decoder_layers.iter().map(|l| f(l)).sum::<u64>() as f64 / n).round() as u64;
+        LayerTime {
+            layer: None,
+            cycles: mean(|l| l.cycles),
+            compute_cycles: mean(|l| l.compute_cycles),
+            comm_cycles: mean(|l| l.comm_cycles),
+            wait_cycles: mean(|l| l.wait_cycles),
+        }
+    });
+    let mut costliest_steps = last.spans.clone();
+    costliest_steps.sort_by(|a, b| b.duration_cycles.cmp(&a.duration_cycles).then(a.step.cmp(&b.step)));
+    costliest_steps.truncate(BUSIEST);
 
     let mut busiest_pes: Vec<PeLoad> = last.pe_cycles.iter().map(|(&pe, &cycles)| PeLoad { pe, cycles }).collect();
     busiest_pes.sort_by(|a, b| b.cycles.cmp(&a.cycles).then(a.pe.cmp(&b.pe)));
     busiest_pes.truncate(BUSIEST);
 
-    let mut link_bytes: HashMap<(Pe, Pe), u64> = HashMap::new();
-    for &(id, sent) in &last.active_routes {
-        let route = &program.routes[id as usize];
-        for (hop, messages) in route.link_messages() {
-            // A collect's link carries at most the messages its senders sent.
-            let messages = match route.kind {
-                RouteKind::Collect { .. } => messages.min(sent),
-                _ => messages,
-            };
-            *link_bytes.entry(hop).or_insert(0) += route.message_bytes as u64 * messages as u64;
-        }
-    }
-    let mut busiest_links: Vec<LinkLoad> = link_bytes
+    let loads = costs.link_loads(program, &last.active_routes, false);
+    let mut loaded: Vec<(u64, (Pe, Pe), usize)> =
+        loads.iter().enumerate().filter(|(_, &b)| b > 0).map(|(l, &b)| (b, costs.links.endpoints(l), l)).collect();
+    loaded.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    loaded.truncate(BUSIEST);
+    let busiest_links = loaded
         .into_iter()
-        .map(|((from, to), bytes)| {
-            let per_cycle = if from.wafer != to.wafer {
-                params.inter_wafer_bytes_per_cycle
-            } else {
-                params.link_bytes_per_cycle as f64
+        .map(|(bytes, (from, to), l)| {
+            let per_cycle = match costs.links.is_inter_wafer(l) {
+                true => params.inter_wafer_bytes_per_cycle,
+                false => params.link_bytes_per_cycle as f64,
             };
             LinkLoad {
                 from,
@@ -516,8 +993,6 @@ pub(crate) fn report(program: &WaferProgram, history: &[u64], last: &StepTiming,
             }
         })
         .collect();
-    busiest_links.sort_by(|a, b| b.bytes_per_token.cmp(&a.bytes_per_token).then((a.from, a.to).cmp(&(b.from, b.to))));
-    busiest_links.truncate(BUSIEST);
 
     TimingReport {
         target: params.name.clone(),
@@ -526,7 +1001,12 @@ pub(crate) fn report(program: &WaferProgram, history: &[u64], last: &StepTiming,
         cycles_per_token,
         modeled_decode_tok_s: params.clock_hz / cycles_per_token as f64,
         prompt_tokens,
-        modeled_ttft_us: ttft_cycles as f64 / params.clock_hz * 1e6,
+        modeled_ttft_us: micros(ttft_cycles),
+        modeled_ttft_prefill_us,
+        prefill,
+        layers: last.layers.clone(),
+        mean_layer,
+        costliest_steps,
         busiest_pes,
         busiest_links,
         steps: last.spans.clone(),

@@ -72,8 +72,8 @@ pub(super) unsafe fn dot(x: &[f32], row: RowView) -> f32 {
         DType::Q4_0 => dot_q4_0(x, bytes),
         DType::F32 if x.len() % BLOCK == 0 => dot_f32_row(x, bytes),
         DType::BF16 if x.len() % BLOCK == 0 => dot_bf16(x, bytes),
-        // Short last chunks and f16 rows (rare in checkpoints) take the portable body.
-        DType::F32 | DType::BF16 | DType::F16 => dot_portable_inline(x, row),
+        // Short last chunks, f16 and MXFP4 rows take the portable body.
+        DType::F32 | DType::BF16 | DType::F16 | DType::Mxfp4 => dot_portable_inline(x, row),
     }
 }
 

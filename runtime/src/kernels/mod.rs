@@ -11,11 +11,11 @@ mod weights;
 
 pub use ops::{
     add, attention, attention_head, attention_score, expert_combine, matvec, matvec_rows, mul, rms_inverse, rms_norm,
-    rms_scale, rope, rope_frequencies, router_topk, silu, softmax, softmax_normalize, softmax_numerators,
-    AttentionShape, RopeAngles, Routing,
+    rms_scale, rope, rope_frequencies, router_topk, silu, sink_denominator, sink_max, softmax, softmax_normalize,
+    softmax_numerators, softmax_with_sink, swiglu, AttentionShape, RopeAngles, RopeTable, Routing,
 };
 pub use tree::{
     chunk_sum, combine_lanes, dot, dot_f32, dot_portable, dot_run, sum_squares, tree_combine, tree_sum, tree_sum_with,
     TreeSum, VectorTreeSum, LANES,
 };
-pub use weights::{widen_q4_0, widen_q4_1, widen_q8_0, RowView, WeightView};
+pub use weights::{dequantize, e8m0_scale, widen_mxfp4, widen_q4_0, widen_q4_1, widen_q8_0, RowView, WeightView};

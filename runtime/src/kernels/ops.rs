@@ -64,17 +64,26 @@ pub fn rms_scale(x: &[f32], inverse: f32, weight: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Rotary inverse frequencies `freq[i]`, `i < head_dim / 2`, as transformers'
-/// `modeling_rope_utils` computes them, but in f64 and rounded to f32 once at the end:
+/// A rope instruction's constants: inverse frequencies `freq[i]`, `i < head_dim / 2`, and the
+/// factor cos and sin are multiplied by (1 except for YaRN).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeTable {
+    pub freqs: Vec<f32>,
+    pub attention_factor: f32,
+}
+
+/// Rotary constants as transformers' `modeling_rope_utils` computes them, but in f64 and
+/// rounded to f32 once at the end:
 /// - default: `1 / theta^(2i / head_dim)`;
 /// - linear: the default divided by `factor`;
 /// - llama3: with `wavelen = 2π / freq`, `low = original_max_position / low_freq_factor` and
 ///   `high = original_max_position / high_freq_factor`: `freq` where `wavelen < high`,
 ///   `freq / factor` where `wavelen > low`, otherwise `(1 - s) * freq / factor + s * freq` with
-///   `s = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)`.
-pub fn rope_frequencies(head_dim: usize, rope: &Rope) -> Vec<f32> {
+///   `s = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)`;
+/// - yarn: see [`yarn_frequency`]; attention factor `0.1 ln(factor) + 1` (1 when `factor <= 1`).
+pub fn rope_frequencies(head_dim: usize, rope: &Rope) -> RopeTable {
     let theta = rope.theta as f64;
-    (0..head_dim / 2)
+    let freqs = (0..head_dim / 2)
         .map(|i| {
             let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
             let scaled = match rope.scaling {
@@ -93,14 +102,46 @@ pub fn rope_frequencies(head_dim: usize, rope: &Rope) -> Vec<f32> {
                         (1.0 - smooth) * freq / factor + smooth * freq
                     }
                 }
+                RopeScaling::Yarn { .. } => yarn_frequency(i, head_dim, theta, freq, &rope.scaling),
             };
             scaled as f32
         })
-        .collect()
+        .collect();
+    let attention_factor = match rope.scaling {
+        RopeScaling::Yarn { factor, .. } if factor > 1.0 => (0.1 * (factor as f64).ln() + 1.0) as f32,
+        _ => 1.0,
+    };
+    RopeTable { freqs, attention_factor }
 }
 
-/// `cos` and `sin` of the angles `position as f32 * freq[i]` (rounded in f32), shared by every
-/// head a rope instruction rotates.
+/// YaRN's frequency `i` (transformers' `_compute_yarn_parameters`, in f64): with
+/// `d(r) = head_dim * ln(original_max_position / (2π r)) / (2 ln theta)`, `low = max(d(beta_fast), 0)`
+/// and `high = min(d(beta_slow), head_dim - 1)` (floored and ceiled first when `truncate`; `high`
+/// nudged by 0.001 if equal to `low`), `ramp = clamp((i - low) / (high - low), 0, 1)`:
+/// `freq / factor * ramp + freq * (1 - ramp)`.
+fn yarn_frequency(i: usize, head_dim: usize, theta: f64, freq: f64, scaling: &RopeScaling) -> f64 {
+    let RopeScaling::Yarn { factor, beta_fast, beta_slow, original_max_position, truncate } = *scaling else {
+        unreachable!("yarn_frequency of a non-YaRN rope")
+    };
+    let dim = head_dim as f64;
+    let correction = |rotations: f64| {
+        dim * (original_max_position as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+    };
+    let (mut low, mut high) = (correction(beta_fast as f64), correction(beta_slow as f64));
+    if truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+    if low == high {
+        high += 0.001;
+    }
+    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+    let extrapolation = 1.0 - ramp;
+    freq / factor as f64 * (1.0 - extrapolation) + freq * extrapolation
+}
+
+/// `cos` and `sin` of the angles `position as f32 * freq[i]` (rounded in f32), each then
+/// multiplied by the table's attention factor, shared by every head a rope instruction rotates.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeAngles {
     pub cos: Vec<f32>,
@@ -108,9 +149,10 @@ pub struct RopeAngles {
 }
 
 impl RopeAngles {
-    pub fn new(freqs: &[f32], position: usize) -> Self {
+    pub fn new(table: &RopeTable, position: usize) -> Self {
         let p = position as f32;
-        let (cos, sin) = freqs.iter().map(|&f| (p * f).cos()).zip(freqs.iter().map(|&f| (p * f).sin())).unzip();
+        let a = table.attention_factor;
+        let (cos, sin) = table.freqs.iter().map(|&f| ((p * f).cos() * a, (p * f).sin() * a)).unzip();
         RopeAngles { cos, sin }
     }
 
@@ -157,20 +199,30 @@ impl AttentionShape {
     }
 }
 
-/// Attention of every query head over all positions in `keys`/`values` (heads in parallel).
-/// Panics if the lengths disagree with `shape`.
-pub fn attention(q: &[f32], keys: &[f32], values: &[f32], shape: AttentionShape, scale: f32, out: &mut [f32]) {
+/// Attention of every query head over all rows in `keys`/`values` (heads in parallel), with
+/// head `h`'s sink logit `sinks[h]` if given. Panics if the lengths disagree with `shape`.
+pub fn attention(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    shape: AttentionShape,
+    scale: f32,
+    sinks: Option<&[f32]>,
+    out: &mut [f32],
+) {
     assert_eq!(q.len(), shape.heads * shape.head_dim, "attention q length");
     assert_eq!(out.len(), q.len(), "attention output length");
     assert!(shape.kv_heads > 0 && shape.heads % shape.kv_heads == 0, "heads must be a multiple of kv_heads");
     out.par_chunks_mut(shape.head_dim).enumerate().for_each(|(head, out_head)| {
         let q_head = &q[head * shape.head_dim..][..shape.head_dim];
-        attention_head(q_head, keys, values, shape.kv_head_of(head), shape, scale, out_head);
+        let sink = sinks.map(|s| s[head]);
+        attention_head(q_head, keys, values, shape.kv_head_of(head), shape, scale, sink, out_head);
     });
 }
 
 /// One query head against KV head `kv_head`: `s[t] = tree_sum(q*k[t]) * scale`,
-/// `p = softmax(s)`, `out[d] = tree_sum_t(p[t] * v[t][d])`.
+/// `p = softmax(s)` (with the sink, [`softmax_with_sink`]), `out[d] = tree_sum_t(p[t] * v[t][d])`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_head(
     q_head: &[f32],
     keys: &[f32],
@@ -178,6 +230,7 @@ pub fn attention_head(
     kv_head: usize,
     shape: AttentionShape,
     scale: f32,
+    sink: Option<f32>,
     out: &mut [f32],
 ) {
     let (row, dim) = (shape.kv_row(), shape.head_dim);
@@ -193,7 +246,10 @@ pub fn attention_head(
     };
     let positions = keys.len() / row;
     let scores: Vec<f32> = (0..positions).map(|t| attention_score(q_head, &keys[at(t)], scale)).collect();
-    let p = softmax(&scores);
+    let p = match sink {
+        Some(sink) => softmax_with_sink(&scores, sink),
+        None => softmax(&scores),
+    };
     let mut sum = VectorTreeSum::new(dim);
     for (t, &weight) in p.iter().enumerate() {
         sum.push_scaled(weight, &values[at(t)]);
@@ -207,6 +263,26 @@ pub fn softmax(scores: &[f32]) -> Vec<f32> {
     let e = softmax_numerators(scores, m);
     let z = tree_sum(&e);
     softmax_normalize(e, z)
+}
+
+/// Softmax whose maximum and denominator include a sink logit that weighs no value (gpt-oss):
+/// `m = sink_max(max s, sink)`, `e[t] = exp(s[t] - m)`, `z = sink_denominator(tree_sum(e), sink, m)`,
+/// `p[t] = e[t] / z`.
+pub fn softmax_with_sink(scores: &[f32], sink: f32) -> Vec<f32> {
+    let m = sink_max(scores.iter().copied().fold(f32::NEG_INFINITY, f32::max), sink);
+    let e = softmax_numerators(scores, m);
+    let z = sink_denominator(tree_sum(&e), sink, m);
+    softmax_normalize(e, z)
+}
+
+/// The softmax maximum with a sink: `f32::max(m, sink)`.
+pub fn sink_max(max: f32, sink: f32) -> f32 {
+    max.max(sink)
+}
+
+/// The softmax denominator with a sink: `z + exp(sink - m)`, `z` the scores' `tree_sum`.
+pub fn sink_denominator(sum: f32, sink: f32, max: f32) -> f32 {
+    sum + (sink - max).exp()
 }
 
 /// One attention score, `tree_sum(q * k) * scale`.
@@ -228,6 +304,22 @@ pub fn softmax_normalize(numerators: Vec<f32>, denominator: f32) -> Vec<f32> {
 /// `x / (1 + exp(-x))`.
 pub fn silu(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| v / (1.0 + (-v).exp())).collect()
+}
+
+/// gpt-oss's clamped SwiGLU: `g = min(gate, limit)`, `u = max(min(up, limit), -limit)`,
+/// `y = (u + 1) * (g * (1 / (1 + exp(-(g * alpha)))))`, rounding after every operation
+/// (`f32::min`/`f32::max`, so a NaN input clamps to the limit).
+pub fn swiglu(gate: &[f32], up: &[f32], alpha: f32, limit: f32) -> Vec<f32> {
+    assert_eq!(gate.len(), up.len(), "swiglu of vectors of different lengths");
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| {
+            let g = g.min(limit);
+            let u = u.min(limit).max(-limit);
+            let sigmoid = 1.0 / (1.0 + (-(g * alpha)).exp());
+            (u + 1.0) * (g * sigmoid)
+        })
+        .collect()
 }
 
 pub fn mul(a: &[f32], b: &[f32]) -> Vec<f32> {

@@ -30,7 +30,7 @@ use std::ops::Range;
 
 use waferc_ir::{DType, BLOCK};
 
-use super::weights::{widen_q4_0, widen_q4_1, widen_q8_0, RowView};
+use super::weights::{widen_mxfp4, widen_q4_0, widen_q4_1, widen_q8_0, RowView};
 
 /// Accumulator lanes of one chunk.
 pub const LANES: usize = 8;
@@ -219,6 +219,7 @@ pub(super) fn dot_portable_inline(x: &[f32], row: RowView) -> f32 {
         DType::Q4_1 => dot_chunks(x, row.chunks(), Blocks::<20>(bytes, widen_q4_1)),
         DType::Q8_0 => dot_chunks(x, row.chunks(), Blocks::<34>(bytes, widen_q8_0)),
         DType::Q4_0 => dot_chunks(x, row.chunks(), Blocks::<18>(bytes, widen_q4_0)),
+        DType::Mxfp4 => dot_chunks(x, row.chunks(), Blocks::<17>(bytes, widen_mxfp4)),
         DType::F32 | DType::BF16 | DType::F16 => dot_chunks(x, row.chunks(), row),
     }
 }

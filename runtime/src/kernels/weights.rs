@@ -7,7 +7,7 @@
 use std::ops::Range;
 
 use half::f16;
-use waferc_ir::{DType, Weight, BLOCK};
+use waferc_ir::{DType, TensorType, Weight, WeightBytes, BLOCK};
 
 use crate::error::RuntimeError;
 
@@ -17,6 +17,7 @@ fn block_bytes(dtype: DType) -> Option<usize> {
         DType::Q8_0 => Some(2 + 32),
         DType::Q4_0 => Some(2 + 16),
         DType::Q4_1 => Some(2 + 2 + 16),
+        DType::Mxfp4 => Some(1 + 16),
         DType::F32 | DType::BF16 | DType::F16 => None,
     }
 }
@@ -101,6 +102,22 @@ impl<'a> WeightView<'a> {
     pub fn widen_vector(&self) -> Vec<f32> {
         self.row(0).widen()
     }
+}
+
+/// `weight` with every element widened exactly to f32 as the kernels widen it (NUMERICS.md,
+/// "Values"): the same model in a format with no rounding, which is what a quantised
+/// checkpoint's unquantised baseline is (e.g. for measuring what requantising costs).
+pub fn dequantize(weight: &Weight) -> Result<Weight, RuntimeError> {
+    let view = WeightView::new(weight)?;
+    let mut bytes = Vec::with_capacity(view.rows() * view.cols() * 4);
+    for n in 0..view.rows() {
+        bytes.extend(view.row(n).widen().iter().flat_map(|x| x.to_le_bytes()));
+    }
+    Ok(Weight {
+        name: weight.name.clone(),
+        ty: TensorType::new(DType::F32, weight.ty.shape.clone()),
+        data: WeightBytes::owned(bytes),
+    })
 }
 
 /// One row of a weight (or a run of its chunks), in its stored dtype.
@@ -193,6 +210,10 @@ impl<'a> RowView<'a> {
                 let block: &[u8; 20] = self.bytes[c * 20..][..20].try_into().expect("20-byte block");
                 widen_q4_1(block, out);
             }
+            DType::Mxfp4 => {
+                let block: &[u8; 17] = self.bytes[c * 17..][..17].try_into().expect("17-byte block");
+                widen_mxfp4(block, out);
+            }
         }
     }
 
@@ -253,5 +274,31 @@ pub fn widen_q4_1(block: &[u8; 20], out: &mut [f32; BLOCK]) {
     }
     for (o, q) in out.iter_mut().zip(q) {
         *o = d * q as f32 + m;
+    }
+}
+
+/// The e2m1 (FP4) values of codes 0..16: sign bit 3, then exponent and mantissa.
+const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+
+/// `2^(e - 127)` for an e8m0 scale byte `e`, exact in f32 for `e` in 0..=254 (2^-127 is
+/// subnormal); 255 is the format's NaN.
+#[inline(always)]
+pub fn e8m0_scale(e: u8) -> f32 {
+    match e {
+        255 => f32::NAN,
+        0 => f32::from_bits(0x0040_0000),
+        e => f32::from_bits((e as u32) << 23),
+    }
+}
+
+/// waferc's MXFP4 block: the e8m0 scale byte, then 16 bytes whose low nibble is element `2j`
+/// and high nibble element `2j + 1`; element value `e2m1(code) * 2^(scale - 127)`, one rounding
+/// (to infinity past f32's range; exact otherwise).
+#[inline(always)]
+pub fn widen_mxfp4(block: &[u8; 17], out: &mut [f32; BLOCK]) {
+    let scale = e8m0_scale(block[0]);
+    for (j, &byte) in block[1..].iter().enumerate() {
+        out[2 * j] = E2M1[(byte & 0x0F) as usize] * scale;
+        out[2 * j + 1] = E2M1[(byte >> 4) as usize] * scale;
     }
 }

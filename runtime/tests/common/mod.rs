@@ -59,6 +59,24 @@ pub fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
                 out
             })
             .collect(),
+        DType::Mxfp4 => values
+            .chunks(32)
+            .flat_map(|block| {
+                let amax = block.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+                let e = (amax / 6.0).log2().ceil().clamp(-127.0, 127.0) as i32;
+                let scale = (e as f32).exp2();
+                let code = |v: f32| {
+                    (0..16u8)
+                        .min_by(|&a, &b| {
+                            (FP4[a as usize] - v / scale).abs().total_cmp(&(FP4[b as usize] - v / scale).abs())
+                        })
+                        .unwrap()
+                };
+                let mut out = vec![(e + 127) as u8];
+                out.extend((0..16).map(|j| code(block[2 * j]) | (code(block[2 * j + 1]) << 4)));
+                out
+            })
+            .collect(),
         DType::Q4_1 => values
             .chunks(32)
             .flat_map(|block| {
@@ -102,6 +120,16 @@ pub fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
                 low.chain(high).collect::<Vec<_>>()
             })
             .collect(),
+        DType::Mxfp4 => bytes
+            .chunks(17)
+            .flat_map(|b| {
+                let scale = ((b[0] as i32 - 127) as f64).exp2();
+                b[1..]
+                    .iter()
+                    .flat_map(move |&q| [FP4[(q & 15) as usize] as f64 * scale, FP4[(q >> 4) as usize] as f64 * scale])
+                    .collect::<Vec<_>>()
+            })
+            .collect(),
         DType::Q4_1 => bytes
             .chunks(20)
             .flat_map(|b| {
@@ -132,3 +160,6 @@ pub fn max_abs_diff(a: &[f32], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (*x as f64 - y).abs()).fold(0.0, f64::max)
 }
+
+/// The e2m1 values of MXFP4 codes 0..16.
+const FP4: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];

@@ -122,7 +122,7 @@ impl Builder {
                     out.extend((0..32).map(|_| (self.rng.signed() * 127.0) as i8 as u8));
                 }
             }
-            DType::Q4_0 | DType::Q4_1 => panic!("the executor tests do not build 4-bit weights"),
+            DType::Q4_0 | DType::Q4_1 | DType::Mxfp4 => panic!("the executor tests do not build 4-bit weights"),
         }
         out
     }
@@ -185,7 +185,7 @@ pub fn build(shape: &Shape, seed: u64) -> Module {
         let k = b.push(Op::Rope { x: k, head_dim: shape.head_dim, rope: rope.clone() }, at);
         let cache = b.module.add_cache(KvCache { layer: l, kv_heads: shape.kv_heads, head_dim: shape.head_dim });
         let scale = 1.0 / (hd as f32).sqrt();
-        let a = b.push(Op::Attention { q, k, v, cache, heads: shape.heads, scale }, at);
+        let a = b.push(Op::Attention { q, k, v, cache, heads: shape.heads, scale, window: None, sinks: None }, at);
         let o = b.proj(p("o"), h, q_width, dt, a, false, at);
         x = b.push(Op::Add { a: x, b: o }, at);
         let norm = b.weight(p("post_norm"), DType::F32, vec![h], 1.0, 0.2);

@@ -14,12 +14,15 @@ use crate::executor::{
 use crate::kernels::{self, VectorTreeSum};
 
 impl Executor<'_> {
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn attention(
         &mut self,
         state: &mut StepState,
         run: &mut InstrRun,
         [q, k, v]: [InstrIndex; 3],
         scale: f32,
+        window: Option<u32>,
+        sinks: Option<u32>,
         p: &AttentionPlacement,
         segments: &[Segment],
     ) -> Result<(), ExecError> {
@@ -32,6 +35,10 @@ impl Executor<'_> {
         let group = (p.heads / p.kv_heads) as usize;
         let dim = p.head_dim as usize;
         let position = self.position;
+        // A windowed cache is a ring of `window` rows: position t lives in row t % window.
+        let capacity = window.unwrap_or(u32::MAX);
+        let row = position % capacity;
+        let rows_filled = position.saturating_add(1).min(capacity);
         // Per KV head placement, per block: its query heads and scores, then exps, then outputs.
         struct BlockWork {
             pe: Pe,
@@ -67,21 +74,26 @@ impl Executor<'_> {
                     }
                 }
                 let q_block = self.operand(state, run, block.pe, q, q_range.clone())?;
-                // Only the block whose positions hold this step's position appends.
-                if block.positions.contains(&position) {
+                // Only the block whose rows hold this step's row appends.
+                if block.positions.contains(&row) {
                     let k_new = self.operand(state, run, block.pe, k, kv_range.clone())?;
                     let v_new = self.operand(state, run, block.pe, v, kv_range.clone())?;
                     let cache = self.kv.entry((run.instr, h_index, b_index)).or_default();
-                    let slot = (position - block.positions.start) as usize;
-                    if !self.options.timing_only {
+                    let slot = (row - block.positions.start) as usize;
+                    if self.options.timing_only {
+                    } else if position < capacity {
                         cache.keys.truncate(slot * dim);
                         cache.values.truncate(slot * dim);
                         cache.keys.extend_from_slice(k_new.values());
                         cache.values.extend_from_slice(v_new.values());
+                    } else {
+                        // The ring wrapped: overwrite the oldest row.
+                        cache.keys[slot * dim..(slot + 1) * dim].copy_from_slice(k_new.values());
+                        cache.values[slot * dim..(slot + 1) * dim].copy_from_slice(v_new.values());
                     }
                     run.compute(block.pe, self.costs.flops(2 * dim as u64));
                 }
-                let valid = block.positions.start..block.positions.end.min(position + 1);
+                let valid = block.positions.start..block.positions.end.min(rows_filled);
                 let valid = valid.start..valid.end.max(valid.start);
                 let n = valid.len();
                 let scores: Vec<Vec<f32>> = if self.options.timing_only {
@@ -105,6 +117,9 @@ impl Executor<'_> {
                 blocks.push(BlockWork { pe: block.pe, valid, scores, local });
             }
 
+            // Blocks holding a position this step (they come first, in position order); the rest
+            // compute nothing and send nothing: the reductions skip them (bit-exact).
+            let sending = blocks.iter().take_while(|b| !b.valid.is_empty()).count().max(1);
             // The maximum, then the exponentials and their sum, then the weighted values: each a
             // tree reduction over the blocks (none with a single block) and, for the first two,
             // a broadcast of the result back to every block.
@@ -113,14 +128,19 @@ impl Executor<'_> {
                              phase: Phase,
                              reduce: Option<RouteId>,
                              broadcast: Option<RouteId>,
-                             blocks: &[BlockWork]|
+                             blocks: &[BlockWork],
+                             at_root: &dyn Fn(Data) -> Data|
              -> Result<Vec<Data>, ExecError> {
                 run.begin(phase);
-                let leaves: Vec<Data> = blocks.iter().map(|b| b.local.clone()).collect();
+                let mut leaves: Vec<Data> = blocks.iter().map(|b| b.local.clone()).collect();
                 match (reduce, broadcast) {
-                    (None, None) if blocks.len() == 1 => Ok(leaves),
+                    (None, None) if blocks.len() == 1 => {
+                        let only = leaves.remove(0);
+                        Ok(vec![at_root(only)])
+                    }
                     (Some(reduce), Some(broadcast)) => {
-                        let (root, total) = self.reduce(state, run, reduce, leaves)?;
+                        let (root, total) = self.reduce_leading(state, run, reduce, leaves, sending)?;
+                        let total = at_root(total);
                         self.send(state, run, broadcast, root, Payload::Data(total.clone()))?;
                         blocks
                             .iter()
@@ -140,7 +160,24 @@ impl Executor<'_> {
                     }),
                 }
             };
-            let maxima = statistic(state, run, Phase::AttentionMax, kh.max_reduce, kh.max_broadcast, &blocks)?;
+            // The sinks of this KV head's query heads, held by its first block (the reductions'
+            // root): they join the maximum before it is broadcast, and the sum likewise.
+            let sink_values = match (sinks, blocks.first()) {
+                (Some(weight), Some(first)) => {
+                    let cols = h * group as u64..(h + 1) * group as u64;
+                    let region = self.find_weight_region(run, first.pe, weight, 0, &cols)?;
+                    Some(self.widen_from_region(run, first.pe, region, 0, cols)?)
+                }
+                _ => None,
+            };
+            let with_sink_max = |m: Data| match &sink_values {
+                Some(sinks) => self.compute_data(group, || {
+                    m.values().iter().zip(sinks).map(|(&m, &s)| kernels::sink_max(m, s)).collect()
+                }),
+                None => m,
+            };
+            let maxima =
+                statistic(state, run, Phase::AttentionMax, kh.max_reduce, kh.max_broadcast, &blocks, &with_sink_max)?;
 
             let mut numerators: Vec<Vec<Vec<f32>>> = Vec::with_capacity(blocks.len());
             for (block, max) in blocks.iter_mut().zip(&maxima) {
@@ -159,7 +196,16 @@ impl Executor<'_> {
                     let n = (block.valid.len() * group) as u64;
                     run.compute(block.pe, self.costs.flops(n * timing::EXP_FLOPS + n));
                 }
-                statistic(state, run, Phase::AttentionSum, kh.sum_reduce, kh.sum_broadcast, &blocks)?
+                let root_max = maxima[0].clone();
+                let with_sink_sum = |z: Data| match &sink_values {
+                    Some(sinks) => self.compute_data(group, || {
+                        (z.values().iter().zip(sinks).zip(root_max.values()))
+                            .map(|((&z, &s), &m)| kernels::sink_denominator(z, s, m))
+                            .collect()
+                    }),
+                    None => z,
+                };
+                statistic(state, run, Phase::AttentionSum, kh.sum_reduce, kh.sum_broadcast, &blocks, &with_sink_sum)?
             };
 
             run.begin(Phase::AttentionOut);
@@ -188,7 +234,7 @@ impl Executor<'_> {
                 outs.push(out);
             }
             let (root, total) = match kh.out_reduce {
-                Some(id) => self.reduce(state, run, id, outs)?,
+                Some(id) => self.reduce_leading(state, run, id, outs, sending)?,
                 None if blocks.len() == 1 => (blocks[0].pe, outs.swap_remove(0)),
                 None => {
                     return Err(ExecError::Malformed {

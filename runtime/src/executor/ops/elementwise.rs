@@ -1,4 +1,4 @@
-//! Elementwise ops (silu, mul, add, rope), each computed on its result segment's PE.
+//! Elementwise ops (silu, mul, add, swiglu, rope), each computed on its result segment's PE.
 
 use waferc_ir::wafer::{InstrIndex, Phase, Segment};
 use waferc_ir::Op;
@@ -35,6 +35,14 @@ impl Executor<'_> {
                     });
                     (data, 1)
                 }
+                Op::SwiGlu { gate, up, alpha, limit } => {
+                    let g =
+                        self.operand(state, run, segment.pe, gate.index() as InstrIndex, segment.elements.clone())?;
+                    let u = self.operand(state, run, segment.pe, up.index() as InstrIndex, segment.elements.clone())?;
+                    let data = self.compute_data(n, || kernels::swiglu(g.values(), u.values(), *alpha, *limit));
+                    // SiLU's cost plus the two clamps, the `+ 1` and the product.
+                    (data, timing::SILU_FLOPS + 4)
+                }
                 Op::Rope { x, head_dim, .. } => {
                     // A head's halves rotate together: compute the whole heads the segment touches.
                     let dim = *head_dim as u64;
@@ -48,7 +56,7 @@ impl Executor<'_> {
                     });
                     (data, timing::ROPE_FLOPS)
                 }
-                _ => unreachable!("elementwise() is only called for silu, mul, add and rope"),
+                _ => unreachable!("elementwise() is only called for silu, mul, add, swiglu and rope"),
             };
             run.compute(segment.pe, self.costs.flops(n as u64 * flops));
             held.push(data);

@@ -40,7 +40,7 @@ impl Executor<'_> {
             (Op::RmsNorm { x, weight, eps }, Work::RmsNorm(p)) => {
                 self.rms_norm(state, run, x.index() as InstrIndex, weight.index() as u32, *eps, p, &segments)?
             }
-            (Op::Attention { q, k, v, cache, heads, scale }, Work::Attention(p)) => {
+            (Op::Attention { q, k, v, cache, heads, scale, window, sinks }, Work::Attention(p)) => {
                 let spec = &self.module.caches[*cache];
                 if p.heads != *heads || p.kv_heads != spec.kv_heads || p.head_dim != spec.head_dim {
                     return Err(ExecError::Malformed {
@@ -52,11 +52,13 @@ impl Executor<'_> {
                     });
                 }
                 let operands = [q, k, v].map(|v| v.index() as InstrIndex);
-                self.attention(state, run, operands, *scale, p, &segments)?
+                let sinks = sinks.map(|s| s.index() as u32);
+                self.attention(state, run, operands, *scale, *window, sinks, p, &segments)?
             }
-            (Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::Rope { .. }, Work::Elementwise) => {
-                self.elementwise(state, run, &op, &segments)?
-            }
+            (
+                Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } | Op::Rope { .. },
+                Work::Elementwise,
+            ) => self.elementwise(state, run, &op, &segments)?,
             (Op::RouterTopK { logits, top_k, normalize }, Work::Router { routing }) => {
                 let ResultLayout::Routing { pe } = placement.result else {
                     return Err(ExecError::Malformed {
@@ -68,6 +70,8 @@ impl Executor<'_> {
             }
             // The result aliases `x`; the gate (checked before) decided whether it exists.
             (Op::ExpertDispatch { .. }, Work::Dispatch { .. }) => {}
+            // The result names part of `x`'s segments: nothing to compute or move.
+            (Op::Slice { .. }, Work::Slice) => {}
             (Op::ExpertCombine { routing, experts }, Work::Combine { routing: route, collects }) => {
                 self.combine_experts(state, run, routing.index() as InstrIndex, experts, *route, collects, &segments)?
             }
@@ -95,6 +99,7 @@ fn work_name(work: &Work) -> &'static str {
         Work::MatVec(_) => "MatVec",
         Work::Elementwise => "Elementwise",
         Work::Dispatch { .. } => "Dispatch",
+        Work::Slice => "Slice",
         Work::RmsNorm(_) => "RmsNorm",
         Work::Attention(_) => "Attention",
         Work::Router { .. } => "Router",

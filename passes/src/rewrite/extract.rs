@@ -1,0 +1,191 @@
+//! Extraction: which equivalent form of each e-class the rewritten block uses, chosen by what
+//! it costs on the wafer.
+//!
+//! The cost of a block is the sum, over the distinct computations it keeps (a DAG, not a tree:
+//! a fused matvec read by three slices is paid once), of each computation's own cost, in units
+//! of one route (one colour on the links it crosses):
+//!
+//! - a `matvec`: [`MATVEC_STEP`] for its place in the schedule (its activation multicast,
+//!   compute, reduction and collect phases each wait for their slowest route, so a matvec costs
+//!   several routes' latency however small it is), plus one collect route per result segment
+//!   of [`SEGMENT`] elements;
+//! - a `slice`: nothing when both of its ends fall on result segment boundaries (its consumers
+//!   read whole segments of the fused result, so no data moves), one route otherwise (the
+//!   segment holding a boundary is multicast to both sides' consumers: more link bytes);
+//! - every other op: [`OTHER_OP`] (the same in every form, so it only makes dead code cost).
+//!
+//! Fusing `n` matvecs saves `n - 1` schedule steps and pays for misaligned slices; it is kept
+//! only where the sum is lower. The search: egg's tree extractor with a slice charged its share
+//! (`len / rows`) of the matvec it reads gives a first choice, in which the slices of one
+//! fusion agree; then, class by class in id order, any other node that lowers the DAG cost is
+//! taken, until nothing improves (this undoes a fusion only one side of which paid off).
+
+use std::collections::BTreeMap;
+
+use egg::{CostFunction, EGraph, Extractor, Id, Language};
+
+use super::lang::{BlockAnalysis, BlockLang, Facts};
+
+/// Result segment length the placer uses for large vectors (elements); slices aligned to it
+/// alias whole segments.
+pub const SEGMENT: u32 = 1024;
+/// A matvec's schedule phases (multicast in, compute, reduce, collect), in route units.
+pub const MATVEC_STEP: f64 = 8.0;
+/// Any other computation.
+pub const OTHER_OP: f64 = 1.0;
+
+/// The cost of `node` itself, children not included.
+pub fn own_cost(egraph: &EGraph<BlockLang, BlockAnalysis>, node: &BlockLang) -> f64 {
+    match node {
+        BlockLang::MatVec([_, _, _]) => {
+            let rows = match egraph[node.children()[0]].data {
+                Facts::Weights { rows, .. } => rows,
+                _ => 0,
+            };
+            MATVEC_STEP + rows.div_ceil(SEGMENT).max(1) as f64
+        }
+        BlockLang::Slice([offset, len, x]) => {
+            let get = |id: &Id| match egraph[*id].data {
+                Facts::Num(n) => Some(n),
+                _ => None,
+            };
+            let total = match egraph[*x].data {
+                Facts::Value { len } => len,
+                _ => None,
+            };
+            let (Some(offset), Some(len)) = (get(offset), get(len)) else { return 1.0 };
+            let end = offset + len;
+            let aligned = |at: u32| at.is_multiple_of(SEGMENT) || Some(at) == total;
+            // A tiny charge even when aligned, so that a slice never ties with the computation
+            // it could replace.
+            if aligned(offset) && aligned(end) {
+                0.01
+            } else {
+                1.0
+            }
+        }
+        BlockLang::Other(_, args) if !args.is_empty() => OTHER_OP,
+        _ => 0.0,
+    }
+}
+
+/// Tree cost with a slice charged its share of what it slices: the first guess.
+struct SharedCost<'a> {
+    egraph: &'a EGraph<BlockLang, BlockAnalysis>,
+}
+
+impl CostFunction<BlockLang> for SharedCost<'_> {
+    type Cost = f64;
+
+    fn cost<C>(&mut self, enode: &BlockLang, mut costs: C) -> f64
+    where
+        C: FnMut(Id) -> f64,
+    {
+        let own = own_cost(self.egraph, enode);
+        match enode {
+            BlockLang::Slice([_, len, x]) => {
+                let share = match (&self.egraph[*len].data, &self.egraph[*x].data) {
+                    (Facts::Num(len), Facts::Value { len: Some(total) }) if *total > 0 => *len as f64 / *total as f64,
+                    _ => 1.0,
+                };
+                own + share * costs(*x)
+            }
+            _ => enode.fold(own, |sum, id| sum + costs(id)),
+        }
+    }
+}
+
+/// The chosen node of every class reachable from `roots`.
+pub struct Choice {
+    pub nodes: BTreeMap<Id, BlockLang>,
+    pub cost: f64,
+}
+
+/// Chooses a node per class; see the module documentation.
+pub fn extract(egraph: &EGraph<BlockLang, BlockAnalysis>, roots: &[Id]) -> Choice {
+    let extractor = Extractor::new(egraph, SharedCost { egraph });
+    let mut choice: BTreeMap<Id, BlockLang> = BTreeMap::new();
+    for class in egraph.classes() {
+        choice.insert(egraph.find(class.id), extractor.find_best_node(class.id).clone());
+    }
+    let mut best = dag_cost(egraph, &choice, roots).unwrap_or(f64::INFINITY);
+    let classes: Vec<Id> = choice.keys().copied().collect();
+    // Each accepted change lowers the cost by a positive amount and there are finitely many
+    // choices, so this ends; the bound only caps pathological inputs.
+    for _round in 0..16 {
+        let mut improved = false;
+        for &class in &classes {
+            let nodes = &egraph[class].nodes;
+            if nodes.len() < 2 {
+                continue;
+            }
+            for node in nodes {
+                if choice.get(&class) == Some(node) {
+                    continue;
+                }
+                let previous = choice.insert(class, node.clone()).expect("every class has a choice");
+                match dag_cost(egraph, &choice, roots) {
+                    Some(cost) if cost < best - 1e-9 => {
+                        best = cost;
+                        improved = true;
+                    }
+                    _ => {
+                        choice.insert(class, previous);
+                    }
+                }
+            }
+        }
+        if !improved {
+            break;
+        }
+    }
+    let reachable = reachable(egraph, &choice, roots).unwrap_or_default();
+    choice.retain(|class, _| reachable.contains(class));
+    Choice { nodes: choice, cost: best }
+}
+
+/// Classes reachable from `roots` under `choice`, or `None` if the choice has a cycle.
+fn reachable(
+    egraph: &EGraph<BlockLang, BlockAnalysis>,
+    choice: &BTreeMap<Id, BlockLang>,
+    roots: &[Id],
+) -> Option<std::collections::BTreeSet<Id>> {
+    // Depth-first with an explicit stack; `on_path` detects a cycle.
+    let mut done = std::collections::BTreeSet::new();
+    let mut on_path = std::collections::BTreeSet::new();
+    for &root in roots {
+        let mut stack = vec![(egraph.find(root), false)];
+        while let Some((class, leaving)) = stack.pop() {
+            if leaving {
+                on_path.remove(&class);
+                done.insert(class);
+                continue;
+            }
+            if done.contains(&class) {
+                continue;
+            }
+            if !on_path.insert(class) {
+                return None;
+            }
+            stack.push((class, true));
+            for &child in choice.get(&class)?.children() {
+                let child = egraph.find(child);
+                if on_path.contains(&child) {
+                    return None;
+                }
+                stack.push((child, false));
+            }
+        }
+    }
+    Some(done)
+}
+
+/// The DAG cost of a choice, `None` if it has a cycle.
+pub fn dag_cost(
+    egraph: &EGraph<BlockLang, BlockAnalysis>,
+    choice: &BTreeMap<Id, BlockLang>,
+    roots: &[Id],
+) -> Option<f64> {
+    let classes = reachable(egraph, choice, roots)?;
+    Some(classes.iter().map(|class| own_cost(egraph, &choice[class])).sum())
+}
