@@ -422,10 +422,15 @@ fn three_prompts_in_flight_are_each_bit_exact_and_equal_to_their_solo_runs() {
         (together["aggregate_modeled_tok_s"].as_f64().unwrap(), serial["aggregate_modeled_tok_s"].as_f64().unwrap());
     assert!(three > one, "3 in flight {three} tok/s vs 1 at a time {one}");
 
-    // KV capacity is fixed at compile time.
+    // KV capacity is fixed at compile time, each sequence's blocks on PEs of their own: too
+    // many sequences for the grid is a compile error saying what their KV blocks take.
     let err =
         fails(&waferc(&["run", artifact.to_str().unwrap(), "--prompts", file.to_str().unwrap(), "--sequences", "4"]));
     assert!(err.contains("KV capacity for 3 sequence(s)") && err.contains("--max-sequences 4"), "{err}");
+    let crowded = dir.join("crowded.wafer");
+    let err = fails(&compile(&model, "grid:64x64", &crowded, &["--max-context", "64", "--max-sequences", "2000"]));
+    assert!(err.contains("does not fit") && err.contains("1999 extra sequence(s) in flight"), "{err}");
+    assert!(!crowded.exists());
     std::fs::write(dir.join("bad.txt"), "1,2\n3,x\n").unwrap();
     let err = fails(&waferc(&["run", artifact.to_str().unwrap(), "--prompts", dir.join("bad.txt").to_str().unwrap()]));
     assert!(err.contains("bad.txt line 2"), "{err}");

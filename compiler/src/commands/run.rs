@@ -3,10 +3,11 @@
 //! [--trace FILE]`: the compiled program on the bundled executor, optionally checked bit for bit
 //! against the reference decoder.
 //!
-//! Several prompts are several sequences, up to `--sequences N` in flight at once. Each has its
-//! own KV blocks (an executor of its own: values never mix), its own tokens and its own
-//! validation against the reference decoder run on that prompt alone; the timing of the run is
-//! the pipeline model's (`executor::pipeline`) over every sequence's modeled steps.
+//! Several prompts are several sequences, up to `--sequences N` in flight at once on one
+//! executor, their steps interleaved. Each has its own KV blocks (a sequence slot of the
+//! artifact's `--max-sequences`), its own tokens and its own validation against the reference
+//! decoder run on that prompt alone; the timing of the run is the pipeline model's
+//! (`executor::pipeline`) over every sequence's modeled steps.
 
 use std::path::PathBuf;
 
@@ -123,31 +124,20 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         bail!("{}: compiled shape-only (no weights): only --timing-only can run it", args.artifact.display());
     }
 
-    let mut outcomes: Vec<Outcome> = Vec::with_capacity(prompts.len());
-    for (index, prompt) in prompts.iter().enumerate() {
-        // Timing only, a step's timing depends on the prompt's tokens and positions alone, so
-        // a repeated prompt reuses its twin's run.
-        if args.timing_only {
-            if let Some(twin) = prompts[..index].iter().position(|p| p == prompt) {
-                outcomes.push(outcomes[twin].clone());
-                continue;
-            }
-        }
-        let execution = Execution {
+    let stop_tokens = args.generate.stop_tokens(&module.meta.eos_token_ids);
+    let executions: Vec<Execution> = prompts
+        .iter()
+        .map(|prompt| Execution {
             artifact: &args.artifact,
             prompt,
             max_new_tokens: max_new,
             force_tokens: args.generate.force_tokens.as_deref().unwrap_or(&[]),
-            stop_tokens: args.generate.stop_tokens(&module.meta.eos_token_ids),
+            stop_tokens: stop_tokens.clone(),
             validate: args.validate,
             timing_only: args.timing_only,
-        };
-        let outcome = match execute(&compiled, &execution) {
-            Err(e) if prompts.len() > 1 => return Err(e.context(format!("sequence {index}"))),
-            other => other?,
-        };
-        outcomes.push(outcome);
-    }
+        })
+        .collect();
+    let outcomes = execute_in_flight(&compiled, &executions, in_flight)?;
     let pipelined = pipeline_timing(&prompts, &outcomes, in_flight, program.target.clock_hz);
     let outcome = &outcomes[0];
     let prompt = &prompts[0];
@@ -270,58 +260,122 @@ fn describe_pipeline(p: &PipelineTiming, in_flight: usize) -> String {
 /// Runs the executor (and, validating, the reference decoder beside it) over the prompt and
 /// the tokens it generates.
 pub(super) fn execute(compiled: &artifact::Artifact, run: &Execution) -> anyhow::Result<Outcome> {
-    let (program, module) = (&compiled.program, &compiled.module);
-    let (prompt, max_new, forced, stop) = (run.prompt, run.max_new_tokens, run.force_tokens, &run.stop_tokens);
-    let tiles = compiled.tiles.bytes();
-    let options = ExecOptions { timing_only: run.timing_only, record_values: false };
-    let mut wafer = Executor::new(program, module, tiles, options)?;
-    let mut reference = match run.validate {
-        true => Some(ReferenceDecoder::new(module, program.max_context as usize)?),
-        false => None,
-    };
+    let mut outcomes = execute_in_flight(compiled, std::slice::from_ref(run), 1)?;
+    Ok(outcomes.remove(0))
+}
 
+/// Runs several sequences on one executor, up to `in_flight` at once, each in a sequence slot
+/// of its own (its own KV blocks, `Executor::select_sequence`), their steps interleaved round
+/// robin; a finished sequence's slot takes the next waiting one. Each is validated against a
+/// reference decoder of its own.
+pub(super) fn execute_in_flight(
+    compiled: &artifact::Artifact,
+    runs: &[Execution],
+    in_flight: usize,
+) -> anyhow::Result<Vec<Outcome>> {
+    let (program, module) = (&compiled.program, &compiled.module);
+    let timing_only = runs.first().is_some_and(|r| r.timing_only);
+    let options = ExecOptions { timing_only, record_values: false };
+    let mut wafer = Executor::new(program, module, compiled.tiles.bytes(), options)?;
+    let with_index = |index: usize, e: anyhow::Error| match runs.len() {
+        1 => e,
+        _ => e.context(format!("sequence {index}")),
+    };
     let bar = session::spinner("running");
-    let (mut tokens, mut logits, mut steps) = (Vec::new(), Vec::new(), Vec::new());
-    let mut feed = prompt[0];
-    let mut fed = 0;
+    let mut outcomes: Vec<Option<Outcome>> = vec![None; runs.len()];
+    let mut slots: Vec<Option<(usize, SequenceRun)>> = (0..in_flight).map(|_| None).collect();
+    let mut waiting = 0..runs.len();
     loop {
-        let position = wafer.position();
-        let step = wafer.step(feed)?;
-        if let Some(reference) = reference.as_mut() {
-            let expected = reference.step(feed)?;
-            let same = step.logits.as_ref().is_some_and(|got| bits_equal(got, &expected));
-            if !same {
-                bar.finish_and_clear();
-                return Err(explain_mismatch(run.artifact, compiled, prompt, &tokens, position));
+        let mut stepped = false;
+        for (slot, held) in slots.iter_mut().enumerate() {
+            wafer.select_sequence(slot as u32)?;
+            if held.is_none() {
+                if let Some(index) = waiting.next() {
+                    wafer.reset_sequence();
+                    *held = Some((index, SequenceRun::new(compiled, &runs[index]).map_err(|e| with_index(index, e))?));
+                }
+            }
+            let Some((index, sequence)) = held.as_mut() else { continue };
+            stepped = true;
+            let done = sequence.advance(compiled, &mut wafer).map_err(|e| with_index(*index, e));
+            if done.inspect_err(|_| bar.finish_and_clear())? {
+                let report = wafer.timing_report(sequence.run.prompt.len()).context("the executor ran no step")?;
+                let (index, sequence) = held.take().expect("a sequence is held");
+                outcomes[index] = Some(sequence.finish(report));
             }
         }
-        steps.push(step.timing);
-        fed += 1;
-        bar.set_message(format!("running: position {fed}"));
-        if fed < prompt.len() {
-            feed = prompt[fed];
-            continue;
-        }
-        if tokens.len() == max_new {
+        bar.set_message(format!("running: {} of {} sequences done", outcomes.iter().flatten().count(), runs.len()));
+        if !stepped {
             break;
         }
-        let next = match (forced.get(tokens.len()), &step.logits) {
-            (Some(&token), _) => token,
-            (None, Some(logits)) => argmax(logits),
-            (None, None) => *prompt.last().expect("prompt is not empty"),
-        };
-        tokens.push(next);
-        if let Some(row) = step.logits {
-            logits.push(row);
-        }
-        if stop.contains(&next) || tokens.len() == max_new {
-            break;
-        }
-        feed = next;
     }
     bar.finish_and_clear();
-    let report = wafer.timing_report(prompt.len()).context("the executor ran no step")?;
-    Ok(Outcome { tokens, logits, steps, report })
+    Ok(outcomes.into_iter().map(|o| o.expect("every sequence ran to its end")).collect())
+}
+
+/// One sequence on the executor: its reference decoder (validating), what it has fed and
+/// generated so far.
+struct SequenceRun<'a> {
+    run: &'a Execution<'a>,
+    reference: Option<ReferenceDecoder>,
+    tokens: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    steps: Vec<StepTiming>,
+    /// The next token to feed, and how many tokens were fed.
+    feed: u32,
+    fed: usize,
+}
+
+impl<'a> SequenceRun<'a> {
+    fn new(compiled: &'a artifact::Artifact, run: &'a Execution<'a>) -> anyhow::Result<Self> {
+        let reference = match run.validate {
+            true => Some(ReferenceDecoder::new(&compiled.module, compiled.program.max_context as usize)?),
+            false => None,
+        };
+        let feed = *run.prompt.first().context("the prompt is empty")?;
+        Ok(SequenceRun { run, reference, tokens: Vec::new(), logits: Vec::new(), steps: Vec::new(), feed, fed: 0 })
+    }
+
+    /// Feeds the next token to `wafer` (this sequence selected); true when the sequence is done.
+    fn advance(&mut self, compiled: &artifact::Artifact, wafer: &mut Executor) -> anyhow::Result<bool> {
+        let run = self.run;
+        let position = wafer.position();
+        let step = wafer.step(self.feed)?;
+        if let Some(reference) = self.reference.as_mut() {
+            let expected = reference.step(self.feed)?;
+            let same = step.logits.as_ref().is_some_and(|got| bits_equal(got, &expected));
+            if !same {
+                return Err(explain_mismatch(run.artifact, compiled, run.prompt, &self.tokens, position));
+            }
+        }
+        self.steps.push(step.timing);
+        self.fed += 1;
+        if self.fed < run.prompt.len() {
+            self.feed = run.prompt[self.fed];
+            return Ok(false);
+        }
+        if self.tokens.len() == run.max_new_tokens {
+            return Ok(true);
+        }
+        let next = match (run.force_tokens.get(self.tokens.len()), &step.logits) {
+            (Some(&token), _) => token,
+            (None, Some(logits)) => argmax(logits),
+            (None, None) => *run.prompt.last().expect("prompt is not empty"),
+        };
+        self.tokens.push(next);
+        if let Some(row) = step.logits {
+            self.logits.push(row);
+        }
+        if run.stop_tokens.contains(&next) || self.tokens.len() == run.max_new_tokens {
+            return Ok(true);
+        }
+        self.feed = next;
+        Ok(false)
+    }
+
+    fn finish(self, report: TimingReport) -> Outcome {
+        Outcome { tokens: self.tokens, logits: self.logits, steps: self.steps, report }
+    }
 }
 
 fn bits_equal(a: &[f32], b: &[f32]) -> bool {

@@ -114,6 +114,9 @@ pub struct NotFit {
     pub wafer: Option<(u16, u64)>,
     /// Targets and quantisations that would fit, e.g. `wse3x4`, `q8_0 on wse3`.
     pub would_fit: Vec<String>,
+    /// With several sequences in flight (`max_sequences`): how many, and the PEs the KV blocks
+    /// of all but the first take.
+    pub kv_sequences: Option<(u32, u64)>,
 }
 
 impl NotFit {
@@ -151,6 +154,13 @@ impl fmt::Display for NotFit {
             decimal_bytes(self.short_bytes()),
             self.sram_bytes_per_pe
         )?;
+        if let Some((sequences, pes)) = self.kv_sequences {
+            write!(
+                f,
+                "; the KV blocks of {} extra sequence(s) in flight (max sequences {sequences}) take {pes} PEs",
+                sequences - 1
+            )?;
+        }
         if self.would_fit.is_empty() {
             write!(f, "; no built-in target or q8_0/q4_0 quantisation would fit it either")
         } else {
@@ -201,17 +211,21 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
             return Err(WaferError::Options("stacked needs at least 1 layer per region".into()));
         }
         // The densest sizing must fit before a spread one can.
-        size::assign_wafers(module, &full.pes, &params).map_err(|overflow| {
-            WaferError::DoesNotFit(Box::new(NotFit {
-                target: target.name.clone(),
-                needed_pes: full.total_pes(),
-                available_pes: overflow.available,
-                sram_bytes_per_pe: params.sram_bytes_per_pe,
-                wafer: overflow.wafer,
-                would_fit: size::what_would_fit(module, target, options),
-            }))
-        })?;
-        return stacked::place(module, &analysis, &params, options, layers_per_region);
+        size::assign_wafers(module, &full.pes, &params)
+            .map_err(|overflow| {
+                WaferError::DoesNotFit(Box::new(NotFit {
+                    target: target.name.clone(),
+                    needed_pes: full.total_pes(),
+                    available_pes: overflow.available,
+                    sram_bytes_per_pe: params.sram_bytes_per_pe,
+                    wafer: overflow.wafer,
+                    would_fit: size::what_would_fit(module, target, options),
+                    kv_sequences: None,
+                }))
+            })
+            .map_err(|e| with_sequences(e, module, &full, options))?;
+        return stacked::place(module, &analysis, &params, options, layers_per_region)
+            .map_err(|e| with_sequences(e, module, &full, options));
     }
     // The default plan spreads its tiles and vectors over a target with PEs to spare, finest
     // first; a spread placement that does not work out (stripes wasted more than sizing
@@ -228,7 +242,19 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
             return Ok(program);
         }
     }
-    lower(module, target, &analysis, &full, options)
+    lower(module, target, &analysis, &full, options).map_err(|e| with_sequences(e, module, &full, options))
+}
+
+/// A does-not-fit error with several sequences in flight says what their KV blocks take.
+fn with_sequences(error: WaferError, module: &Module, sizes: &size::Sizes, options: &CompileOptions) -> WaferError {
+    match error {
+        WaferError::DoesNotFit(mut not_fit) if options.max_sequences > 1 => {
+            let extra = size::kv_block_pes(module, sizes) * (options.max_sequences as u64 - 1);
+            not_fit.kv_sequences = Some((options.max_sequences, extra));
+            WaferError::DoesNotFit(not_fit)
+        }
+        other => other,
+    }
 }
 
 /// Wafer assignment and placement of sized instructions.
@@ -252,6 +278,7 @@ fn lower(
             sram_bytes_per_pe: params.sram_bytes_per_pe,
             wafer: overflow.wafer,
             would_fit,
+            kv_sequences: None,
         }))
     })?;
     place::place(module, analysis, sizes, &wafer_of, &params, options).map_err(|e| match e {

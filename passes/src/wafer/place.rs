@@ -287,6 +287,7 @@ impl<'a> Placer<'a> {
             sram_bytes_per_pe: self.params.sram_bytes_per_pe,
             wafer: (self.params.wafers > 1).then_some((wafer, need)),
             would_fit: Vec::new(),
+            kv_sequences: None,
         }))
     }
 
@@ -605,17 +606,20 @@ impl<'a> Placer<'a> {
                 // A windowed cache keeps only the window's rows.
                 let rows = window.map_or(self.options.max_context as u64, u64::from);
                 let per = *positions_per_block as u64;
-                let mut placed = Vec::with_capacity(kv_heads as usize);
-                for h in 0..kv_heads as u64 {
-                    let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
-                    for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
-                        let positions = (b * per) as u32..((b + 1) * per).min(rows) as u32;
-                        let requests =
-                            kv_block_requests(module, i, h, positions.clone(), self.options.max_sequences as u64);
-                        let region = self.fill(pe, instr, requests)?[0];
-                        blocks.push(KvBlock { pe, positions, region });
+                let sequences = self.options.max_sequences;
+                let mut placed = Vec::with_capacity(sequences as usize * kv_heads as usize);
+                // Each sequence in flight gets blocks of its own.
+                for sequence in 0..sequences {
+                    for h in 0..kv_heads as u64 {
+                        let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
+                        for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
+                            let positions = (b * per) as u32..((b + 1) * per).min(rows) as u32;
+                            let requests = kv_block_requests(module, i, h, positions.clone());
+                            let region = self.fill(pe, instr, requests)?[0];
+                            blocks.push(KvBlock { pe, positions, region });
+                        }
+                        placed.push(KvHeadPlacement::unrouted(h as u32, sequence, blocks));
                     }
-                    placed.push(KvHeadPlacement::unrouted(h as u32, blocks));
                 }
                 let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
                 let placement = AttentionPlacement {
@@ -1108,14 +1112,7 @@ pub(super) fn tile_requests(
 /// A KV block's regions (the cache first): keys and values of `positions` for KV head `h`,
 /// the query heads (the same buffer later receives the reductions' partials), the new key and
 /// value, the scores and the block's own partials.
-/// The cache holds `sequences` copies of its positions, one per sequence in flight.
-pub(super) fn kv_block_requests(
-    module: &Module,
-    i: usize,
-    h: u64,
-    positions: Range<u32>,
-    sequences: u64,
-) -> Vec<Request> {
+pub(super) fn kv_block_requests(module: &Module, i: usize, h: u64, positions: Range<u32>) -> Vec<Request> {
     let Op::Attention { q, k, v, cache, heads, sinks, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
         return Vec::new();
     };
@@ -1127,7 +1124,7 @@ pub(super) fn kv_block_requests(
     let kv_range = h * hd..(h + 1) * hd;
     let first = positions.start == 0;
     let mut requests = vec![
-        (RegionKind::KvCache { kv_head: h as u32, positions }, sequences * n * hd * 2 * F32),
+        (RegionKind::KvCache { kv_head: h as u32, positions }, n * hd * 2 * F32),
         (RegionKind::Operand { value: q.index() as u32, elements: q_range }, q_per_kv * (hd + 2) * F32),
         (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
         (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),

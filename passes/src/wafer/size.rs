@@ -160,8 +160,8 @@ pub(super) fn tile_bytes(dtype: DType, bias: Option<DType>, rows: u64, width: u6
 /// SRAM of one KV block of `positions` positions: keys and values; the query heads (the same
 /// buffer later receives the partials of the reductions, so it is sized for the larger); the new
 /// key and value; the scores; and the block's own partial maximum, sum and weighted values.
-pub(super) fn kv_block_bytes(positions: u64, head_dim: u64, q_per_kv: u64, sequences: u64) -> u64 {
-    sequences * positions * head_dim * 2 * F32
+pub(super) fn kv_block_bytes(positions: u64, head_dim: u64, q_per_kv: u64) -> u64 {
+    positions * head_dim * 2 * F32
         + q_per_kv * (head_dim + 2) * F32
         + 2 * head_dim * F32
         + q_per_kv * positions * F32
@@ -341,18 +341,15 @@ pub(super) fn size_module(
                 // A windowed cache keeps only the window's rows.
                 let rows = window.map_or(options.max_context as u64, u64::from);
                 let max_positions = CHUNK * rows.div_ceil(CHUNK).next_power_of_two();
-                let sequences = options.max_sequences as u64;
                 let mut positions = CHUNK;
-                if kv_block_bytes(positions, head_dim, q_per_kv, sequences) > usable {
+                if kv_block_bytes(positions, head_dim, q_per_kv) > usable {
                     return Err(unsupported(format!(
-                        "32 positions of a KV head (head_dim {head_dim}, {q_per_kv} query heads) for {sequences} \
-                         sequence(s) need {} bytes, more than the {usable} usable bytes of a PE",
-                        kv_block_bytes(positions, head_dim, q_per_kv, sequences)
+                        "32 positions of a KV head (head_dim {head_dim}, {q_per_kv} query heads) need {} bytes, \
+                         more than the {usable} usable bytes of a PE",
+                        kv_block_bytes(positions, head_dim, q_per_kv)
                     )));
                 }
-                while positions * 2 <= max_positions
-                    && kv_block_bytes(positions * 2, head_dim, q_per_kv, sequences) <= usable
-                {
+                while positions * 2 <= max_positions && kv_block_bytes(positions * 2, head_dim, q_per_kv) <= usable {
                     positions *= 2;
                 }
                 let blocks = rows.div_ceil(positions);
@@ -375,8 +372,10 @@ pub(super) fn size_module(
             Op::ExpertDispatch { .. } | Op::Slice { .. } => Shape::Alias,
         };
         let count = match (&shape, &instr.op) {
+            // Every sequence in flight has blocks of its own.
             (Shape::Attention { blocks_per_head, segments, .. }, Op::Attention { cache, .. }) => {
-                module.caches[*cache].kv_heads as u64 * *blocks_per_head as u64 + segments.len() as u64
+                options.max_sequences as u64 * module.caches[*cache].kv_heads as u64 * *blocks_per_head as u64
+                    + segments.len() as u64
             }
             (Shape::Embed { segments, rows_per_block }, Op::Embed { table }) => {
                 let rows = module.weights[*table].ty.shape[0];
@@ -401,6 +400,21 @@ pub(super) fn size_module(
         pes.push(count);
     }
     Ok(Sizes { shapes, pes })
+}
+
+/// The PEs of one sequence's KV blocks, over every attention.
+pub(super) fn kv_block_pes(module: &Module, sizes: &Sizes) -> u64 {
+    module
+        .body
+        .iter()
+        .zip(&sizes.shapes)
+        .map(|((_, instr), shape)| match (&instr.op, shape) {
+            (Op::Attention { cache, .. }, Shape::Attention { blocks_per_head, .. }) => {
+                module.caches[*cache].kv_heads as u64 * *blocks_per_head as u64
+            }
+            _ => 0,
+        })
+        .sum()
 }
 
 /// The share of a target's PEs the default plan fills when it spreads matvec tiles.

@@ -122,13 +122,13 @@ fn vector_cut(len: u64) -> u64 {
 
 /// Positions per KV block: the largest aligned power-of-two run of 32-position chunks whose
 /// block fits a PE beside nothing else (as the tiled plan sizes it).
-fn positions_per_block(head_dim: u64, q_per_kv: u64, max_context: u64, usable: u64, sequences: u64) -> Option<u64> {
+fn positions_per_block(head_dim: u64, q_per_kv: u64, max_context: u64, usable: u64) -> Option<u64> {
     let max_positions = CHUNK * max_context.div_ceil(CHUNK).next_power_of_two();
     let mut positions = CHUNK;
-    if kv_block_bytes(positions, head_dim, q_per_kv, sequences) > usable {
+    if kv_block_bytes(positions, head_dim, q_per_kv) > usable {
         return None;
     }
-    while positions * 2 <= max_positions && kv_block_bytes(positions * 2, head_dim, q_per_kv, sequences) <= usable {
+    while positions * 2 <= max_positions && kv_block_bytes(positions * 2, head_dim, q_per_kv) <= usable {
         positions *= 2;
     }
     Some(positions)
@@ -187,11 +187,11 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
                         let c = &module.caches[*cache];
                         let (hd, q_per_kv) = (c.head_dim as u64, (*heads / c.kv_heads) as u64);
                         let max = options.max_context as u64;
-                        if let Some(per) = positions_per_block(hd, q_per_kv, max, usable, options.max_sequences as u64)
-                        {
-                            let blocks = c.kv_heads as u64 * max.div_ceil(per);
+                        if let Some(per) = positions_per_block(hd, q_per_kv, max, usable) {
+                            // Every sequence in flight has blocks of its own.
+                            let blocks = options.max_sequences as u64 * c.kv_heads as u64 * max.div_ceil(per);
                             kv_blocks += blocks;
-                            bytes += blocks * kv_block_bytes(per, hd, q_per_kv, options.max_sequences as u64);
+                            bytes += blocks * kv_block_bytes(per, hd, q_per_kv);
                         }
                     }
                     _ => {}
@@ -691,26 +691,26 @@ impl Stacked<'_> {
             _ => self.placer.options.max_context as u64,
         };
         let usable = self.placer.params.usable_bytes_per_pe() as u64;
-        let per = positions_per_block(hd, q_per_kv, max, usable, self.placer.options.max_sequences as u64).ok_or_else(
-            || unsupported(module, i, format!("32 positions of a KV head (head_dim {hd}) do not fit one PE")),
-        )?;
+        let per = positions_per_block(hd, q_per_kv, max, usable).ok_or_else(|| {
+            unsupported(module, i, format!("32 positions of a KV head (head_dim {hd}) do not fit one PE"))
+        })?;
         let kv = self.region(unit).kv.ok_or_else(|| unsupported(module, i, "internal: no KV strip".into()))?;
-        let mut placed = Vec::with_capacity(kv_heads as usize);
-        for h in 0..kv_heads as u64 {
-            let mut blocks = Vec::new();
-            for b in 0..max.div_ceil(per) {
-                let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
-                let region = self.region(unit);
-                let pe = kv.walk(region.kv_cursor);
-                region.kv_cursor += 1;
-                let index = self.placer.fill(
-                    pe,
-                    i as u32,
-                    kv_block_requests(module, i, h, positions.clone(), self.placer.options.max_sequences as u64),
-                )?[0];
-                blocks.push(KvBlock { pe, positions, region: index });
+        let sequences = self.placer.options.max_sequences;
+        let mut placed = Vec::with_capacity(sequences as usize * kv_heads as usize);
+        // Each sequence in flight gets blocks of its own.
+        for sequence in 0..sequences {
+            for h in 0..kv_heads as u64 {
+                let mut blocks = Vec::new();
+                for b in 0..max.div_ceil(per) {
+                    let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
+                    let region = self.region(unit);
+                    let pe = kv.walk(region.kv_cursor);
+                    region.kv_cursor += 1;
+                    let index = self.placer.fill(pe, i as u32, kv_block_requests(module, i, h, positions.clone()))?[0];
+                    blocks.push(KvBlock { pe, positions, region: index });
+                }
+                placed.push(KvHeadPlacement::unrouted(h as u32, sequence, blocks));
             }
-            placed.push(KvHeadPlacement::unrouted(h as u32, blocks));
         }
         let layout = self.fresh_layout(i, unit, &super::size::segments(len, hd), &|_| Vec::new())?;
         let placement =

@@ -156,15 +156,20 @@ pub struct Executor<'p> {
     /// Attention's `Collect` routes (the placement does not list them), in element order.
     attention_collects: HashMap<InstrIndex, Vec<RouteId>>,
     rope_frequencies: Vec<Option<kernels::RopeTable>>,
-    /// KV caches, keyed by (attention instruction, KV head placement, block).
+    /// KV caches, keyed by (attention instruction, KV head placement, block): a sequence's
+    /// steps use only its own KV head placements.
     kv: HashMap<(InstrIndex, usize, usize), KvBlockState>,
     /// Destinations of each route, sorted (membership tests on big multicasts).
     destinations: Vec<Vec<Pe>>,
     costs: timing::CostModel,
+    /// The sequence the steps feed, and its position.
+    sequence: u32,
     position: u32,
     /// Modeled cycles of each step since the last reset, by position.
     history: Vec<u64>,
     last_timing: Option<StepTiming>,
+    /// The other sequences' positions, histories and last timings, by sequence.
+    parked: HashMap<u32, (u32, Vec<u64>, Option<StepTiming>)>,
     last_values: Option<Vec<InstrValue>>,
 }
 
@@ -288,7 +293,9 @@ impl<'p> Executor<'p> {
             kv: HashMap::new(),
             destinations,
             costs,
+            sequence: 0,
             position: 0,
+            parked: HashMap::new(),
             history: Vec::new(),
             last_timing: None,
             last_values: None,
@@ -308,8 +315,49 @@ impl<'p> Executor<'p> {
         self.position
     }
 
-    /// Forgets every position (empties the KV caches and the timing history).
+    /// The sequence the next steps feed.
+    pub fn sequence(&self) -> u32 {
+        self.sequence
+    }
+
+    /// Feeds sequence `sequence` from now on: its own KV blocks, its own position and timing
+    /// history (where its last step left them). Sequences `0..program.max_sequences` exist.
+    pub fn select_sequence(&mut self, sequence: u32) -> Result<(), ExecError> {
+        if sequence >= self.program.max_sequences {
+            return Err(ExecError::NoSuchSequence { sequence, max_sequences: self.program.max_sequences });
+        }
+        if sequence != self.sequence {
+            let (position, history, last) = self.parked.remove(&sequence).unwrap_or_default();
+            let current = (
+                std::mem::replace(&mut self.position, position),
+                std::mem::replace(&mut self.history, history),
+                std::mem::replace(&mut self.last_timing, last),
+            );
+            self.parked.insert(self.sequence, current);
+            self.sequence = sequence;
+        }
+        Ok(())
+    }
+
+    /// Forgets the selected sequence's positions (empties its KV blocks and its timing history),
+    /// so its slot can take a new sequence.
+    pub fn reset_sequence(&mut self) {
+        let (program, sequence) = (self.program, self.sequence);
+        self.kv.retain(|&(instr, head, _), _| match &program.instrs[instr as usize].work {
+            Work::Attention(p) => p.kv_heads_placed.get(head).is_some_and(|h| h.sequence != sequence),
+            _ => true,
+        });
+        self.position = 0;
+        self.history.clear();
+        self.last_timing = None;
+        self.last_values = None;
+    }
+
+    /// Forgets every position of every sequence (empties the KV caches and the timing
+    /// histories) and feeds sequence 0.
     pub fn reset(&mut self) {
+        self.sequence = 0;
+        self.parked.clear();
         self.position = 0;
         self.kv.clear();
         self.history.clear();
