@@ -3,4 +3,5 @@
 pub mod commands;
 pub mod frontend;
 pub mod inspect;
+pub mod plan_search;
 pub mod synth;

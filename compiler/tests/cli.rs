@@ -224,6 +224,38 @@ fn dumped_ir_files_parse_back_to_the_same_text() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--plan auto` (the default) lists every candidate with its modeled rate, chooses the fastest
+/// and says why each other one lost; `--plan` pins one and lists none.
+#[test]
+fn plan_search_lists_candidates_and_pinning_skips_it() {
+    let dir = scratch("plan-search");
+    let model = fixture("llama31-gqa-bf16");
+    let json: Value =
+        serde_json::from_str(&ok(&compile(&model, "grid:64x48", &dir.join("a.wafer"), &["--json"]))).unwrap();
+    let candidates = json["plan_search"].as_array().expect("plan_search lists the candidates");
+    assert!(candidates.len() >= 4, "{candidates:?}");
+    let chosen: Vec<&Value> = candidates.iter().filter(|c| c["chosen"] == true).collect();
+    assert_eq!(chosen.len(), 1, "{candidates:?}");
+    assert_eq!(chosen[0]["plan"], json["plan"]);
+    let best = chosen[0]["cycles_per_token"].as_u64().unwrap();
+    for c in candidates.iter().filter(|c| c["chosen"] == false) {
+        let why = c["lost_because"].as_str().unwrap_or_else(|| panic!("no reason for {c}"));
+        if let Some(cycles) = c["cycles_per_token"].as_u64() {
+            assert!(cycles >= best && why.starts_with("slower"), "{c}");
+        }
+    }
+    let stacked = candidates.iter().find(|c| c["plan"] == "stacked:1").expect("stacked:1 is a candidate");
+    assert!(stacked["cycles_per_token"].as_u64().is_some(), "stacked:1 lowers on a fixture: {stacked}");
+
+    let pinned = compile(&model, "grid:64x48", &dir.join("p.wafer"), &["--json", "--plan", "stacked:1,50"]);
+    let pinned: Value = serde_json::from_str(&ok(&pinned)).unwrap();
+    assert_eq!(pinned["plan"], "stacked:1,50");
+    assert_eq!(pinned["plan_search"].as_array().map(Vec::len), Some(0));
+    let bad = fails(&compile(&model, "grid:64x48", &dir.join("b.wafer"), &["--plan", "stacked:1,0"]));
+    assert!(bad.contains("percentage"), "{bad}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn print_after_and_time_passes() {
     let dir = scratch("print-after");
@@ -237,8 +269,14 @@ fn print_after_and_time_passes() {
     let stdout = ok(&out);
     assert!(stdout.contains("matvec"), "no IR printed:\n{stdout}");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    for stage in ["frontend", "dce", "wafer-lowering", "check", "write-artifact", "total"] {
+    for stage in ["frontend", "dce", "plan-search", "write-artifact", "total"] {
         assert!(stderr.contains(stage), "--time-passes lacks {stage}:\n{stderr}");
+    }
+    let pinned = compile(&model, "grid:32x32", &dir.join("m.wafer"), &["--plan", "tiled", "--time-passes"]);
+    ok(&pinned);
+    let stderr = String::from_utf8_lossy(&pinned.stderr);
+    for stage in ["wafer-lowering", "check"] {
+        assert!(stderr.contains(stage), "--time-passes with a pinned plan lacks {stage}:\n{stderr}");
     }
     let unknown = fails(&compile(&model, "grid:32x32", &dir.join("m.wafer"), &["--print-after", "tiling-typo"]));
     assert!(unknown.contains("tiling-typo"), "{unknown}");

@@ -14,6 +14,7 @@ use waferc_passes::{registry, PassManager, PassRecord, PassReport};
 use waferc_targets::Target;
 
 use super::session;
+use crate::plan_search::{self, Candidate};
 
 #[derive(clap::Args, Debug)]
 pub struct CompileArgs {
@@ -51,10 +52,13 @@ pub struct CompileArgs {
     /// Leave this pass out of the pipeline (default or `--passes`); repeatable.
     #[arg(long)]
     pub skip_pass: Vec<String>,
-    /// The matvec plan: `tiled` (default: each matrix on its own tile grid, spread to fill the target), or
+    /// The plan: `auto` (default: lower with every candidate plan, time one decode step of each,
+    /// keep the fastest that fits and passes the checker; `--json` lists the candidates), or
+    /// `tiled` (each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
-    /// `stacked:K` (K consecutive layers per region, every matvec tiled over the whole region).
-    #[arg(long, default_value = "tiled")]
+    /// `stacked:K[,P]` (K consecutive layers per region, every matvec tiled over the whole region; the
+    /// regions span P percent of each wafer, default 100).
+    #[arg(long, default_value = "auto")]
     pub plan: String,
     /// Write the IR after every pass into DIR (00-frontend.ir, 01-<pass>.ir, ...).
     #[arg(long)]
@@ -76,20 +80,35 @@ pub enum ExpertOrderArg {
     Index,
 }
 
-/// Parses `--plan`.
+/// Parses `--plan`: `None` for `auto` (search).
+pub fn parse_plan_choice(text: &str) -> anyhow::Result<Option<Plan>> {
+    match text {
+        "auto" => Ok(None),
+        _ => parse_plan(text).map(Some),
+    }
+}
+
+/// Parses a pinned `--plan`.
 pub fn parse_plan(text: &str) -> anyhow::Result<Plan> {
     if text == "tiled" {
         return Ok(Plan::Tiled);
     }
-    if let Some(k) = text.strip_prefix("stacked:") {
-        return match k.trim().parse() {
-            Ok(layers_per_region) if layers_per_region > 0 => Ok(Plan::Stacked { layers_per_region }),
+    if let Some(args) = text.strip_prefix("stacked:") {
+        let (k, percent) = args.split_once(',').unwrap_or((args, "100"));
+        let layers_per_region = match k.trim().parse() {
+            Ok(k) if k > 0 => k,
             _ => bail!("--plan {text:?}: K must be a whole number of layers per region, at least 1, as in stacked:2"),
         };
+        let wafer_percent = match percent.trim().parse() {
+            Ok(p) if (1..=100).contains(&p) => p,
+            _ => bail!("--plan {text:?}: P must be a percentage of the wafer from 1 to 100, as in stacked:1,25"),
+        };
+        return Ok(Plan::Stacked { layers_per_region, wafer_percent });
     }
     let Some(args) = text.strip_prefix("meshgemv:") else {
         bail!(
-            "--plan {text:?}: expected `tiled`, `stacked:K` (e.g. stacked:2) or `meshgemv:P,G` (e.g. meshgemv:660,22)"
+            "--plan {text:?}: expected `auto`, `tiled`, `stacked:K[,P]` (e.g. stacked:2 or stacked:1,25) or \
+             `meshgemv:P,G` (e.g. meshgemv:660,22)"
         )
     };
     let parsed = args.split_once(',').and_then(|(p, g)| Some((p.trim().parse().ok()?, g.trim().parse().ok()?)));
@@ -102,7 +121,7 @@ pub fn parse_plan(text: &str) -> anyhow::Result<Plan> {
 pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     let start = Instant::now();
     let target = Target::resolve(&args.target)?;
-    let plan = parse_plan(&args.plan)?;
+    let plan = parse_plan_choice(&args.plan)?;
     let spec = args.passes.as_deref().unwrap_or(registry::DEFAULT_PIPELINE);
     let passes = registry::without_passes(registry::parse_pipeline(spec)?, &args.skip_pass)?;
     for name in &args.print_after {
@@ -130,22 +149,36 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
         ExpertOrderArg::Profile => ExpertOrder::Profile,
         ExpertOrderArg::Index => ExpertOrder::Index,
     };
-    let options = CompileOptions {
+    let base = CompileOptions {
         max_context: args.max_context,
-        plan,
         max_sequences: args.max_sequences,
         profile,
         expert_order,
+        ..CompileOptions::default()
     };
-    let bar = session::spinner(format!("lowering onto {}", target.name));
-    let (program, record) = timed("wafer-lowering", || lowering::compile(&module, &target, &options));
-    bar.finish_and_clear();
-    let program = program?;
-    report.records.push(record);
-
-    let (checked, record) = timed("check", || lowering::check(&program, &module));
-    checked.with_context(|| format!("the placement checker rejected the compiled program for {}", target.name))?;
-    report.records.push(record);
+    let (program, candidates) = match plan {
+        Some(plan) => {
+            let options = CompileOptions { plan, ..base };
+            let bar = session::spinner(format!("lowering onto {}", target.name));
+            let (program, record) = timed("wafer-lowering", || lowering::compile(&module, &target, &options));
+            bar.finish_and_clear();
+            let program = program?;
+            report.records.push(record);
+            let (checked, record) = timed("check", || lowering::check(&program, &module));
+            checked
+                .with_context(|| format!("the placement checker rejected the compiled program for {}", target.name))?;
+            report.records.push(record);
+            (program, Vec::new())
+        }
+        None => {
+            let bar = session::spinner(format!("searching plans for {}", target.name));
+            let (found, record) = timed("plan-search", || plan_search::search(&module, &target, &base));
+            bar.finish_and_clear();
+            let found = found?;
+            report.records.push(record);
+            (found.program, found.candidates)
+        }
+    };
 
     let compiled = artifact::Artifact::new(program, module).with_tokenizer(tokenizer_json);
     let (written, record) = timed("write-artifact", || artifact::write(&args.output, &compiled));
@@ -155,7 +188,7 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     if args.time_passes {
         eprint!("{}", report.time_table());
     }
-    let summary = Summary::of(&compiled.program, &compiled.module, &args, &report, start.elapsed());
+    let summary = Summary::of(&compiled.program, &compiled.module, &args, &report, start.elapsed(), candidates);
     if args.json {
         println!("{}", summary.json());
     } else {
@@ -209,6 +242,8 @@ struct Summary {
     passes: Vec<serde_json::Value>,
     formats: Vec<FormatUse>,
     pes_without_weights: usize,
+    /// The plan search's candidates (empty when `--plan` pinned one).
+    candidates: Vec<Candidate>,
 }
 
 /// What one weight storage format takes in a compiled program.
@@ -283,13 +318,14 @@ impl Summary {
         args: &CompileArgs,
         report: &PassReport,
         elapsed: Duration,
+        candidates: Vec<Candidate>,
     ) -> Summary {
         let t = &program.target;
         let (formats, pes_without_weights) = weight_formats(program, module);
         Summary {
             output: args.output.clone(),
             target: t.name.clone(),
-            plan: args.plan.clone(),
+            plan: program.plan.to_string(),
             max_context: program.max_context,
             max_sequences: program.max_sequences,
             expert_placement: expert_placement(program, args),
@@ -321,6 +357,7 @@ impl Summary {
                 .collect(),
             formats,
             pes_without_weights,
+            candidates,
         }
     }
 
@@ -349,6 +386,7 @@ impl Summary {
                 "wafers": f.wafers,
             })).collect::<Vec<_>>(),
             "pes_without_weights": self.pes_without_weights,
+            "plan_search": self.candidates,
         })
     }
 
@@ -374,8 +412,22 @@ impl Summary {
             n => format!(" x {n} sequences"),
         };
         let experts = self.expert_placement.as_ref().map(|e| format!("\n{e}")).unwrap_or_default();
+        let mut search = String::new();
+        if !self.candidates.is_empty() {
+            search.push_str("plan search (one decode step of each candidate on the timing model):");
+            for c in &self.candidates {
+                let rate = c.modeled_tok_s.map_or("-".to_string(), |r| format!("{r:.0} tok/s"));
+                let verdict = match (&c.lost_because, c.chosen) {
+                    (_, true) => "chosen".to_string(),
+                    (Some(why), false) => why.clone(),
+                    (None, false) => String::new(),
+                };
+                search.push_str(&format!("\n  {:<14} {:>12} {:>7.2} s  {verdict}", c.plan, rate, c.seconds));
+            }
+            search.push('\n');
+        }
         format!(
-            "compiled for {} ({} plan, KV capacity {} positions{sequences}): {} of {} PEs ({:.1}%), {} routes, {:.2} MB of weight tiles{}{experts}\nweights by storage format (a PE holding two formats counts for each):{}\nwrote {} ({:.2} MB) in {:.2} s",
+            "{search}compiled for {} ({} plan, KV capacity {} positions{sequences}): {} of {} PEs ({:.1}%), {} routes, {:.2} MB of weight tiles{}{experts}\nweights by storage format (a PE holding two formats counts for each):{}\nwrote {} ({:.2} MB) in {:.2} s",
             self.target,
             self.plan,
             self.max_context,

@@ -226,18 +226,30 @@ struct PlanJson {
     layers_per_region: Option<u16>,
     #[serde(skip_serializing_if = "Option::is_none")]
     p: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    wafer_percent: Option<u8>,
 }
 
 impl PlanJson {
     fn of(plan: Plan) -> Self {
         match plan {
-            Plan::Tiled => PlanJson { group_num: None, kind: "tiled", layers_per_region: None, p: None },
-            Plan::MeshGemv { p, group_num } => {
-                PlanJson { group_num: Some(group_num), kind: "mesh_gemv", layers_per_region: None, p: Some(p) }
+            Plan::Tiled => {
+                PlanJson { group_num: None, kind: "tiled", layers_per_region: None, p: None, wafer_percent: None }
             }
-            Plan::Stacked { layers_per_region } => {
-                PlanJson { group_num: None, kind: "stacked", layers_per_region: Some(layers_per_region), p: None }
-            }
+            Plan::MeshGemv { p, group_num } => PlanJson {
+                group_num: Some(group_num),
+                kind: "mesh_gemv",
+                layers_per_region: None,
+                p: Some(p),
+                wafer_percent: None,
+            },
+            Plan::Stacked { layers_per_region, wafer_percent } => PlanJson {
+                group_num: None,
+                kind: "stacked",
+                layers_per_region: Some(layers_per_region),
+                p: None,
+                wafer_percent: Some(wafer_percent),
+            },
         }
     }
 }

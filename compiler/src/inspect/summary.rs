@@ -72,7 +72,9 @@ fn header(view: &Analysis, modeled_speed: Option<&str>, out: &mut String) {
     let plan = match view.program.plan {
         Plan::Tiled => "tiled".to_string(),
         Plan::MeshGemv { p, group_num } => format!("MeshGemv (p {p}, group_num {group_num})"),
-        Plan::Stacked { layers_per_region } => format!("stacked ({layers_per_region} layers per region)"),
+        Plan::Stacked { layers_per_region, wafer_percent } => {
+            format!("stacked ({layers_per_region} layers per region, {wafer_percent}% of the wafer)")
+        }
     };
     let _ = writeln!(
         out,

@@ -142,8 +142,11 @@ pub enum Plan {
     /// the group is tiled over the whole rectangle (each PE holds a slice of every matrix of its
     /// layers); vectors are cut in 32-element segments spread over the region; KV blocks sit in
     /// a strip at the region's east side. Routes of the same shape in different layers share
-    /// colours (a layer starts only once the previous one's result has arrived).
-    Stacked { layers_per_region: u16 },
+    /// colours (a layer starts only once the previous one's result has arrived). The regions
+    /// together span `wafer_percent` of each wafer's PEs (a square-ish block at its north-west
+    /// corner): a small model's layers are faster on smaller regions, whose collectives are
+    /// shorter, than spread over the whole wafer.
+    Stacked { layers_per_region: u16, wafer_percent: u8 },
 }
 
 impl fmt::Display for Plan {
@@ -152,7 +155,10 @@ impl fmt::Display for Plan {
         match self {
             Plan::Tiled => write!(f, "tiled"),
             Plan::MeshGemv { p, group_num } => write!(f, "meshgemv:{p},{group_num}"),
-            Plan::Stacked { layers_per_region } => write!(f, "stacked:{layers_per_region}"),
+            Plan::Stacked { layers_per_region, wafer_percent: 100 } => write!(f, "stacked:{layers_per_region}"),
+            Plan::Stacked { layers_per_region, wafer_percent } => {
+                write!(f, "stacked:{layers_per_region},{wafer_percent}")
+            }
         }
     }
 }

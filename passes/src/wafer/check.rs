@@ -877,17 +877,25 @@ impl<'a> Checker<'a> {
                 }
             }
         }
+        // The instructions listing each operand route (an index, not a scan per route: programs
+        // have hundreds of thousands of routes).
+        let mut readers: HashMap<u32, Vec<u32>> = HashMap::new();
+        for p in &self.program.instrs {
+            for id in &p.operand_routes {
+                readers.entry(*id).or_default().push(p.instr);
+            }
+        }
         for r in &self.program.routes {
             match used.get(&r.id) {
                 None => self.report(None, Some(r.id), Some(r.instr), "no schedule step uses this route".into()),
                 Some(step) => {
                     if let RouteKind::Operand { .. } = r.kind {
-                        for p in &self.program.instrs {
-                            if p.operand_routes.contains(&r.id) && first_step.get(&p.instr).is_some_and(|f| f < step) {
+                        for &reader in readers.get(&r.id).into_iter().flatten() {
+                            if first_step.get(&reader).is_some_and(|f| f < step) {
                                 self.report(
                                     None,
                                     Some(r.id),
-                                    Some(p.instr),
+                                    Some(reader),
                                     format!("the instruction starts before step {step} delivers its operand"),
                                 );
                             }

@@ -206,9 +206,12 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
     let params = target.params();
     let analysis = size::Analysis::new(module);
     let full = size::size_module(module, &params, options, None, size::Grain::DENSE)?;
-    if let Plan::Stacked { layers_per_region } = options.plan {
-        if layers_per_region == 0 {
-            return Err(WaferError::Options("stacked needs at least 1 layer per region".into()));
+    if let Plan::Stacked { layers_per_region, wafer_percent } = options.plan {
+        if layers_per_region == 0 || !(1..=100).contains(&wafer_percent) {
+            return Err(WaferError::Options(format!(
+                "stacked needs at least 1 layer per region and 1 to 100 percent of the wafer, got {}",
+                options.plan
+            )));
         }
         // The densest sizing must fit before a spread one can.
         size::assign_wafers(module, &full.pes, &params)
@@ -224,7 +227,7 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
                 }))
             })
             .map_err(|e| with_sequences(e, module, &full, options))?;
-        return stacked::place(module, &analysis, &params, options, layers_per_region)
+        return stacked::place(module, &analysis, &params, options, layers_per_region, wafer_percent)
             .map_err(|e| with_sequences(e, module, &full, options));
     }
     // The default plan spreads its tiles and vectors over a target with PEs to spare, finest

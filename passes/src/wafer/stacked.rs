@@ -216,12 +216,15 @@ fn unit_wafers(units: &[Unit], wafers: u16) -> Vec<u16> {
         .collect()
 }
 
-/// Rectangles for the units of one wafer, areas in proportion to their bytes: the wafer is cut
-/// into vertical strips about as wide as a unit's square side, and units fill the strips in a
-/// snake (down the first, up the next), so consecutive units are neighbours. `None` when some
-/// unit would get no row.
-fn rectangles(params: &TargetParams, wafer: u16, bytes: &[u64]) -> Option<Vec<Rect>> {
-    let (cols, rows) = (params.grid_cols as u64, params.grid_rows as u64);
+/// Rectangles for the units of one wafer, areas in proportion to their bytes: the block of
+/// `wafer_percent` of the wafer at its north-west corner (both sides scaled alike) is cut into
+/// vertical strips about as wide as a unit's square side, and units fill the strips in a snake
+/// (down the first, up the next), so consecutive units are neighbours. `None` when some unit
+/// would get no row.
+fn rectangles(params: &TargetParams, wafer_percent: u8, wafer: u16, bytes: &[u64]) -> Option<Vec<Rect>> {
+    let side = (wafer_percent.clamp(1, 100) as f64 / 100.0).sqrt();
+    let scaled = |n: u16| ((n as f64 * side).round() as u64).clamp(1, n as u64);
+    let (cols, rows) = (scaled(params.grid_cols), scaled(params.grid_rows));
     let total: u64 = bytes.iter().sum::<u64>().max(1);
     let typical = (cols * rows) / bytes.len().max(1) as u64;
     let strips = ((cols as f64 / (typical as f64).sqrt()).round() as u64).clamp(1, cols);
@@ -323,6 +326,7 @@ pub(super) fn place(
     params: &TargetParams,
     options: &CompileOptions,
     layers_per_region: u16,
+    wafer_percent: u8,
 ) -> Result<WaferProgram, WaferError> {
     let usable = params.usable_bytes_per_pe() as u64;
     let units = units(module, options, usable, layers_per_region);
@@ -334,9 +338,10 @@ pub(super) fn place(
             continue;
         }
         let bytes: Vec<u64> = on.iter().map(|&u| units[u].bytes).collect();
-        let rects = rectangles(params, wafer, &bytes).ok_or_else(|| {
+        let rects = rectangles(params, wafer_percent, wafer, &bytes).ok_or_else(|| {
             WaferError::Options(format!(
-                "stacked:{layers_per_region}: {} regions do not fit wafer {wafer} of {}",
+                "{}: {} regions do not fit wafer {wafer} of {}",
+                options.plan,
                 on.len(),
                 params.name
             ))
@@ -345,8 +350,8 @@ pub(super) fn place(
             let kv_cols = units[u].kv_blocks.div_ceil(rect.h as u64);
             if kv_cols >= rect.w as u64 {
                 return Err(WaferError::Options(format!(
-                    "stacked:{layers_per_region}: the {} KV blocks of a region of {}x{} PEs leave no PE for tiles",
-                    units[u].kv_blocks, rect.w, rect.h
+                    "{}: the {} KV blocks of a region of {}x{} PEs leave no PE for tiles",
+                    options.plan, units[u].kv_blocks, rect.w, rect.h
                 )));
             }
             let area = Rect { w: rect.w - kv_cols as u16, ..rect };

@@ -1,0 +1,199 @@
+//! Plan search: `compile --plan auto` lowers the module with every candidate plan, times one
+//! decode step of each on the executor's timing model, and keeps the fastest that fits and that
+//! the placement checker accepts.
+//!
+//! The candidates are the default tiled plan and the stacked plan at a few group sizes and wafer
+//! shares (a small model's layers run faster on small regions, whose collectives are short; a
+//! large one needs the whole wafer's SRAM). A candidate whose weights cannot fit the PEs it may
+//! use is skipped without lowering. The search is deterministic: candidates are evaluated on
+//! worker threads, but the winner is the one with the fewest modeled cycles, ties going to the
+//! earlier candidate, whatever the thread count.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use serde::Serialize;
+use waferc_ir::wafer::{Plan, WaferProgram};
+use waferc_ir::Module;
+use waferc_passes::wafer::{self as lowering, CompileOptions};
+use waferc_runtime::executor::{ExecOptions, Executor};
+use waferc_targets::Target;
+
+/// Group sizes (layers per region) the search tries for the stacked plan.
+const LAYERS_PER_REGION: [u16; 2] = [1, 2];
+/// Shares of the wafer (percent) the search tries for the stacked plan.
+const WAFER_PERCENTS: [u8; 3] = [100, 35, 12];
+/// The share of a PE's SRAM the stacked plan gives weight tiles (`passes::wafer::stacked`'s
+/// `TILE_SHARE`): a share of the wafer whose SRAM at this fraction cannot hold the weights is
+/// not tried.
+const TILE_SHARE: f64 = 0.6;
+
+/// One plan the search considered, and what became of it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Candidate {
+    /// The `--plan` spelling, to pin this candidate.
+    pub plan: String,
+    /// Modeled cycles of one decode step (position 0), when the plan lowered.
+    pub cycles_per_token: Option<u64>,
+    pub modeled_tok_s: Option<f64>,
+    pub pes_used: Option<usize>,
+    /// Wall time of lowering and timing this candidate.
+    pub seconds: f64,
+    pub chosen: bool,
+    /// Why a candidate that was not chosen lost: slower (by how much), did not fit, or could
+    /// not be lowered (the lowering's error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lost_because: Option<String>,
+}
+
+/// The plans `--plan auto` tries for `module` on `target`, in order of preference on a tie.
+pub fn candidates(module: &Module) -> Vec<Plan> {
+    let layers = module.meta.num_layers.max(1);
+    let mut plans = vec![Plan::Tiled];
+    for k in LAYERS_PER_REGION.into_iter().filter(|&k| k as u32 <= layers) {
+        for wafer_percent in WAFER_PERCENTS {
+            plans.push(Plan::Stacked { layers_per_region: k, wafer_percent });
+        }
+    }
+    plans
+}
+
+/// What the search found: the chosen program and every candidate's record.
+pub struct Found {
+    pub program: WaferProgram,
+    pub plan: Plan,
+    pub candidates: Vec<Candidate>,
+}
+
+/// Lowers `module` with each candidate plan (the other options as in `base`), times each, and
+/// returns the fastest the checker accepts. Fails with the first candidate's error when none lowers.
+pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow::Result<Found> {
+    let plans = candidates(module);
+    let weight_bytes: u64 = module.weights.iter().filter_map(|(_, w)| w.ty.bytes()).sum();
+    let params = target.params();
+    let wafer_bytes = params.grid_cols as u64 * params.grid_rows as u64 * params.usable_bytes_per_pe() as u64;
+
+    struct Lowered {
+        index: usize,
+        cycles: u64,
+        program: WaferProgram,
+    }
+    let next = AtomicUsize::new(0);
+    let records: Mutex<Vec<Option<(Candidate, Option<anyhow::Error>)>>> =
+        Mutex::new((0..plans.len()).map(|_| None).collect());
+    let best: Mutex<Option<Lowered>> = Mutex::new(None);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(plans.len()).max(1);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let index = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&plan) = plans.get(index) else { break };
+                let start = Instant::now();
+                let mut candidate = Candidate {
+                    plan: plan.to_string(),
+                    cycles_per_token: None,
+                    modeled_tok_s: None,
+                    pes_used: None,
+                    seconds: 0.0,
+                    chosen: false,
+                    lost_because: None,
+                };
+                let mut error = None;
+                let share = match plan {
+                    Plan::Stacked { wafer_percent, .. } => wafer_percent as f64 / 100.0,
+                    _ => 1.0,
+                };
+                let room = share * TILE_SHARE * wafer_bytes as f64 * params.wafers as f64;
+                if matches!(plan, Plan::Stacked { .. }) && weight_bytes as f64 > room {
+                    candidate.lost_because = Some(format!(
+                        "not tried: {:.1} GB of weights exceed the tile share of its {}% of the wafer ({:.1} GB)",
+                        weight_bytes as f64 / 1e9,
+                        (share * 100.0).round(),
+                        room / 1e9
+                    ));
+                } else {
+                    match evaluate(module, target, base, plan) {
+                        Ok((program, cycles)) => {
+                            candidate.cycles_per_token = Some(cycles);
+                            candidate.modeled_tok_s = Some(params.clock_hz / cycles.max(1) as f64);
+                            candidate.pes_used = Some(program.pes.len());
+                            let mut best = best.lock().expect("no thread panics holding the lock");
+                            if best.as_ref().is_none_or(|b| (cycles, index) < (b.cycles, b.index)) {
+                                *best = Some(Lowered { index, cycles, program });
+                            }
+                        }
+                        Err(e) => {
+                            candidate.lost_because = Some(format!("did not lower: {e:#}"));
+                            error = Some(e);
+                        }
+                    }
+                }
+                candidate.seconds = start.elapsed().as_secs_f64();
+                records.lock().expect("no thread panics holding the lock")[index] = Some((candidate, error));
+            });
+        }
+    });
+    let mut records: Vec<(Candidate, Option<anyhow::Error>)> =
+        records.into_inner().expect("no thread panicked").into_iter().map(|r| r.expect("every plan ran")).collect();
+    let Some(mut best) = best.into_inner().expect("no thread panicked") else {
+        let first = records.iter_mut().find_map(|(_, e)| e.take());
+        return Err(first.unwrap_or_else(|| anyhow::anyhow!("no candidate plan fits {}", target.name)));
+    };
+    // Only the winner is checked; if the checker rejects it, the next fastest is lowered again.
+    loop {
+        match lowering::check(&best.program, module) {
+            Ok(()) => break,
+            Err(e) => {
+                records[best.index].0.lost_because = Some(format!("rejected by the placement checker: {e}"));
+                let next = records
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (c, _))| c.lost_because.is_none())
+                    .filter(|(i, _)| *i != best.index)
+                    .filter_map(|(i, (c, _))| c.cycles_per_token.map(|cycles| (cycles, i)))
+                    .min();
+                let Some((cycles, index)) = next else {
+                    return Err(anyhow::Error::new(e).context("the placement checker rejected every candidate plan"));
+                };
+                let (program, _) = evaluate(module, target, base, plans[index])?;
+                best = Lowered { index, cycles, program };
+            }
+        }
+    }
+    for (i, (c, _)) in records.iter_mut().enumerate() {
+        if i == best.index {
+            c.chosen = true;
+        } else if c.lost_because.is_none() {
+            let cycles = c.cycles_per_token.unwrap_or(u64::MAX);
+            c.lost_because = Some(format!(
+                "slower: {cycles} cycles per token, {:.2}x the chosen plan's {}",
+                cycles as f64 / best.cycles.max(1) as f64,
+                best.cycles
+            ));
+        }
+    }
+    Ok(Found {
+        program: best.program,
+        plan: plans[best.index],
+        candidates: records.into_iter().map(|(c, _)| c).collect(),
+    })
+}
+
+/// Lowers `module` with `plan` and times one decode step (position 0, token 0) on the
+/// executor's timing model.
+fn evaluate(
+    module: &Module,
+    target: &Target,
+    base: &CompileOptions,
+    plan: Plan,
+) -> anyhow::Result<(WaferProgram, u64)> {
+    let program = lowering::compile(module, target, &CompileOptions { plan, ..base.clone() })?;
+    let options = ExecOptions { timing_only: true, record_values: false };
+    let cycles = {
+        let mut wafer = Executor::new(&program, module, None, options)?;
+        wafer.step(0)?;
+        wafer.timing_report(1).map(|r| r.cycles_per_token).unwrap_or(u64::MAX)
+    };
+    Ok((program, cycles))
+}
