@@ -23,19 +23,19 @@
 //!
 //! # Sequences in flight
 //!
-//! For Llama-3.1-8B (wse3) and Llama-3.1-70B (wse3x4) a second table: the timed token of the
-//! table above through the pipeline model (`executor::pipeline`) with 1, 4 and 16 sequences in
-//! flight: aggregate modeled tok/s and each sequence's. The KV capacity of the extra sequences is
-//! *not* reserved: `--max-sequences N` keeps N copies of a KV block on its PE, and at head_dim
-//! 128 even two copies of the smallest block (32 positions) exceed a PE's SRAM; giving each
-//! sequence blocks of its own is unfinished.
+//! For Llama-3.1-8B (wse3) and Llama-3.1-70B (wse3x4) a second table, with 1, 4 and 16
+//! sequences in flight: each N compiled with KV capacity for N sequences (`max_sequences`, every
+//! sequence's KV blocks on PEs of their own) at [`SEQUENCE_KV`] positions, one timing-only token
+//! timed in every sequence slot (their KV blocks sit in different places), and those steps
+//! through the pipeline model (`executor::pipeline`, 32 tokens per sequence): aggregate modeled
+//! tok/s and the slowest and fastest sequence's. A case that does not fit says by how much.
 
 use std::error::Error;
 use std::path::Path;
 use std::time::Instant;
 
 use waferc::synth::{synth, Preset};
-use waferc_ir::wafer::{distance_bound_cycles, WaferProgram};
+use waferc_ir::wafer::distance_bound_cycles;
 use waferc_ir::{Module, Op};
 use waferc_passes::quantize::Quantize;
 use waferc_passes::wafer::{compile, CompileOptions, WaferError};
@@ -71,14 +71,18 @@ const KV_CAPACITY: u32 = 8192;
 /// The models and targets of the sequences table.
 const SEQUENCE_CASES: [(&str, &str); 2] = [("llama3.1-8b", "wse3"), ("llama3.1-70b", "wse3x4")];
 const IN_FLIGHT: [usize; 3] = [1, 4, 16];
+/// KV capacity per sequence of the sequences table (16 sequences' blocks must fit beside the weights).
+const SEQUENCE_KV: u32 = 1024;
 
 /// One row of the sequences table.
 struct SequenceRow {
     model: String,
     target: String,
     in_flight: usize,
+    pes: usize,
     aggregate: f64,
-    per_sequence: f64,
+    /// The slowest and the fastest sequence's tok/s.
+    per_sequence: (f64, f64),
 }
 
 /// One row of the table.
@@ -142,11 +146,11 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
             let start = Instant::now();
             let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
             let mut executor = Executor::new(&program, &module, None, options)?;
-            let step = executor.step(module.meta.bos_token_id.unwrap_or(0))?;
+            executor.step(module.meta.bos_token_id.unwrap_or(0))?;
             let token_s = start.elapsed().as_secs_f64();
             let report = executor.timing_report(0).ok_or("a step ran, so there is a report")?;
-            if SEQUENCE_CASES.contains(&(case.preset, name)) {
-                sequences_in_flight(&program, &step, case.preset, &mut sequence_rows);
+            if SEQUENCE_CASES.contains(&(case.preset, name)) && case.quantize.is_none() {
+                sequences_in_flight(&module, &target, case.preset, &mut sequence_rows, &mut notes)?;
             }
             let layer = report.mean_layer.clone().unwrap_or_default();
             let ttft = |tokens: u32| {
@@ -185,12 +189,14 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
     }
     print_table(&rows);
     if !sequence_rows.is_empty() {
-        println!("\nsequences in flight (the timed token above, pipeline model; extra sequences' KV not reserved):");
-        println!("model         target  in flight  aggregate tok/s  per-sequence tok/s");
+        println!(
+            "\nsequences in flight (KV {SEQUENCE_KV} positions for each, on PEs of its own; a token timed per slot, pipeline model):"
+        );
+        println!("model         target  in flight        PEs  aggregate tok/s  per-sequence tok/s (slowest-fastest)");
         for r in &sequence_rows {
             println!(
-                "{:<13} {:<7} {:>9}  {:>15.0}  {:>18.0}",
-                r.model, r.target, r.in_flight, r.aggregate, r.per_sequence
+                "{:<13} {:<7} {:>9}  {:>9}  {:>15.0}  {:>9.0}-{:.0}",
+                r.model, r.target, r.in_flight, r.pes, r.aggregate, r.per_sequence.0, r.per_sequence.1
             );
         }
     }
@@ -319,27 +325,48 @@ fn peak_rss_mib() -> f64 {
         .map_or(0.0, |kib| kib / 1024.0)
 }
 
-/// Runs the pipeline model over the timed `step` with each of [`IN_FLIGHT`] sequences in flight.
+/// Compiles `module` for each of [`IN_FLIGHT`] sequences in flight (KV capacity for all of
+/// them), times a token in every sequence slot and runs the pipeline model over those steps.
 fn sequences_in_flight(
-    program: &WaferProgram,
-    step: &waferc_runtime::executor::StepResult,
+    module: &Module,
+    target: &Target,
     preset: &str,
     rows: &mut Vec<SequenceRow>,
-) {
-    let cost = StepCost::of(&step.timing);
+    notes: &mut Vec<String>,
+) -> Result<(), Box<dyn Error>> {
     for in_flight in IN_FLIGHT {
-        // Each sequence: a one-token prompt whose step gives its first token, then 31 more
-        // decode steps costed like it.
-        let sequence = SequenceCosts { prompt_tokens: 1, new_tokens: 32, steps: vec![cost; 32] };
-        let timing = pipeline(&vec![sequence; in_flight], in_flight, program.target.clock_hz);
+        let options = CompileOptions { max_sequences: in_flight as u32, ..CompileOptions::new(SEQUENCE_KV) };
+        let program = match compile(module, target, &options) {
+            Ok(program) => program,
+            Err(WaferError::DoesNotFit(not_fit)) => {
+                notes.push(format!("{preset}, {in_flight} sequences in flight, KV {SEQUENCE_KV}: {not_fit}"));
+                continue;
+            }
+            Err(other) => return Err(format!("{preset}, {in_flight} sequences: {other}").into()),
+        };
+        eprintln!("{preset} with {in_flight} sequences in flight: timing a token in each slot");
+        let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+        let mut executor = Executor::new(&program, module, None, options)?;
+        let mut sequences = Vec::with_capacity(in_flight);
+        for slot in 0..in_flight as u32 {
+            executor.select_sequence(slot)?;
+            let cost = StepCost::of(&executor.step(module.meta.bos_token_id.unwrap_or(0))?.timing);
+            // A one-token prompt whose step gives the first token, then 31 more decode steps
+            // costed like it.
+            sequences.push(SequenceCosts { prompt_tokens: 1, new_tokens: 32, steps: vec![cost; 32] });
+        }
+        let timing = pipeline(&sequences, in_flight, program.target.clock_hz);
+        let rates = timing.sequences.iter().map(|s| s.modeled_tok_s);
         rows.push(SequenceRow {
             model: preset.to_string(),
             target: program.target.name.clone(),
             in_flight,
+            pes: program.pes.len(),
             aggregate: timing.aggregate_modeled_tok_s,
-            per_sequence: timing.sequences[0].modeled_tok_s,
+            per_sequence: (rates.clone().fold(f64::INFINITY, f64::min), rates.fold(0.0, f64::max)),
         });
     }
+    Ok(())
 }
 
 /// What no placement can beat: the weights as stored plus the f32 KV cache, packed into every
