@@ -21,6 +21,15 @@
 //! The distance bound (`waferc_ir::wafer::distance_bound_cycles`) is the longest chain of route
 //! spans through the program: only distance, no arithmetic, serialisation or contention; its
 //! tok/s is `clock_hz` over that many cycles.
+//!
+//! # Sequences in flight
+//!
+//! For Llama-3.1-8B (wse3) and Llama-3.1-70B (wse3x4) a second table, with 1, 4 and 16
+//! sequences in flight: each N compiled with KV capacity for N sequences (`max_sequences`, every
+//! sequence's KV blocks on PEs of their own) at the case's KV capacity, one timing-only token
+//! timed in every sequence slot (their KV blocks sit in different places), and those steps
+//! through the pipeline model (`executor::pipeline`, 32 tokens per sequence): aggregate modeled
+//! tok/s and the slowest and fastest sequence's. A case that does not fit says by how much.
 
 use std::error::Error;
 use std::path::Path;
@@ -32,7 +41,7 @@ use waferc_ir::{Module, Op};
 use waferc_passes::quantize::Quantize;
 use waferc_passes::wafer::{compile, CompileOptions, WaferError};
 use waferc_passes::Pass;
-use waferc_runtime::executor::{ExecOptions, Executor};
+use waferc_runtime::executor::{pipeline, ExecOptions, Executor, SequenceCosts, StepCost};
 use waferc_targets::Target;
 
 /// A preset, the targets to try in order, and the decode speed Cerebras published for it.
@@ -68,6 +77,23 @@ const CASES: [Case; 9] = [
 
 const KV_CAPACITY: u32 = 8192;
 
+/// The models and targets of the sequences table, with the KV capacity per sequence (16
+/// sequences' blocks must fit beside the weights: the 70B's weights leave room for little KV).
+const SEQUENCE_CASES: [(&str, &str, u32); 2] = [("llama3.1-8b", "wse3", 1024), ("llama3.1-70b", "wse3x4", 256)];
+const IN_FLIGHT: [usize; 3] = [1, 4, 16];
+
+/// One row of the sequences table.
+struct SequenceRow {
+    model: String,
+    target: String,
+    kv: u32,
+    in_flight: usize,
+    pes: usize,
+    aggregate: f64,
+    /// The slowest and the fastest sequence's tok/s.
+    per_sequence: (f64, f64),
+}
+
 /// One row of the table.
 struct Row {
     model: String,
@@ -97,6 +123,7 @@ fn main() -> Result<(), Box<dyn Error>> {
 
 fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
     let mut rows = Vec::new();
+    let mut sequence_rows = Vec::new();
     let mut notes = Vec::new();
     for case in CASES.iter().filter(|c| wanted.is_empty() || wanted.iter().any(|w| w == c.preset)) {
         let dir = scratch.join(case.preset);
@@ -113,6 +140,12 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
         let mut placed = false;
         for &name in case.targets {
             let target = Target::resolve(name)?;
+            // The sequences table compiles its own KV capacities, whether or not this one fits.
+            if let (Some(&(_, _, kv)), None) =
+                (SEQUENCE_CASES.iter().find(|c| (c.0, c.1) == (case.preset, name)), case.quantize)
+            {
+                sequences_in_flight(&module, &target, case.preset, kv, &mut sequence_rows, &mut notes)?;
+            }
             reset_peak_rss();
             let start = Instant::now();
             let program = match compile(&module, &target, &CompileOptions::new(kv_capacity)) {
@@ -170,6 +203,20 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
         }
     }
     print_table(&rows);
+    if !sequence_rows.is_empty() {
+        println!(
+            "\nsequences in flight (each sequence's KV on PEs of its own; a token timed per slot, pipeline model):"
+        );
+        println!(
+            "model         target  KV    in flight        PEs  aggregate tok/s  per-sequence tok/s (slowest-fastest)"
+        );
+        for r in &sequence_rows {
+            println!(
+                "{:<13} {:<7} {:<5} {:>9}  {:>9}  {:>15.0}  {:>9.0}-{:.0}",
+                r.model, r.target, r.kv, r.in_flight, r.pes, r.aggregate, r.per_sequence.0, r.per_sequence.1
+            );
+        }
+    }
     for note in notes {
         println!("note: {note}");
     }
@@ -295,6 +342,52 @@ fn peak_rss_mib() -> f64 {
         .find_map(|line| line.strip_prefix("VmHWM:"))
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
         .map_or(0.0, |kib| kib / 1024.0)
+}
+
+/// Compiles `module` for each of [`IN_FLIGHT`] sequences in flight (KV capacity for all of
+/// them), times a token in every sequence slot and runs the pipeline model over those steps.
+fn sequences_in_flight(
+    module: &Module,
+    target: &Target,
+    preset: &str,
+    kv: u32,
+    rows: &mut Vec<SequenceRow>,
+    notes: &mut Vec<String>,
+) -> Result<(), Box<dyn Error>> {
+    for in_flight in IN_FLIGHT {
+        let options = CompileOptions { max_sequences: in_flight as u32, ..CompileOptions::new(kv) };
+        let program = match compile(module, target, &options) {
+            Ok(program) => program,
+            Err(WaferError::DoesNotFit(not_fit)) => {
+                notes.push(format!("{preset}, {in_flight} sequences in flight, KV {kv}: {not_fit}"));
+                continue;
+            }
+            Err(other) => return Err(format!("{preset}, {in_flight} sequences: {other}").into()),
+        };
+        eprintln!("{preset} with {in_flight} sequences in flight: timing a token in each slot");
+        let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+        let mut executor = Executor::new(&program, module, None, options)?;
+        let mut sequences = Vec::with_capacity(in_flight);
+        for slot in 0..in_flight as u32 {
+            executor.select_sequence(slot)?;
+            let cost = StepCost::of(&executor.step(module.meta.bos_token_id.unwrap_or(0))?.timing);
+            // A one-token prompt whose step gives the first token, then 31 more decode steps
+            // costed like it.
+            sequences.push(SequenceCosts { prompt_tokens: 1, new_tokens: 32, steps: vec![cost; 32] });
+        }
+        let timing = pipeline(&sequences, in_flight, program.target.clock_hz);
+        let rates = timing.sequences.iter().map(|s| s.modeled_tok_s);
+        rows.push(SequenceRow {
+            model: preset.to_string(),
+            target: program.target.name.clone(),
+            kv,
+            in_flight,
+            pes: program.pes.len(),
+            aggregate: timing.aggregate_modeled_tok_s,
+            per_sequence: (rates.clone().fold(f64::INFINITY, f64::min), rates.fold(0.0, f64::max)),
+        });
+    }
+    Ok(())
 }
 
 /// What no placement can beat: the weights as stored plus the f32 KV cache, packed into every

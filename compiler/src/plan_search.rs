@@ -66,9 +66,9 @@ pub struct Found {
     pub candidates: Vec<Candidate>,
 }
 
-/// Lowers `module` with each candidate plan, times each, and returns the fastest the checker
-/// accepts. Fails with the first candidate's error when none lowers.
-pub fn search(module: &Module, target: &Target, max_context: u32) -> anyhow::Result<Found> {
+/// Lowers `module` with each candidate plan (the other options as in `base`), times each, and
+/// returns the fastest the checker accepts. Fails with the first candidate's error when none lowers.
+pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow::Result<Found> {
     let plans = candidates(module);
     let weight_bytes: u64 = module.weights.iter().filter_map(|(_, w)| w.ty.bytes()).sum();
     let params = target.params();
@@ -113,7 +113,7 @@ pub fn search(module: &Module, target: &Target, max_context: u32) -> anyhow::Res
                         room / 1e9
                     ));
                 } else {
-                    match evaluate(module, target, max_context, plan) {
+                    match evaluate(module, target, base, plan) {
                         Ok((program, cycles)) => {
                             candidate.cycles_per_token = Some(cycles);
                             candidate.modeled_tok_s = Some(params.clock_hz / cycles.max(1) as f64);
@@ -156,7 +156,7 @@ pub fn search(module: &Module, target: &Target, max_context: u32) -> anyhow::Res
                 let Some((cycles, index)) = next else {
                     return Err(anyhow::Error::new(e).context("the placement checker rejected every candidate plan"));
                 };
-                let (program, _) = evaluate(module, target, max_context, plans[index])?;
+                let (program, _) = evaluate(module, target, base, plans[index])?;
                 best = Lowered { index, cycles, program };
             }
         }
@@ -182,8 +182,13 @@ pub fn search(module: &Module, target: &Target, max_context: u32) -> anyhow::Res
 
 /// Lowers `module` with `plan` and times one decode step (position 0, token 0) on the
 /// executor's timing model.
-fn evaluate(module: &Module, target: &Target, max_context: u32, plan: Plan) -> anyhow::Result<(WaferProgram, u64)> {
-    let program = lowering::compile(module, target, &CompileOptions { max_context, plan })?;
+fn evaluate(
+    module: &Module,
+    target: &Target,
+    base: &CompileOptions,
+    plan: Plan,
+) -> anyhow::Result<(WaferProgram, u64)> {
+    let program = lowering::compile(module, target, &CompileOptions { plan, ..base.clone() })?;
     let options = ExecOptions { timing_only: true, record_values: false };
     let cycles = {
         let mut wafer = Executor::new(&program, module, None, options)?;

@@ -422,6 +422,159 @@ fn inspect_svg_and_json_write_files() {
 }
 
 #[test]
+fn three_prompts_in_flight_are_each_bit_exact_and_equal_to_their_solo_runs() {
+    let dir = scratch("sequences");
+    let model = fixture("qwen3-moe-tiny");
+    let artifact = dir.join("q.wafer");
+    ok(&compile(&model, "grid:64x64", &artifact, &["--max-context", "64", "--max-sequences", "3"]));
+    let prompts = ["1,17,5,42,9", "300,2", "7,7,7,100,64,3,250,11"];
+    let file = dir.join("prompts.txt");
+    std::fs::write(&file, prompts.join("\n") + "\n").unwrap();
+    let run = |extra: &[&str]| -> Value {
+        let mut args =
+            vec!["run", artifact.to_str().unwrap(), "--max-new-tokens", "6", "--ignore-eos", "--validate", "--json"];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&ok(&waferc(&args))).unwrap()
+    };
+    let together = run(&["--prompts", file.to_str().unwrap(), "--sequences", "3"]);
+    let sequences = together["sequences"].as_array().unwrap();
+    assert_eq!(sequences.len(), 3);
+    assert_eq!(together["sequences_in_flight"], 3);
+    for (prompt, sequence) in prompts.iter().zip(sequences) {
+        assert_eq!(sequence["bit_exact"], true, "{prompt}");
+        let solo = run(&["--tokens", prompt]);
+        assert_eq!(sequence["tokens"], solo["tokens"], "{prompt}");
+        assert_eq!(sequence["tokens"].as_array().unwrap().len(), 6);
+        assert!(sequence["modeled_tok_s"].as_f64().unwrap() > 0.0);
+        assert!(sequence["modeled_ttft_us"].as_f64().unwrap() > 0.0);
+        // Sharing the pipeline never makes a sequence faster than running alone.
+        let (shared, alone) =
+            (sequence["modeled_tok_s"].as_f64().unwrap(), solo["sequences"][0]["modeled_tok_s"].as_f64().unwrap());
+        assert!(shared <= alone * 1.0001, "{prompt}: {shared} tok/s in flight, {alone} alone");
+    }
+    let tokens: Vec<&Value> = sequences.iter().map(|s| &s["tokens"]).collect();
+    assert!(tokens[0] != tokens[1] || tokens[1] != tokens[2], "different prompts, different continuations");
+    // Three in flight beat one at a time in aggregate.
+    let serial = run(&["--prompts", file.to_str().unwrap(), "--sequences", "1"]);
+    let (three, one) =
+        (together["aggregate_modeled_tok_s"].as_f64().unwrap(), serial["aggregate_modeled_tok_s"].as_f64().unwrap());
+    assert!(three > one, "3 in flight {three} tok/s vs 1 at a time {one}");
+
+    // KV capacity is fixed at compile time, each sequence's blocks on PEs of their own: too
+    // many sequences for the grid is a compile error saying what their KV blocks take.
+    let err =
+        fails(&waferc(&["run", artifact.to_str().unwrap(), "--prompts", file.to_str().unwrap(), "--sequences", "4"]));
+    assert!(err.contains("KV capacity for 3 sequence(s)") && err.contains("--max-sequences 4"), "{err}");
+    let crowded = dir.join("crowded.wafer");
+    let err = fails(&compile(&model, "grid:64x64", &crowded, &["--max-context", "64", "--max-sequences", "2000"]));
+    assert!(err.contains("does not fit") && err.contains("1999 extra sequence(s) in flight"), "{err}");
+    assert!(!crowded.exists());
+    std::fs::write(dir.join("bad.txt"), "1,2\n3,x\n").unwrap();
+    let err = fails(&waferc(&["run", artifact.to_str().unwrap(), "--prompts", dir.join("bad.txt").to_str().unwrap()]));
+    assert!(err.contains("bad.txt line 2"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn timing_only_sequences_report_an_aggregate() {
+    let dir = scratch("timing-sequences");
+    let artifact = dir.join("m.wafer");
+    ok(&compile(&fixture("mixtral-tiny"), "grid:32x32", &artifact, &["--max-context", "64", "--max-sequences", "4"]));
+    let run = |n: &str| -> Value {
+        let out = ok(&waferc(&[
+            "run",
+            artifact.to_str().unwrap(),
+            "--tokens",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+            "--timing-only",
+            "--sequences",
+            n,
+            "--json",
+        ]));
+        serde_json::from_str(&out).unwrap()
+    };
+    let (one, four) = (run("1"), run("4"));
+    assert_eq!(four["sequences"].as_array().unwrap().len(), 4);
+    let aggregate = |v: &Value| v["aggregate_modeled_tok_s"].as_f64().unwrap();
+    assert!(aggregate(&four) > aggregate(&one), "{} vs {}", aggregate(&four), aggregate(&one));
+    let per_sequence = four["sequences"][0]["modeled_tok_s"].as_f64().unwrap();
+    assert!(per_sequence <= aggregate(&one) * 1.0001 && aggregate(&four) <= 4.0 * aggregate(&one) * 1.0001);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn profile_then_compile_with_it_and_inspect_shows_expert_heat() {
+    let dir = scratch("profile");
+    let model = fixture("mixtral-tiny");
+    let prompts = dir.join("prompts.txt");
+    std::fs::write(&prompts, "1,17,5,42,9,300,2\n7,7,7,100,64,3,250,11\n").unwrap();
+    let profile = dir.join("profile.json");
+    ok(&waferc(&[
+        "profile",
+        model.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "-o",
+        profile.to_str().unwrap(),
+    ]));
+    let written: Value = serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
+    assert_eq!(written["layers"].as_array().unwrap().len(), 2);
+    assert_eq!(written["layers"][0]["tokens"], 15);
+
+    let artifact = dir.join("m.wafer");
+    let out =
+        ok(&compile(&model, "grid:32x32", &artifact, &["--max-context", "64", "--profile", profile.to_str().unwrap()]));
+    assert!(out.contains("experts placed by the routing profile"), "{out}");
+    let inspect = ok(&waferc(&["inspect", artifact.to_str().unwrap()]));
+    assert!(inspect.contains("expert heat (routing profile from"), "{inspect}");
+    assert!(inspect.contains("layer 1 (15 tokens, top 2 of 8"), "{inspect}");
+    let run = ok(&waferc(&[
+        "run",
+        artifact.to_str().unwrap(),
+        "--tokens",
+        "4,5,6",
+        "--max-new-tokens",
+        "4",
+        "--validate",
+        "--json",
+    ]));
+    assert_eq!(serde_json::from_str::<Value>(&run).unwrap()["bit_exact"], true);
+    // --calibrate profiles the same prompts first: the same artifact.
+    let calibrated = dir.join("c.wafer");
+    ok(&compile(&model, "grid:32x32", &calibrated, &["--max-context", "64", "--calibrate", prompts.to_str().unwrap()]));
+    assert_eq!(std::fs::read(&artifact).unwrap(), std::fs::read(&calibrated).unwrap());
+
+    // Without a profile the report says uniform routing is assumed.
+    let out = ok(&compile(&model, "grid:32x32", &dir.join("u.wafer"), &["--max-context", "64"]));
+    assert!(out.contains("uniform routing is assumed"), "{out}");
+    // A profile of another model is refused by name.
+    let other = dir.join("other.json");
+    ok(&waferc(&[
+        "profile",
+        fixture("qwen3-moe-tiny").to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "-o",
+        other.to_str().unwrap(),
+    ]));
+    let err = fails(&compile(&model, "grid:32x32", &dir.join("x.wafer"), &["--profile", other.to_str().unwrap()]));
+    assert!(err.contains("routing profile"), "{err}");
+    assert!(!dir.join("x.wafer").exists());
+    let err = fails(&waferc(&[
+        "profile",
+        fixture("qwen3-dense").to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "-o",
+        other.to_str().unwrap(),
+    ]));
+    assert!(err.contains("no MoE layers"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn default_pipeline_dumps_one_file_per_pass_each_round_tripping() {
     let dir = scratch("default-pipeline");
     let dump = dir.join("ir");

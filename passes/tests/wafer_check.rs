@@ -197,7 +197,11 @@ fn bad_options_are_refused() {
     let module = build(&Shape::tiny());
     let target = Target::resolve("grid:8x8").unwrap();
     assert!(matches!(compile(&module, &target, &CompileOptions::new(0)), Err(WaferError::Options(_))));
-    let mesh = CompileOptions { max_context: 64, plan: waferc_ir::wafer::Plan::MeshGemv { p: 0, group_num: 1 } };
+    let mesh = CompileOptions {
+        max_context: 64,
+        plan: waferc_ir::wafer::Plan::MeshGemv { p: 0, group_num: 1 },
+        ..CompileOptions::default()
+    };
     assert!(matches!(compile(&module, &target, &mesh), Err(WaferError::Options(_))));
 }
 

@@ -61,7 +61,7 @@ fn moe_qwen_style_and_mesh_plans_compile_and_check() {
     for shape in shapes {
         let module = build(&shape);
         for plan in [Plan::Tiled, Plan::MeshGemv { p: 4, group_num: 2 }] {
-            let options = CompileOptions { max_context: 100, plan };
+            let options = CompileOptions { max_context: 100, plan, ..CompileOptions::default() };
             let program = compile(&module, &target, &options).unwrap_or_else(|e| panic!("{shape:?} {plan:?}: {e}"));
             check(&program, &module).unwrap_or_else(|e| panic!("{shape:?} {plan:?}: {e}"));
         }
@@ -104,9 +104,16 @@ fn moe_shapes_at_scale_compile_and_check() {
 fn mesh_plan_compiles_the_8b_shape() {
     let module = build(&Shape { layers: 4, ..Shape::llama8b() });
     let target = Target::resolve("wse3").unwrap();
-    let mesh =
-        compile(&module, &target, &CompileOptions { max_context: 4096, plan: Plan::MeshGemv { p: 32, group_num: 4 } })
-            .unwrap();
+    let mesh = compile(
+        &module,
+        &target,
+        &CompileOptions {
+            max_context: 4096,
+            plan: Plan::MeshGemv { p: 32, group_num: 4 },
+            ..CompileOptions::default()
+        },
+    )
+    .unwrap();
     check(&mesh, &module).unwrap();
     let tiled = compile(&module, &target, &CompileOptions::new(4096)).unwrap();
     let broadcasts = |p: &waferc_ir::wafer::WaferProgram| {

@@ -6,6 +6,7 @@
 pub mod error;
 pub mod executor;
 pub mod kernels;
+pub mod profile;
 pub mod reference;
 
 pub use error::{RuntimeError, Site};

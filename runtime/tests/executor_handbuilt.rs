@@ -157,6 +157,8 @@ fn program(far: u16) -> (WaferProgram, Vec<u8>) {
         schedule,
         tile_blob_len: blob.len() as u64,
         weights_present: true,
+        max_sequences: 1,
+        routing_profile: None,
     };
     (program, blob)
 }
@@ -174,6 +176,11 @@ fn hand_built_program_matches_the_reference_decoder() {
         assert_eq!(bits(&ours), bits(&theirs), "token {token}");
     }
     assert!(matches!(executor.step(VOCAB as u32), Err(ExecError::TokenOutOfRange { token: 8, .. })));
+    // The program has KV capacity for one sequence: selecting another is an error naming the flag.
+    let err = executor.select_sequence(1).unwrap_err();
+    assert!(matches!(err, ExecError::NoSuchSequence { sequence: 1, max_sequences: 1 }));
+    assert!(err.to_string().contains("--max-sequences 2"), "{err}");
+    assert_eq!((executor.sequence(), executor.position()), (0, 5));
 }
 
 #[test]

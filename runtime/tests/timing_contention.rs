@@ -158,6 +158,8 @@ fn program(b_row: u16) -> WaferProgram {
         schedule,
         tile_blob_len: t + 4 * b,
         weights_present: false,
+        max_sequences: 1,
+        routing_profile: None,
     }
 }
 

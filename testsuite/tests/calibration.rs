@@ -76,7 +76,7 @@ struct Gemv {
 fn gemv(rows: u64, cols: u64, plan: Plan) -> Gemv {
     let module = gemv_module(rows, cols);
     let target = Target::resolve("wse2").unwrap();
-    let options = CompileOptions { max_context: SEQUENCE_CAPACITY, plan };
+    let options = CompileOptions { max_context: SEQUENCE_CAPACITY, plan, ..CompileOptions::default() };
     let program = compile(&module, &target, &options).unwrap_or_else(|e| panic!("{rows} x {cols}, {plan:?}: {e}"));
     let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
     let timing = Executor::new(&program, &module, None, options).unwrap().step(1).unwrap().timing;

@@ -45,7 +45,7 @@ fn quantised_module_with_biases_matches_the_reference() {
 /// The logits' bits for `tokens` fed in turn on `target` with `plan`, and the program's PE and
 /// matvec tile counts.
 fn logits_on(module: &waferc_ir::Module, target: &str, plan: Plan, tokens: &[u32]) -> (Vec<Vec<u32>>, usize, usize) {
-    let program = compile_with(module, target, CompileOptions { max_context: 64, plan });
+    let program = compile_with(module, target, CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let blob = pack_tile_blob(&program, module);
     let mut executor = Executor::new(&program, module, Some(&blob), ExecOptions::default()).unwrap();
     let bits = tokens

@@ -195,7 +195,7 @@ fn modeled_cycles_never_undercut_the_distance_bound() {
     }
     for (shape, target, plan) in cases {
         let module = build(&Shape { bytes: false, ..shape.clone() }, 21);
-        let options = CompileOptions { max_context: 96, plan };
+        let options = CompileOptions { max_context: 96, plan, ..CompileOptions::default() };
         let program = match target {
             "two-grids" => waferc_passes::wafer::compile(&module, &two, &options).unwrap(),
             _ => compile_with(&module, target, options),

@@ -255,6 +255,7 @@ fn compile_for_target(case: &Path, module: &Module, spec: &str, header: &Header)
     let options = CompileOptions {
         max_context: header.max_context.unwrap_or(CompileOptions::default().max_context),
         plan: header.plan.unwrap_or(Plan::Tiled),
+        ..CompileOptions::default()
     };
     let program = match compile(module, &target, &options) {
         Ok(program) => program,

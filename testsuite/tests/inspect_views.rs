@@ -130,6 +130,8 @@ impl Builder {
             schedule: Vec::new(),
             tile_blob_len: self.blob,
             weights_present: false,
+            max_sequences: 1,
+            routing_profile: None,
         }
     }
 }
@@ -316,6 +318,7 @@ fn tiny_moe(two_wafers: bool) -> WaferProgram {
         head_dim: 64,
         kv_heads_placed: vec![KvHeadPlacement {
             kv_head: 0,
+            sequence: 0,
             blocks: kv_blocks,
             q_routes: vec![q_delivery],
             k_routes: vec![],

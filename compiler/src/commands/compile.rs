@@ -1,4 +1,5 @@
-//! `waferc compile MODEL --target T [--max-context N] -o OUT [--passes P] [--plan PLAN]
+//! `waferc compile MODEL --target T [--max-context N] [--max-sequences N] -o OUT [--passes P]
+//! [--plan PLAN] [--profile PROFILE.json | --calibrate PROMPTS] [--expert-order profile|index]
 //! [--dump-ir DIR] [--print-after PASS] [--time-passes] [--json]`
 
 use std::path::PathBuf;
@@ -8,7 +9,7 @@ use anyhow::{bail, Context};
 use serde_json::json;
 use waferc_ir::wafer::{artifact, Plan, RegionKind, WaferProgram};
 use waferc_ir::{DType, Handle, Module};
-use waferc_passes::wafer::{self as lowering, CompileOptions};
+use waferc_passes::wafer::{self as lowering, CompileOptions, ExpertOrder};
 use waferc_passes::{registry, PassManager, PassRecord, PassReport};
 use waferc_targets::Target;
 
@@ -25,6 +26,19 @@ pub struct CompileArgs {
     /// KV cache capacity in positions: the longest prompt plus generated tokens a run may use.
     #[arg(long, default_value_t = 4096)]
     pub max_context: u32,
+    /// Sequences in flight at once (`run --sequences`): KV capacity is reserved for this many.
+    #[arg(long, default_value_t = 1)]
+    pub max_sequences: u32,
+    /// Place MoE experts by this routing profile (written by `waferc profile`).
+    #[arg(long, conflicts_with = "calibrate")]
+    pub profile: Option<PathBuf>,
+    /// Profile the model on these prompts (one per line, as for `waferc profile`) and place
+    /// its experts by the result.
+    #[arg(long)]
+    pub calibrate: Option<PathBuf>,
+    /// How experts are ordered in a layer's region: by the profile, or by index (the baseline).
+    #[arg(long, value_enum, default_value_t = ExpertOrderArg::Profile)]
+    pub expert_order: ExpertOrderArg,
     /// The artifact file to write.
     #[arg(short, long)]
     pub output: PathBuf,
@@ -58,6 +72,12 @@ pub struct CompileArgs {
     /// Print one JSON object on stdout instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertOrderArg {
+    Profile,
+    Index,
 }
 
 /// Parses `--plan`: `None` for `auto` (search).
@@ -118,11 +138,27 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.dump_ir {
         manager = manager.with_dump_dir(dir);
     }
+    let profile = match (&args.profile, &args.calibrate) {
+        (Some(path), _) => Some(super::profile::read(path)?),
+        (None, Some(prompts)) => Some(super::profile::record(&loaded.module, loaded.tokenizer.as_ref(), prompts)?),
+        (None, None) => None,
+    };
     let (module, mut report) = manager.run(loaded.module)?;
 
+    let expert_order = match args.expert_order {
+        ExpertOrderArg::Profile => ExpertOrder::Profile,
+        ExpertOrderArg::Index => ExpertOrder::Index,
+    };
+    let base = CompileOptions {
+        max_context: args.max_context,
+        max_sequences: args.max_sequences,
+        profile,
+        expert_order,
+        ..CompileOptions::default()
+    };
     let (program, candidates) = match plan {
         Some(plan) => {
-            let options = CompileOptions { max_context: args.max_context, plan };
+            let options = CompileOptions { plan, ..base };
             let bar = session::spinner(format!("lowering onto {}", target.name));
             let (program, record) = timed("wafer-lowering", || lowering::compile(&module, &target, &options));
             bar.finish_and_clear();
@@ -136,7 +172,7 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
         }
         None => {
             let bar = session::spinner(format!("searching plans for {}", target.name));
-            let (found, record) = timed("plan-search", || plan_search::search(&module, &target, args.max_context));
+            let (found, record) = timed("plan-search", || plan_search::search(&module, &target, &base));
             bar.finish_and_clear();
             let found = found?;
             report.records.push(record);
@@ -193,6 +229,9 @@ struct Summary {
     target: String,
     plan: String,
     max_context: u32,
+    max_sequences: u32,
+    /// How experts were placed (`None` for a model without MoE layers).
+    expert_placement: Option<String>,
     pes_used: usize,
     grid_pes: u64,
     routes: usize,
@@ -288,6 +327,8 @@ impl Summary {
             target: t.name.clone(),
             plan: program.plan.to_string(),
             max_context: program.max_context,
+            max_sequences: program.max_sequences,
+            expert_placement: expert_placement(program, args),
             pes_used: program.pes.len(),
             grid_pes: t.grid_cols as u64 * t.grid_rows as u64 * t.wafers as u64,
             routes: program.routes.len(),
@@ -326,6 +367,8 @@ impl Summary {
             "target": self.target,
             "plan": self.plan,
             "max_context": self.max_context,
+            "max_sequences": self.max_sequences,
+            "expert_placement": self.expert_placement,
             "pes_used": self.pes_used,
             "grid_pes": self.grid_pes,
             "routes": self.routes,
@@ -364,6 +407,11 @@ impl Summary {
             "\n  no weight tile (KV caches, vectors only) {:>22} on {:>9} PEs",
             "", self.pes_without_weights
         ));
+        let sequences = match self.max_sequences {
+            1 => String::new(),
+            n => format!(" x {n} sequences"),
+        };
+        let experts = self.expert_placement.as_ref().map(|e| format!("\n{e}")).unwrap_or_default();
         let mut search = String::new();
         if !self.candidates.is_empty() {
             search.push_str("plan search (one decode step of each candidate on the timing model):");
@@ -379,7 +427,7 @@ impl Summary {
             search.push('\n');
         }
         format!(
-            "{search}compiled for {} ({} plan, KV capacity {} positions): {} of {} PEs ({:.1}%), {} routes, {:.2} MB of weight tiles{}\nweights by storage format (a PE holding two formats counts for each):{}\nwrote {} ({:.2} MB) in {:.2} s",
+            "{search}compiled for {} ({} plan, KV capacity {} positions{sequences}): {} of {} PEs ({:.1}%), {} routes, {:.2} MB of weight tiles{}{experts}\nweights by storage format (a PE holding two formats counts for each):{}\nwrote {} ({:.2} MB) in {:.2} s",
             self.target,
             self.plan,
             self.max_context,
@@ -395,4 +443,24 @@ impl Summary {
             self.seconds
         )
     }
+}
+
+/// How the experts were placed, for the report (`None` without MoE layers).
+fn expert_placement(program: &WaferProgram, args: &CompileArgs) -> Option<String> {
+    if !program.instrs.iter().any(|p| p.expert.is_some()) {
+        return None;
+    }
+    Some(match (&program.routing_profile, args.expert_order) {
+        (None, _) => "experts placed in index order: no routing profile, so uniform routing is assumed \
+                      (give --profile or --calibrate)"
+            .to_string(),
+        (Some(profile), ExpertOrderArg::Index) => {
+            format!("experts placed in index order (--expert-order index); routing profile from {} stored", profile.source)
+        }
+        (Some(profile), ExpertOrderArg::Profile) => format!(
+            "experts placed by the routing profile from {} ({} MoE layers): hottest beside the combine, co-picked experts adjacent",
+            profile.source,
+            profile.layers.len()
+        ),
+    })
 }

@@ -5,6 +5,7 @@ mod compile;
 mod demo;
 mod inspect;
 mod output;
+mod profile;
 mod reference;
 mod run;
 mod session;
@@ -29,6 +30,8 @@ pub enum Command {
     Compile(compile::CompileArgs),
     /// The whole pipeline on a built-in MoE model: synth, compile, run validated, show placement and speed.
     Demo(demo::DemoArgs),
+    /// Record how often each MoE expert (and pair of experts) is picked over some prompts, for `compile --profile`.
+    Profile(profile::ProfileArgs),
     /// Greedy decoding on the reference CPU decoder (the oracle the executor is checked against).
     Reference(reference::ReferenceArgs),
     /// Show a compiled placement: summary and map, full JSON, or an SVG picture.
@@ -45,6 +48,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Compile(args) => compile::run(args),
         Command::Demo(args) => demo::run(args),
+        Command::Profile(args) => profile::run(args),
         Command::Reference(args) => reference::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Run(args) => run::run(args),

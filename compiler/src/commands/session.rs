@@ -1,7 +1,7 @@
 //! What the model-running commands share: loading a checkpoint with progress, turning
 //! `--prompt`/`--tokens` into ids, and writing a `--logits` file.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -20,6 +20,73 @@ pub struct PromptArgs {
     /// Prompt token ids, comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub tokens: Option<Vec<u32>>,
+}
+
+/// Several prompts: repeated `--prompt TEXT`, `--tokens IDS`, or `--prompts FILE`.
+#[derive(clap::Args, Debug, Clone)]
+#[group(required = true, multiple = false)]
+pub struct PromptsArgs {
+    /// Prompt text, encoded with the checkpoint's tokenizer (no special tokens added);
+    /// repeatable, one sequence each.
+    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// Prompt token ids, comma-separated (one sequence).
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Option<Vec<u32>>,
+    /// A file of prompts, one per line: comma-separated token ids, or text for the tokenizer.
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+}
+
+impl PromptsArgs {
+    /// The prompts' token ids, each checked against the vocabulary.
+    pub fn ids(&self, tokenizer: Option<&Tokenizer>, vocab_size: u32) -> anyhow::Result<Vec<Vec<u32>>> {
+        if let Some(path) = &self.prompts {
+            return read_prompts(path, tokenizer, vocab_size);
+        }
+        if let Some(ids) = &self.tokens {
+            let single = PromptArgs { prompt: None, tokens: Some(ids.clone()) };
+            return Ok(vec![prompt_ids(&single, tokenizer, vocab_size)?]);
+        }
+        self.prompt
+            .iter()
+            .map(|text| prompt_ids(&PromptArgs { prompt: Some(text.clone()), tokens: None }, tokenizer, vocab_size))
+            .collect()
+    }
+}
+
+/// A prompt file: one prompt per non-empty line, either comma-separated token ids or text
+/// encoded with `tokenizer`. Errors name the file and line.
+pub fn read_prompts(path: &Path, tokenizer: Option<&Tokenizer>, vocab_size: u32) -> anyhow::Result<Vec<Vec<u32>>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading prompts from {}", path.display()))?;
+    let mut prompts = Vec::new();
+    for (number, line) in text.lines().enumerate() {
+        let line = line.trim_end_matches('\r');
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = || format!("{} line {}", path.display(), number + 1);
+        let is_ids = line.chars().all(|c| c.is_ascii_digit() || c == ',' || c == ' ');
+        let ids = if is_ids {
+            line.split(',')
+                .map(|t| t.trim().parse::<u32>().with_context(|| format!("{}: {t:?} is not a token id", at())))
+                .collect::<anyhow::Result<Vec<u32>>>()?
+        } else {
+            let Some(tokenizer) = tokenizer else {
+                bail!("{}: a text prompt needs a tokenizer, and this model has none: write token ids instead", at())
+            };
+            tokenizer.encode(line).with_context(at)?
+        };
+        if ids.is_empty() {
+            bail!("{}: the prompt encodes to no tokens", at());
+        }
+        check_ids(&at(), &ids, vocab_size)?;
+        prompts.push(ids);
+    }
+    if prompts.is_empty() {
+        bail!("{}: no prompts (one per line)", path.display());
+    }
+    Ok(prompts)
 }
 
 /// Options for how many tokens to produce and which.

@@ -45,6 +45,7 @@ pub fn summary_text(
     colours(&view, &mut out);
     routes(&view, &mut out);
     footprints(&view, &mut out);
+    expert_heat(program, filter, &mut out);
     for wafer in view.wafers() {
         map(&view, wafer, &mut out);
     }
@@ -277,6 +278,38 @@ fn footprints(view: &Analysis, out: &mut String) {
             thousands(bbox.pes),
             spans(bbox)
         );
+    }
+}
+
+/// The routing profile the experts were placed by: per MoE layer, the hottest experts' shares
+/// of the picks, as numbers and bars (nothing when the program has no profile).
+fn expert_heat(program: &WaferProgram, filter: &Filter, out: &mut String) {
+    let Some(profile) = &program.routing_profile else {
+        return;
+    };
+    let _ = writeln!(out, "\nexpert heat (routing profile from {}; each expert's share of the picks):", profile.source);
+    for layer in profile.layers.iter().filter(|l| filter.layer.is_none_or(|f| f == l.layer)) {
+        let mut experts: Vec<u32> = (0..layer.experts).collect();
+        experts.sort_by(|&a, &b| layer.picks[b as usize].cmp(&layer.picks[a as usize]).then(a.cmp(&b)));
+        let _ = writeln!(
+            out,
+            "  layer {} ({} tokens, top {} of {}; uniform share {:.1}%):",
+            layer.layer,
+            layer.tokens,
+            layer.top_k,
+            layer.experts,
+            100.0 / layer.experts as f64
+        );
+        const SHOWN: usize = 8;
+        for &e in experts.iter().take(SHOWN) {
+            let heat = layer.heat(e);
+            let bar = "#".repeat((heat * 100.0).round() as usize);
+            let _ = writeln!(out, "    expert {e:>4} {:>5.1}% {bar}", 100.0 * heat);
+        }
+        if experts.len() > SHOWN {
+            let rest: f64 = experts[SHOWN..].iter().map(|&e| layer.heat(e)).sum();
+            let _ = writeln!(out, "    {} more experts {:.1}%", experts.len() - SHOWN, 100.0 * rest);
+        }
     }
 }
 

@@ -94,7 +94,7 @@ pub enum ArtifactError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{path}: not a waferc artifact (bad magic number)")]
     Foreign { path: PathBuf },
-    #[error("{path}: artifact format version {found}, but this waferc reads version {FORMAT_VERSION}")]
+    #[error("{path}: artifact format version {found}, but this waferc reads version {FORMAT_VERSION} (recompile the model with this waferc)")]
     Version { path: PathBuf, found: u32 },
     #[error("{path}: truncated: the header promises {expected} bytes, the file has {found}")]
     Truncated { path: PathBuf, expected: u64, found: u64 },

@@ -39,8 +39,10 @@
 
 pub mod artifact;
 mod bound;
+pub mod profile;
 
 pub use bound::distance_bound_cycles;
+pub use profile::{LayerProfile, RoutingProfile};
 
 use std::fmt;
 use std::ops::Range;
@@ -181,6 +183,11 @@ pub struct WaferProgram {
     pub tile_blob_len: u64,
     /// Whether the tile blob holds bytes (false for a shape-only compile).
     pub weights_present: bool,
+    /// Sequences whose KV caches fit at once: every attention's KV heads are placed once per
+    /// sequence in flight, on blocks of their own ([`KvHeadPlacement::sequence`]).
+    pub max_sequences: u32,
+    /// The routing profile the experts were placed by (`None`: uniform routing assumed).
+    pub routing_profile: Option<RoutingProfile>,
 }
 
 impl WaferProgram {
@@ -454,15 +461,26 @@ pub struct AttentionPlacement {
     pub heads: u32,
     pub kv_heads: u32,
     pub head_dim: u32,
+    /// Every sequence's KV heads, sequence by sequence, each in KV head order.
     pub kv_heads_placed: Vec<KvHeadPlacement>,
     /// Per result segment, a [`RouteKind::Collect`] route from the root blocks of the KV heads
-    /// whose query heads it covers.
+    /// whose query heads it covers (every sequence's; a step's sequence sends from its own).
     pub collects: Vec<RouteId>,
+}
+
+impl AttentionPlacement {
+    /// The KV heads of sequence `sequence`, with their indices in `kv_heads_placed`.
+    pub fn heads_of(&self, sequence: u32) -> impl Iterator<Item = (usize, &KvHeadPlacement)> {
+        self.kv_heads_placed.iter().enumerate().filter(move |(_, h)| h.sequence == sequence)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KvHeadPlacement {
     pub kv_head: u32,
+    /// The sequence in flight whose cache this is (`0..max_sequences`): each sequence has KV
+    /// blocks of its own, on PEs of their own.
+    pub sequence: u32,
     /// In position order; equal power-of-two chunk runs.
     pub blocks: Vec<KvBlock>,
     /// Operand routes bringing this head's query heads, key and value to all its blocks.
@@ -480,10 +498,11 @@ pub struct KvHeadPlacement {
 }
 
 impl KvHeadPlacement {
-    /// KV head `kv_head` on `blocks`, before routing adds its routes.
-    pub fn unrouted(kv_head: u32, blocks: Vec<KvBlock>) -> Self {
+    /// KV head `kv_head` of sequence `sequence` on `blocks`, before routing adds its routes.
+    pub fn unrouted(kv_head: u32, sequence: u32, blocks: Vec<KvBlock>) -> Self {
         KvHeadPlacement {
             kv_head,
+            sequence,
             blocks,
             q_routes: Vec::new(),
             k_routes: Vec::new(),

@@ -473,6 +473,22 @@ impl<'a> Checker<'a> {
                 Op::Attention { window: Some(window), .. } => window.min(self.program.max_context),
                 _ => self.program.max_context,
             };
+            // Every sequence in flight has each KV head once, on blocks of its own.
+            let mut heads: Vec<(u32, u32)> = att.kv_heads_placed.iter().map(|h| (h.sequence, h.kv_head)).collect();
+            heads.sort_unstable();
+            let expected: Vec<(u32, u32)> =
+                (0..self.program.max_sequences).flat_map(|s| (0..att.kv_heads).map(move |h| (s, h))).collect();
+            if heads != expected {
+                self.report(
+                    None,
+                    None,
+                    Some(p.instr),
+                    format!(
+                        "the KV heads placed (sequence, head) are {heads:?}, not each of {} KV heads once for each of {} sequences",
+                        att.kv_heads, self.program.max_sequences
+                    ),
+                );
+            }
             for head in &att.kv_heads_placed {
                 let mut next = 0u32;
                 // The run every block has (a lone block may be cut short by max_context).

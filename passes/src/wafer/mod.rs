@@ -18,6 +18,9 @@
 //!    the router picks never contend for PEs: they share only the multicast bringing their input
 //!    and the gather into the combine. (Interleaving the experts' tile rows was tried: it
 //!    stretches every expert's result gathers over the whole layer and runs out of colours.)
+//!    The order of a layer's experts comes from the routing profile (`experts`): the hottest
+//!    are placed last, beside the combine that gathers their outputs, and experts often picked
+//!    together next to each other; without a profile, index order (uniform routing).
 //! 3. **Routing** (`route`): dimension-ordered paths kept inside shelves where they can be (a
 //!    multicast goes down one column into each shelf holding destinations, then along a row and
 //!    down the destination columns; gathers the other way round), inter-wafer traffic through
@@ -27,6 +30,7 @@
 //! [`check`] re-verifies a program independently of the placer's bookkeeping.
 
 mod check;
+mod experts;
 mod place;
 mod precedence;
 mod route;
@@ -36,7 +40,8 @@ mod stacked;
 use std::fmt;
 
 pub use check::{check, CheckError, Problem, MAX_PROBLEMS};
-use waferc_ir::wafer::{Pe, Plan, WaferProgram};
+pub use experts::{expert_order, ExpertOrder};
+use waferc_ir::wafer::{Pe, Plan, RoutingProfile, WaferProgram};
 use waferc_ir::{IrError, Module};
 use waferc_targets::Target;
 
@@ -47,12 +52,25 @@ pub struct CompileOptions {
     pub max_context: u32,
     /// The matvec plan: the default [`Plan::Tiled`], or WaferLLM's [`Plan::MeshGemv`].
     pub plan: Plan,
+    /// Sequences in flight at once: each KV block holds this many sequences' positions.
+    pub max_sequences: u32,
+    /// Router statistics to place experts by (`None`: uniform routing assumed); stored in the
+    /// program.
+    pub profile: Option<RoutingProfile>,
+    /// How experts are ordered within an MoE layer's region.
+    pub expert_order: ExpertOrder,
 }
 
 impl CompileOptions {
     /// The default plan with KV capacity `max_context`.
     pub fn new(max_context: u32) -> Self {
-        CompileOptions { max_context, plan: Plan::Tiled }
+        CompileOptions {
+            max_context,
+            plan: Plan::Tiled,
+            max_sequences: 1,
+            profile: None,
+            expert_order: ExpertOrder::Profile,
+        }
     }
 }
 
@@ -96,6 +114,9 @@ pub struct NotFit {
     pub wafer: Option<(u16, u64)>,
     /// Targets and quantisations that would fit, e.g. `wse3x4`, `q8_0 on wse3`.
     pub would_fit: Vec<String>,
+    /// With several sequences in flight (`max_sequences`): how many, and the PEs the KV blocks
+    /// of all but the first take.
+    pub kv_sequences: Option<(u32, u64)>,
 }
 
 impl NotFit {
@@ -133,6 +154,13 @@ impl fmt::Display for NotFit {
             decimal_bytes(self.short_bytes()),
             self.sram_bytes_per_pe
         )?;
+        if let Some((sequences, pes)) = self.kv_sequences {
+            write!(
+                f,
+                "; the KV blocks of {} extra sequence(s) in flight (max sequences {sequences}) take {pes} PEs",
+                sequences - 1
+            )?;
+        }
         if self.would_fit.is_empty() {
             write!(f, "; no built-in target or q8_0/q4_0 quantisation would fit it either")
         } else {
@@ -162,6 +190,12 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
     if options.max_context == 0 {
         return Err(WaferError::Options("max_context must be at least 1".into()));
     }
+    if options.max_sequences == 0 {
+        return Err(WaferError::Options("max_sequences must be at least 1".into()));
+    }
+    if let Some(profile) = &options.profile {
+        experts::check_profile(module, profile).map_err(WaferError::Options)?;
+    }
     if let Plan::MeshGemv { p, group_num } = options.plan {
         if p == 0 || group_num == 0 {
             return Err(WaferError::Options(format!(
@@ -180,17 +214,21 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
             )));
         }
         // The densest sizing must fit before a spread one can.
-        size::assign_wafers(module, &full.pes, &params).map_err(|overflow| {
-            WaferError::DoesNotFit(Box::new(NotFit {
-                target: target.name.clone(),
-                needed_pes: full.total_pes(),
-                available_pes: overflow.available,
-                sram_bytes_per_pe: params.sram_bytes_per_pe,
-                wafer: overflow.wafer,
-                would_fit: size::what_would_fit(module, target, options),
-            }))
-        })?;
-        return stacked::place(module, &analysis, &params, options, layers_per_region, wafer_percent);
+        size::assign_wafers(module, &full.pes, &params)
+            .map_err(|overflow| {
+                WaferError::DoesNotFit(Box::new(NotFit {
+                    target: target.name.clone(),
+                    needed_pes: full.total_pes(),
+                    available_pes: overflow.available,
+                    sram_bytes_per_pe: params.sram_bytes_per_pe,
+                    wafer: overflow.wafer,
+                    would_fit: size::what_would_fit(module, target, options),
+                    kv_sequences: None,
+                }))
+            })
+            .map_err(|e| with_sequences(e, module, &full, options))?;
+        return stacked::place(module, &analysis, &params, options, layers_per_region, wafer_percent)
+            .map_err(|e| with_sequences(e, module, &full, options));
     }
     // The default plan spreads its tiles and vectors over a target with PEs to spare, finest
     // first; a spread placement that does not work out (stripes wasted more than sizing
@@ -207,7 +245,19 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
             return Ok(program);
         }
     }
-    lower(module, target, &analysis, &full, options)
+    lower(module, target, &analysis, &full, options).map_err(|e| with_sequences(e, module, &full, options))
+}
+
+/// A does-not-fit error with several sequences in flight says what their KV blocks take.
+fn with_sequences(error: WaferError, module: &Module, sizes: &size::Sizes, options: &CompileOptions) -> WaferError {
+    match error {
+        WaferError::DoesNotFit(mut not_fit) if options.max_sequences > 1 => {
+            let extra = size::kv_block_pes(module, sizes) * (options.max_sequences as u64 - 1);
+            not_fit.kv_sequences = Some((options.max_sequences, extra));
+            WaferError::DoesNotFit(not_fit)
+        }
+        other => other,
+    }
 }
 
 /// Wafer assignment and placement of sized instructions.
@@ -231,6 +281,7 @@ fn lower(
             sram_bytes_per_pe: params.sram_bytes_per_pe,
             wafer: overflow.wafer,
             would_fit,
+            kv_sequences: None,
         }))
     })?;
     place::place(module, analysis, sizes, &wafer_of, &params, options).map_err(|e| match e {

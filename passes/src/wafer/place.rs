@@ -10,6 +10,7 @@ use waferc_ir::wafer::{
 };
 use waferc_ir::{Module, Op, ValueType, BLOCK};
 
+use super::experts::placement_sequence;
 use super::route::{self, assign_colours};
 use super::size::{Analysis, Shape, Sizes};
 use super::{CompileOptions, WaferError};
@@ -105,6 +106,8 @@ pub(super) struct Placer<'a> {
     /// queries of a fused q/k/v matvec). The stacked plan's segments are cut for it; the tiled
     /// plan's are not, and keeps hosting only on whole values.
     pub(super) host_slices: bool,
+    /// Per instruction, its position in the placement order (experts may be reordered).
+    rank: Vec<usize>,
 }
 
 /// PEs each instruction takes when the whole module is laid out on one unbounded wafer, alignment
@@ -139,12 +142,32 @@ pub(super) fn place(
     options: &CompileOptions,
 ) -> Result<WaferProgram, WaferError> {
     let mut placer = Placer::new(module, analysis, params, options, Cells::new(params));
-    for (handle, _) in module.body.iter() {
-        let i = handle.index();
-        let placement = placer.place_instr(i, &sizes.shapes[i], wafer_of[i])?;
-        placer.placements.push(placement);
+    // Instructions are placed in `placement_sequence` order (an MoE layer's experts by the
+    // routing profile) into slots indexed by instruction; an instruction only reads
+    // placements of instructions placed before it.
+    let sequence = placement_sequence(module, analysis, options);
+    for (rank, &i) in sequence.iter().enumerate() {
+        placer.rank[i] = rank;
+    }
+    placer.placements = (0..module.body.len()).map(unplaced).collect();
+    for &i in &sequence {
+        placer.placements[i] = placer.place_instr(i, &sizes.shapes[i], wafer_of[i])?;
     }
     placer.finish()
+}
+
+/// The slot of an instruction not placed yet.
+fn unplaced(i: usize) -> InstrPlacement {
+    InstrPlacement {
+        instr: i as u32,
+        op: String::new(),
+        layer: None,
+        expert: None,
+        result: ResultLayout::Vector(VectorLayout::default()),
+        operand_routes: Vec::new(),
+        deliveries: Vec::new(),
+        work: Work::Elementwise,
+    }
 }
 
 /// A region request: the instruction it serves, its kind, its bytes.
@@ -220,6 +243,8 @@ impl<'a> Placer<'a> {
             schedule,
             tile_blob_len: blob,
             weights_present: module.weights.iter().all(|(_, w)| w.data.is_present()),
+            max_sequences: options.max_sequences,
+            routing_profile: options.profile.clone(),
         })
     }
 
@@ -243,6 +268,7 @@ impl<'a> Placer<'a> {
             routes: Vec::new(),
             route_band,
             host_slices: false,
+            rank: (0..module.body.len()).collect(),
         }
     }
 
@@ -266,6 +292,7 @@ impl<'a> Placer<'a> {
             sram_bytes_per_pe: self.params.sram_bytes_per_pe,
             wafer: (self.params.wafers > 1).then_some((wafer, need)),
             would_fit: Vec::new(),
+            kv_sequences: None,
         }))
     }
 
@@ -335,7 +362,7 @@ impl<'a> Placer<'a> {
             .operands()
             .into_iter()
             .filter(|v| matches!(self.module.body[*v].ty, ValueType::Tensor(_)))
-            .max()
+            .max_by_key(|v| self.rank[v.index()])
             .filter(|v| self.host_slices || self.analysis.offset[v.index()] == 0)
             .map(|v| if self.host_slices { v.index() } else { self.analysis.source[v.index()] as usize });
         if let Some(ResultLayout::Vector(host)) = host.map(|h| &self.placements[h].result) {
@@ -584,16 +611,20 @@ impl<'a> Placer<'a> {
                 // A windowed cache keeps only the window's rows.
                 let rows = window.map_or(self.options.max_context as u64, u64::from);
                 let per = *positions_per_block as u64;
-                let mut placed = Vec::with_capacity(kv_heads as usize);
-                for h in 0..kv_heads as u64 {
-                    let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
-                    for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
-                        let positions = (b * per) as u32..((b + 1) * per).min(rows) as u32;
-                        let requests = kv_block_requests(module, i, h, positions.clone());
-                        let region = self.fill(pe, instr, requests)?[0];
-                        blocks.push(KvBlock { pe, positions, region });
+                let sequences = self.options.max_sequences;
+                let mut placed = Vec::with_capacity(sequences as usize * kv_heads as usize);
+                // Each sequence in flight gets blocks of its own.
+                for sequence in 0..sequences {
+                    for h in 0..kv_heads as u64 {
+                        let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
+                        for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
+                            let positions = (b * per) as u32..((b + 1) * per).min(rows) as u32;
+                            let requests = kv_block_requests(module, i, h, positions.clone());
+                            let region = self.fill(pe, instr, requests)?[0];
+                            blocks.push(KvBlock { pe, positions, region });
+                        }
+                        placed.push(KvHeadPlacement::unrouted(h as u32, sequence, blocks));
                     }
-                    placed.push(KvHeadPlacement::unrouted(h as u32, blocks));
                 }
                 let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
                 let placement = AttentionPlacement {

@@ -344,8 +344,8 @@ pub(super) fn size_module(
                 let mut positions = CHUNK;
                 if kv_block_bytes(positions, head_dim, q_per_kv) > usable {
                     return Err(unsupported(format!(
-                        "32 positions of a KV head (head_dim {head_dim}, {q_per_kv} query heads) need {} bytes, more than \
-                         the {usable} usable bytes of a PE",
+                        "32 positions of a KV head (head_dim {head_dim}, {q_per_kv} query heads) need {} bytes, \
+                         more than the {usable} usable bytes of a PE",
                         kv_block_bytes(positions, head_dim, q_per_kv)
                     )));
                 }
@@ -372,8 +372,10 @@ pub(super) fn size_module(
             Op::ExpertDispatch { .. } | Op::Slice { .. } => Shape::Alias,
         };
         let count = match (&shape, &instr.op) {
+            // Every sequence in flight has blocks of its own.
             (Shape::Attention { blocks_per_head, segments, .. }, Op::Attention { cache, .. }) => {
-                module.caches[*cache].kv_heads as u64 * *blocks_per_head as u64 + segments.len() as u64
+                options.max_sequences as u64 * module.caches[*cache].kv_heads as u64 * *blocks_per_head as u64
+                    + segments.len() as u64
             }
             (Shape::Embed { segments, rows_per_block }, Op::Embed { table }) => {
                 let rows = module.weights[*table].ty.shape[0];
@@ -398,6 +400,21 @@ pub(super) fn size_module(
         pes.push(count);
     }
     Ok(Sizes { shapes, pes })
+}
+
+/// The PEs of one sequence's KV blocks, over every attention.
+pub(super) fn kv_block_pes(module: &Module, sizes: &Sizes) -> u64 {
+    module
+        .body
+        .iter()
+        .zip(&sizes.shapes)
+        .map(|((_, instr), shape)| match (&instr.op, shape) {
+            (Op::Attention { cache, .. }, Shape::Attention { blocks_per_head, .. }) => {
+                module.caches[*cache].kv_heads as u64 * *blocks_per_head as u64
+            }
+            _ => 0,
+        })
+        .sum()
 }
 
 /// The share of a target's PEs the default plan fills when it spreads matvec tiles.

@@ -113,6 +113,8 @@ struct KvShape {
     /// Positions the cache keeps: the capacity, or the window when it is shorter.
     positions: u64,
     positions_per_block: u64,
+    /// Sequences in flight, each with blocks of its own.
+    sequences: u64,
 }
 
 impl KvShape {
@@ -126,17 +128,25 @@ impl KvShape {
         // A windowed cache keeps only the window's rows.
         let positions = window.map_or(options.max_context as u64, |w| (w as u64).min(options.max_context as u64));
         let positions_per_block = positions_per_block(head_dim, q_per_kv, positions, usable)?;
-        Some(KvShape { kv_heads: c.kv_heads as u64, head_dim, q_per_kv, positions, positions_per_block })
+        Some(KvShape {
+            kv_heads: c.kv_heads as u64,
+            head_dim,
+            q_per_kv,
+            positions,
+            positions_per_block,
+            sequences: options.max_sequences.max(1) as u64,
+        })
     }
 
     fn blocks_per_head(&self) -> u64 {
         self.positions.div_ceil(self.positions_per_block)
     }
 
-    /// Columns of a KV strip `height` rows high holding every head's blocks in a band of its own.
+    /// Columns of a KV strip `height` rows high holding every head's blocks (of every sequence)
+    /// in a band of its own.
     fn columns(&self, height: u64) -> Option<u64> {
         let band = height / self.kv_heads.max(1);
-        (band > 0).then(|| self.blocks_per_head().div_ceil(band))
+        (band > 0).then(|| (self.sequences * self.blocks_per_head()).div_ceil(band))
     }
 }
 
@@ -222,7 +232,7 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
                     Op::Attention { .. } => {
                         if let Some(kv) = KvShape::of(module, i, options, usable) {
                             let block = kv_block_bytes(kv.positions_per_block, kv.head_dim, kv.q_per_kv);
-                            bytes += kv.kv_heads * kv.blocks_per_head() * block;
+                            bytes += kv.sequences * kv.kv_heads * kv.blocks_per_head() * block;
                             attentions.push(kv);
                         }
                     }
@@ -832,17 +842,20 @@ impl Stacked<'_> {
         let columns = kv.columns(strip.h as u64).unwrap_or(1) as u16;
         let strip = Rect { x: strip.x + region.kv_column, w: columns, ..strip };
         region.kv_column += columns;
-        let mut placed = Vec::with_capacity(kv.kv_heads as usize);
-        for h in 0..kv.kv_heads {
-            let band = strip.band(h, kv.kv_heads);
-            let mut blocks = Vec::new();
-            for b in 0..kv.blocks_per_head() {
-                let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
-                let pe = band.walk(b);
-                let index = self.placer.fill(pe, i as u32, kv_block_requests(module, i, h, positions.clone()))?[0];
-                blocks.push(KvBlock { pe, positions, region: index });
+        let mut placed = Vec::with_capacity((kv.sequences * kv.kv_heads) as usize);
+        // Each sequence in flight gets blocks of its own, in its head's band.
+        for sequence in 0..kv.sequences {
+            for h in 0..kv.kv_heads {
+                let band = strip.band(h, kv.kv_heads);
+                let mut blocks = Vec::new();
+                for b in 0..kv.blocks_per_head() {
+                    let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
+                    let pe = band.walk(sequence * kv.blocks_per_head() + b);
+                    let index = self.placer.fill(pe, i as u32, kv_block_requests(module, i, h, positions.clone()))?[0];
+                    blocks.push(KvBlock { pe, positions, region: index });
+                }
+                placed.push(KvHeadPlacement::unrouted(h as u32, sequence as u32, blocks));
             }
-            placed.push(KvHeadPlacement::unrouted(h as u32, blocks));
         }
         // One result segment per KV head (its query heads' outputs), in the head's band beside
         // the strip: the collect from the head's root is a short run inside the band.

@@ -80,6 +80,8 @@ pub enum ExecError {
     TokenOutOfRange { site: InstrSite, token: u32, rows: u64 },
     #[error("position {position} is past the program's KV capacity of {max_context}")]
     ContextFull { position: u32, max_context: u32 },
+    #[error("sequence {sequence} is not one of the program's {max_sequences} sequences in flight (compile with --max-sequences {})", sequence + 1)]
+    NoSuchSequence { sequence: u32, max_sequences: u32 },
     #[error("the reference decoder: {0}")]
     Reference(Box<RuntimeError>),
     #[error("{0}")]

@@ -15,7 +15,8 @@
 //!
 //! With [`ExecOptions::timing_only`] the executor walks the same schedule, routes and messages
 //! without values (for shape-only programs of full-size models): per-step work is proportional
-//! to routes and tiles, never to elements, and the router chooses experts `0..top_k`.
+//! to routes and tiles, never to elements, and the router chooses the routing profile's expected
+//! picks for the layer and position (experts `0..top_k` without a profile).
 //!
 //! Each step also produces its [`StepTiming`] from the [`timing`] model.
 //!
@@ -28,9 +29,11 @@
 //! [`Step`]: waferc_ir::wafer::Step
 //! [`reduce_tree`]: waferc_ir::wafer::reduce_tree
 
+mod arrival;
 mod error;
 mod fabric;
 mod ops;
+pub mod pipeline;
 mod schedule;
 mod sram;
 pub mod timing;
@@ -51,6 +54,7 @@ use schedule::{schedule_runs, InstrRun};
 use sram::load_sram;
 
 pub use error::{ExecError, InstrSite, WeightRegionError};
+pub use pipeline::{pipeline, PipelineTiming, SequenceCosts, SequenceTiming, StepCost};
 pub use timing::{LayerTime, LinkLoad, PeLoad, PrefillTime, StepSpan, StepTiming, TimingReport, PREFILL_PROMPTS};
 pub use validate::{validate, Mismatch, Validation, ValidationOptions};
 
@@ -144,20 +148,28 @@ pub struct Executor<'p> {
     /// Where each value's elements start in its alias's result (non-zero for a `slice`).
     alias_offset: Vec<u64>,
     gates: Vec<Option<Gate>>,
+    /// Per `expert_dispatch`: how early its expert receives the input and the routing, before
+    /// their multicasts end (`arrival`).
+    dispatch_leads: HashMap<InstrIndex, (u64, u64)>,
     /// The PEs that compute each instruction (tiles, segments, KV blocks, the router).
     instr_pes: Vec<Vec<Pe>>,
     /// Attention's `Collect` routes (the placement does not list them), in element order.
     attention_collects: HashMap<InstrIndex, Vec<RouteId>>,
     rope_frequencies: Vec<Option<kernels::RopeTable>>,
-    /// KV caches, keyed by (attention instruction, KV head placement, block).
+    /// KV caches, keyed by (attention instruction, KV head placement, block): a sequence's
+    /// steps use only its own KV head placements.
     kv: HashMap<(InstrIndex, usize, usize), KvBlockState>,
     /// Destinations of each route, sorted (membership tests on big multicasts).
     destinations: Vec<Vec<Pe>>,
     costs: timing::CostModel,
+    /// The sequence the steps feed, and its position.
+    sequence: u32,
     position: u32,
     /// Modeled cycles of each step since the last reset, by position.
     history: Vec<u64>,
     last_timing: Option<StepTiming>,
+    /// The other sequences' positions, histories and last timings, by sequence.
+    parked: HashMap<u32, (u32, Vec<u64>, Option<StepTiming>)>,
     last_values: Option<Vec<InstrValue>>,
 }
 
@@ -253,7 +265,8 @@ impl<'p> Executor<'p> {
                 _ => None,
             })
             .collect();
-        let instr_pes = program.instrs.iter().map(compute_pes).collect();
+        let instr_pes: Vec<Vec<Pe>> = program.instrs.iter().map(compute_pes).collect();
+        let dispatch_leads = arrival::dispatch_leads(program, &alias, &instr_pes);
         let destinations = program
             .routes
             .iter()
@@ -273,13 +286,16 @@ impl<'p> Executor<'p> {
             alias,
             alias_offset,
             gates,
+            dispatch_leads,
             instr_pes,
             attention_collects,
             rope_frequencies,
             kv: HashMap::new(),
             destinations,
             costs,
+            sequence: 0,
             position: 0,
+            parked: HashMap::new(),
             history: Vec::new(),
             last_timing: None,
             last_values: None,
@@ -299,8 +315,49 @@ impl<'p> Executor<'p> {
         self.position
     }
 
-    /// Forgets every position (empties the KV caches and the timing history).
+    /// The sequence the next steps feed.
+    pub fn sequence(&self) -> u32 {
+        self.sequence
+    }
+
+    /// Feeds sequence `sequence` from now on: its own KV blocks, its own position and timing
+    /// history (where its last step left them). Sequences `0..program.max_sequences` exist.
+    pub fn select_sequence(&mut self, sequence: u32) -> Result<(), ExecError> {
+        if sequence >= self.program.max_sequences {
+            return Err(ExecError::NoSuchSequence { sequence, max_sequences: self.program.max_sequences });
+        }
+        if sequence != self.sequence {
+            let (position, history, last) = self.parked.remove(&sequence).unwrap_or_default();
+            let current = (
+                std::mem::replace(&mut self.position, position),
+                std::mem::replace(&mut self.history, history),
+                std::mem::replace(&mut self.last_timing, last),
+            );
+            self.parked.insert(self.sequence, current);
+            self.sequence = sequence;
+        }
+        Ok(())
+    }
+
+    /// Forgets the selected sequence's positions (empties its KV blocks and its timing history),
+    /// so its slot can take a new sequence.
+    pub fn reset_sequence(&mut self) {
+        let (program, sequence) = (self.program, self.sequence);
+        self.kv.retain(|&(instr, head, _), _| match &program.instrs[instr as usize].work {
+            Work::Attention(p) => p.kv_heads_placed.get(head).is_some_and(|h| h.sequence != sequence),
+            _ => true,
+        });
+        self.position = 0;
+        self.history.clear();
+        self.last_timing = None;
+        self.last_values = None;
+    }
+
+    /// Forgets every position of every sequence (empties the KV caches and the timing
+    /// histories) and feeds sequence 0.
     pub fn reset(&mut self) {
+        self.sequence = 0;
+        self.parked.clear();
         self.position = 0;
         self.kv.clear();
         self.history.clear();
@@ -390,18 +447,19 @@ impl<'p> Executor<'p> {
     }
 
     /// When `value` is available, and the instruction whose end that is: its instruction's end
-    /// (`expert_dispatch`: its inputs' ends).
+    /// (`expert_dispatch`: when its inputs reach its expert, which may be before their
+    /// multicasts end).
     fn done_cycle(&self, state: &StepState, value: InstrIndex) -> (u64, Option<InstrIndex>) {
         match &self.module.body[waferc_ir::Handle::new(value as usize)].op {
             Op::ExpertDispatch { x, routing, .. } => {
-                let (a, b) = (
-                    self.done_cycle(state, x.index() as InstrIndex),
-                    self.done_cycle(state, routing.index() as InstrIndex),
-                );
-                if b.0 > a.0 {
-                    b
+                let (x_lead, routing_lead) = self.dispatch_leads.get(&value).copied().unwrap_or((0, 0));
+                let (x_done, x_by) = self.done_cycle(state, x.index() as InstrIndex);
+                let (routing_done, routing_by) = self.done_cycle(state, routing.index() as InstrIndex);
+                let (x_done, routing_done) = (x_done.saturating_sub(x_lead), routing_done.saturating_sub(routing_lead));
+                if routing_done > x_done {
+                    (routing_done, routing_by)
                 } else {
-                    a
+                    (x_done, x_by)
                 }
             }
             Op::Slice { x, .. } => self.done_cycle(state, x.index() as InstrIndex),

@@ -15,6 +15,9 @@ use super::{site_of, ExecError, InstrSite};
 pub(crate) struct StepWork {
     pub(crate) compute: HashMap<Pe, u64>,
     pub(crate) routes: Vec<(RouteId, u32)>,
+    /// Collect routes whose senders are only some of their sources (an MoE combine gathering
+    /// the chosen experts): the latency from the farthest sender that did send.
+    pub(crate) reach: Vec<(RouteId, u64)>,
 }
 
 /// One instruction's consecutive steps while it executes: which phase is current, what each
@@ -75,6 +78,17 @@ impl InstrRun {
             match routes.iter_mut().find(|(id, _)| *id == route) {
                 Some((_, messages)) => *messages += 1,
                 None => routes.push((route, 1)),
+            }
+        }
+    }
+
+    /// Records that a sender `latency` cycles away sent on `route` in the current step.
+    pub(super) fn reached(&mut self, route: RouteId, latency: u64) {
+        if let Some(c) = self.current {
+            let reach = &mut self.work[c].reach;
+            match reach.iter_mut().find(|(id, _)| *id == route) {
+                Some((_, farthest)) => *farthest = (*farthest).max(latency),
+                None => reach.push((route, latency)),
             }
         }
     }

@@ -70,16 +70,20 @@
 //!
 //! A step lasts its compute, communication and waiting. An instruction's steps run one after
 //! another. An instruction starts when all its operands' instructions have finished (their
-//! `Deliver` steps done; an expert's also waits for the router's decision) **and** when its PEs
-//! are free: instructions on disjoint PEs whose inputs are ready overlap (the q, k and v
-//! projections; the chosen experts), instructions sharing PEs run one after the other, and
-//! overlapping instructions contend for links as above. The decode step's cycles are the end of
-//! its last step. An unchosen expert takes no time.
+//! `Deliver` steps done; an expert's also waits for the router's decision, and starts when its
+//! own PEs have received both multicasts, which for an expert near the dispatch point is before
+//! the multicasts reach their farthest PE: `arrival`) **and** when its PEs are free:
+//! instructions on disjoint PEs whose inputs are ready overlap (the q, k and v projections; the
+//! chosen experts), instructions sharing PEs run one after the other, and overlapping
+//! instructions contend for links as above. The decode step's cycles are the end of its last
+//! step. An unchosen expert takes no time, and an MoE combine's gather waits only for the
+//! farthest chosen expert's message, not for the farthest expert's.
 //!
 //! The *critical path* is the chain of instructions that determined the step's end: from the
 //! instruction ending last, each instruction's start was the end of one operand's instruction or
-//! of the instruction that last held one of its PEs. Its spans add up to the step's cycles
-//! exactly; [`LayerTime`] splits them by decoder layer into compute, communication and waiting.
+//! of the instruction that last held one of its PEs (an expert may start before its inputs'
+//! multicasts end, when its own copy has arrived: only the part of those spans before the
+//! expert's start counts). Its spans add up to the step's cycles exactly; [`LayerTime`] splits them by decoder layer into compute, communication and waiting.
 //!
 //! # Tokens per second and time to first token
 //!
@@ -380,6 +384,12 @@ impl CostModel {
         self.fma(n)
     }
 
+    /// Cycles of a message from `from` to `to` on one wafer by a shortest path (an inter-wafer
+    /// pair: `u64::MAX`, the route's own latency is kept).
+    pub(crate) fn hop_latency(&self, from: Pe, to: Pe) -> u64 {
+        from.distance(to).map_or(u64::MAX, |hops| hops as u64 * self.params.hop_latency_cycles as u64)
+    }
+
     /// How many leading sources of reduction `route` sent, from the `messages` sent on it: the
     /// edges among the first `a` leaves of [`reduce_tree`] are `a - 1` (every leaf but the first
     /// sends exactly once), plus the forward when the destination is not the root.
@@ -390,14 +400,16 @@ impl CostModel {
 
     /// Cycles of route `route` carrying `messages` messages: a collect whose sources do not all
     /// send (the embedding: one table block; an MoE combine: the chosen experts) serialises only
-    /// the messages sent; a reduction whose trailing leaves do not send (attention blocks with no
+    /// the messages sent, and waits only for its farthest sender that did send (`reach`, an MoE
+    /// combine); a reduction whose trailing leaves do not send (attention blocks with no
     /// position yet) is the critical path of the edges that do.
-    fn route_cycles(&self, route: &Route, messages: u32) -> u64 {
+    fn route_cycles(&self, route: &Route, messages: u32, reach: Option<u64>) -> u64 {
         let cost = self.routes[route.id as usize];
         match route.kind {
             RouteKind::Collect { .. } => {
                 let sent = (messages as u64 * route.message_bytes as u64) as f64 / cost.bytes_per_cycle;
-                cost.latency + cost.serial.min(sent.ceil() as u64)
+                let latency = reach.map_or(cost.latency, |reach| cost.latency.min(reach));
+                latency + cost.serial.min(sent.ceil() as u64)
             }
             RouteKind::Reduce { .. } => {
                 let leaves = Self::reduce_leaves(route, messages);
@@ -666,6 +678,7 @@ impl Timeline {
         program: &WaferProgram,
         costs: &CostModel,
         routes: &[(RouteId, u32)],
+        reach: &[(RouteId, u64)],
         comm_start: u64,
     ) -> (u64, u64) {
         // (destination, end with contention, end without) of the reductions and broadcasts so
@@ -674,7 +687,8 @@ impl Timeline {
         let (mut end, mut free_end) = (comm_start, comm_start);
         for &(id, messages) in routes {
             let route = &program.routes[id as usize];
-            let cycles = costs.route_cycles(route, messages);
+            let farthest = reach.iter().find(|(r, _)| *r == id).map(|&(_, latency)| latency);
+            let cycles = costs.route_cycles(route, messages, farthest);
             let collective = matches!(route.kind, RouteKind::Reduce { .. } | RouteKind::Statistic { .. });
             let (mut after, mut after_free) = (comm_start, comm_start);
             if collective {
@@ -732,7 +746,7 @@ impl Timeline {
             let (compute, routes) = (&work.compute, &work.routes);
             let compute_cycles = if worked { compute.values().copied().max().unwrap_or(0) } else { 0 };
             let (comm_cycles, wait_cycles) = match worked && !routes.is_empty() {
-                true => self.communicate(program, costs, routes, at + compute_cycles),
+                true => self.communicate(program, costs, routes, &work.reach, at + compute_cycles),
                 false => (0, 0),
             };
             let duration = compute_cycles + comm_cycles + wait_cycles;
@@ -779,16 +793,27 @@ impl Timeline {
         let mut at = (0..self.instrs.len())
             .filter(|&i| !self.instrs[i].spans.is_empty() && self.instrs[i].end == cycles)
             .max_by_key(|&i| self.instrs[i].order);
+        // Where the instruction after this one on the path started: an expert may start before
+        // its inputs' multicasts end (`arrival`), so only the part of a span before it counts.
+        let mut until = cycles;
         while let Some(i) = at {
             let placed = &self.instrs[i];
             for span in &self.spans[placed.spans.clone()] {
                 let layer =
                     layers.entry(span.layer).or_insert_with(|| LayerTime { layer: span.layer, ..LayerTime::default() });
-                layer.cycles += span.duration_cycles;
-                layer.compute_cycles += span.compute_cycles;
-                layer.comm_cycles += span.comm_cycles;
-                layer.wait_cycles += span.wait_cycles;
+                // A span is its compute, then its communication, then its waiting.
+                let mut left = until.saturating_sub(span.start_cycle).min(span.duration_cycles);
+                layer.cycles += left;
+                for (part, total) in [
+                    (span.compute_cycles, &mut layer.compute_cycles),
+                    (span.comm_cycles, &mut layer.comm_cycles),
+                    (span.wait_cycles, &mut layer.wait_cycles),
+                ] {
+                    *total += part.min(left);
+                    left -= part.min(left);
+                }
             }
+            until = self.spans.get(placed.spans.start).map_or(until, |s| s.start_cycle);
             at = placed.cause.map(|c| c as usize).filter(|&c| self.instrs[c].order < placed.order);
         }
         StepTiming {

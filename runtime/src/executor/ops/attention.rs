@@ -47,9 +47,10 @@ impl Executor<'_> {
             scores: Vec<Vec<f32>>,
             local: Data,
         }
-        let mut heads_out: Vec<(Pe, Data)> = Vec::with_capacity(p.kv_heads_placed.len());
+        let mut heads_out: Vec<(Pe, Data)> = Vec::with_capacity(p.kv_heads as usize);
 
-        for (h_index, kh) in p.kv_heads_placed.iter().enumerate() {
+        // The step's sequence attends over its own KV blocks only.
+        for (h_index, kh) in p.heads_of(self.sequence) {
             let h = kh.kv_head as u64;
             let q_range = h * (group * dim) as u64..(h + 1) * (group * dim) as u64;
             let kv_range = h * dim as u64..(h + 1) * dim as u64;
@@ -257,7 +258,7 @@ impl Executor<'_> {
         let mut held = Vec::with_capacity(segments.len());
         for (segment, &id) in segments.iter().zip(&collects) {
             let mut parts = Vec::new();
-            for (kh, (root, total)) in p.kv_heads_placed.iter().zip(&heads_out) {
+            for ((_, kh), (root, total)) in p.heads_of(self.sequence).zip(&heads_out) {
                 let first = kh.kv_head as u64 * (group * dim) as u64;
                 let Some(overlap) = intersect(&(first..first + (group * dim) as u64), &segment.elements) else {
                     continue;

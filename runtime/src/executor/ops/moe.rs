@@ -28,9 +28,18 @@ impl Executor<'_> {
         run.begin(Phase::Compute);
         let x = self.operand(state, run, pe, logits, 0..experts)?;
         let routing = if self.options.timing_only {
-            // No values: the first `top_k` experts, equally weighted (timing does not depend on which).
+            // No values: the routing profile's expected picks for this layer and position (the
+            // first `top_k` experts without a profile), equally weighted; which experts are
+            // picked decides how far their outputs travel to the combine.
             let weight = 1.0 / top_k as f32;
-            Routing { experts: experts as usize, chosen: (0..top_k).map(|e| (e, weight)).collect() }
+            let profile = self.program.routing_profile.as_ref().zip(run.site.layer).and_then(|(p, l)| p.layer(l));
+            let chosen = match profile {
+                Some(layer) if layer.experts as u64 == experts && layer.top_k == top_k => {
+                    layer.expected_picks(self.position)
+                }
+                _ => (0..top_k).collect(),
+            };
+            Routing { experts: experts as usize, chosen: chosen.into_iter().map(|e| (e, weight)).collect() }
         } else {
             if top_k == 0 || top_k as u64 > experts {
                 return Err(ExecError::Malformed {
@@ -79,6 +88,7 @@ impl Executor<'_> {
                     if let Some(overlap) = intersect(&source.elements, &segment.elements) {
                         let part = data.slice(relative(&overlap, source.elements.start));
                         self.send(state, run, id, source.pe, Payload::Data(part))?;
+                        run.reached(id, self.costs.hop_latency(source.pe, segment.pe));
                     }
                 }
             }

@@ -1,0 +1,187 @@
+//! Profile-guided expert placement at full scale: Qwen3-30B-A3B (shape-only, 48 MoE layers of
+//! 128 experts, top 8) on wse3x4, placed in index order and by a routing profile, timed without
+//! values with the executor charging each MoE layer by the experts the profile's expected picks
+//! choose at each position (`LayerProfile::expected_picks`).
+//!
+//! cargo run --release -p waferc --example bench_experts [-- STEPS]
+//!
+//! Two profiles, checked in beside this file (`profiles/`): `qwen3-30b-a3b-zipf.json`, per layer
+//! a Zipf law (exponent 1.0) over a seeded permutation of the experts, 4096 tokens each drawing
+//! 8 distinct experts; and `qwen3-30b-a3b-uniform.json`, every expert picked equally often. With
+//! `--regenerate` the example rewrites them from their seeds instead (they are deterministic).
+//!
+//! For each profile and each expert order it prints the modeled MoE-layer cycles (router start
+//! to combine end, mean over the MoE layers and the timed steps) and the modeled decode tok/s
+//! (mean over STEPS decode steps, default 4).
+
+use std::error::Error;
+use std::path::{Path, PathBuf};
+
+use waferc::synth::{synth, Preset};
+use waferc_ir::wafer::{profile::splitmix64, LayerProfile, RoutingProfile};
+use waferc_ir::{Module, Op, ValueType};
+use waferc_passes::wafer::{compile, CompileOptions, ExpertOrder};
+use waferc_runtime::executor::{ExecOptions, Executor};
+use waferc_targets::Target;
+
+const PRESET: &str = "qwen3-30b-a3b";
+const TARGET: &str = "wse3x4";
+const TOKENS: u64 = 4096;
+const ZIPF_EXPONENT: f64 = 1.0;
+const SEED: u64 = 0x5eed_2026;
+
+fn main() -> Result<(), Box<dyn Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let regenerate = args.iter().any(|a| a == "--regenerate");
+    let steps: u32 = args.iter().find_map(|a| a.parse().ok()).unwrap_or(4);
+    let scratch = std::env::temp_dir().join(format!("waferc-bench-experts-{}", std::process::id()));
+    synth(&Preset::by_name(PRESET)?, &scratch, true)?;
+    let module = waferc::frontend::load(&scratch)?.module;
+    std::fs::remove_dir_all(&scratch)?;
+
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/profiles");
+    let zipf_path = dir.join(format!("{PRESET}-zipf.json"));
+    let uniform_path = dir.join(format!("{PRESET}-uniform.json"));
+    if regenerate {
+        write(&zipf_path, &zipf_profile(&module))?;
+        write(&uniform_path, &uniform_profile(&module))?;
+        eprintln!("wrote {} and {}", zipf_path.display(), uniform_path.display());
+    }
+    let target = Target::resolve(TARGET)?;
+    println!("| profile | expert order | MoE-layer cycles | cycles/token | modeled decode tok/s |");
+    println!("|---|---|---|---|---|");
+    for (name, path) in [("zipf", &zipf_path), ("uniform", &uniform_path)] {
+        let profile: RoutingProfile = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+        for order in [ExpertOrder::Index, ExpertOrder::Profile] {
+            let options = CompileOptions {
+                max_context: 64,
+                profile: Some(profile.clone()),
+                expert_order: order,
+                ..CompileOptions::default()
+            };
+            let program = compile(&module, &target, &options)?;
+            let mut executor =
+                Executor::new(&program, &module, None, ExecOptions { timing_only: true, ..Default::default() })?;
+            let (mut moe_cycles, mut moe_layers) = (0u64, 0u64);
+            let token = module.meta.bos_token_id.unwrap_or(0);
+            for _ in 0..=steps {
+                let step = executor.step(token)?;
+                // Per MoE layer: router start to combine end.
+                let mut layers: std::collections::BTreeMap<u32, (u64, u64)> = Default::default();
+                for span in &step.timing.spans {
+                    let (Some(layer), true) = (span.layer, span.op == "router_topk" || span.op == "expert_combine")
+                    else {
+                        continue;
+                    };
+                    let entry = layers.entry(layer).or_insert((u64::MAX, 0));
+                    entry.0 = entry.0.min(span.start_cycle);
+                    entry.1 = entry.1.max(span.start_cycle + span.duration_cycles);
+                }
+                if executor.position() > 1 {
+                    moe_cycles += layers.values().map(|(s, e)| e - s).sum::<u64>();
+                    moe_layers += layers.len() as u64;
+                }
+            }
+            let report = executor.timing_report(1).ok_or("steps ran")?;
+            println!(
+                "| {name} | {} | {:.0} | {} | {:.1} |",
+                match order {
+                    ExpertOrder::Index => "index",
+                    ExpertOrder::Profile => "profile-guided",
+                },
+                moe_cycles as f64 / moe_layers.max(1) as f64,
+                report.cycles_per_token,
+                report.modeled_decode_tok_s
+            );
+        }
+    }
+    Ok(())
+}
+
+fn write(path: &Path, profile: &RoutingProfile) -> Result<(), Box<dyn Error>> {
+    std::fs::write(path, serde_json::to_string(profile)?)?;
+    Ok(())
+}
+
+/// `(layer, experts, top_k)` of every router.
+fn routers(module: &Module) -> Vec<(u32, u32, u32)> {
+    module
+        .body
+        .iter()
+        .filter_map(|(_, instr)| match &instr.op {
+            Op::RouterTopK { logits, top_k, .. } => {
+                let experts = match &module.body[*logits].ty {
+                    ValueType::Tensor(t) => t.elements() as u32,
+                    ValueType::Routing { .. } => 0,
+                };
+                Some((instr.layer.unwrap_or(0), experts, *top_k))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Per layer, a Zipf law over a seeded permutation of the experts; each token draws `top_k`
+/// distinct experts from it.
+fn zipf_profile(module: &Module) -> RoutingProfile {
+    let layers = routers(module)
+        .into_iter()
+        .map(|(layer, experts, top_k)| {
+            let mut rank: Vec<u32> = (0..experts).collect();
+            let mut state = SEED ^ (layer as u64) << 32;
+            for i in (1..rank.len()).rev() {
+                state = splitmix64(state);
+                rank.swap(i, (state % (i as u64 + 1)) as usize);
+            }
+            // rank[r] is the expert of popularity rank r.
+            let mut weight = vec![0.0f64; experts as usize];
+            for (r, &e) in rank.iter().enumerate() {
+                weight[e as usize] = 1.0 / ((r + 1) as f64).powf(ZIPF_EXPONENT);
+            }
+            let mut profile = LayerProfile::new(layer, experts, top_k);
+            for _ in 0..TOKENS {
+                let mut left = weight.clone();
+                let mut chosen = Vec::with_capacity(top_k as usize);
+                for _ in 0..top_k {
+                    state = splitmix64(state);
+                    let mut ticket = (state >> 11) as f64 / (1u64 << 53) as f64 * left.iter().sum::<f64>();
+                    let mut pick = left.iter().rposition(|&w| w > 0.0).expect("experts remain");
+                    for (e, &w) in left.iter().enumerate() {
+                        if w > 0.0 && ticket < w {
+                            pick = e;
+                            break;
+                        }
+                        ticket -= w;
+                    }
+                    left[pick] = 0.0;
+                    chosen.push(pick as u32);
+                }
+                chosen.sort_unstable();
+                profile.record(&chosen);
+            }
+            profile
+        })
+        .collect();
+    RoutingProfile {
+        source: format!("seeded Zipf (exponent {ZIPF_EXPONENT}, seed {SEED:#x}, {TOKENS} tokens per layer)"),
+        layers,
+    }
+}
+
+/// Every expert picked equally often: token `t` picks experts `t*k .. t*k+k` (mod experts).
+fn uniform_profile(module: &Module) -> RoutingProfile {
+    let layers = routers(module)
+        .into_iter()
+        .map(|(layer, experts, top_k)| {
+            let mut profile = LayerProfile::new(layer, experts, top_k);
+            for t in 0..TOKENS {
+                let mut chosen: Vec<u32> =
+                    (0..top_k as u64).map(|i| ((t * top_k as u64 + i) % experts as u64) as u32).collect();
+                chosen.sort_unstable();
+                profile.record(&chosen);
+            }
+            profile
+        })
+        .collect();
+    RoutingProfile { source: format!("uniform ({TOKENS} tokens per layer)"), layers }
+}

@@ -1,0 +1,167 @@
+//! Several sequences in flight: the pipeline model behind `waferc run --sequences N`.
+//!
+//! The placement puts each layer (and the embedding, and the output head) in a region of its
+//! own, and a decode step walks the regions in order. With one sequence only one region works
+//! at a time; with several in flight, each region can work on a different sequence in the same
+//! interval, so the regions form a pipeline. Per decode step of a sequence we know, from the
+//! executor's timeline, the step's cycles `T` (its critical path) and each region's busy cycles
+//! (from its first span's start to its last span's end). Sequences are admitted in order into
+//! `N` slots; the run proceeds in rounds in which every admitted sequence advances one position.
+//! A round of `A` sequences lasts at least each one's own step (`T`: a token needs the whole
+//! walk through the layers before the next can start) and at least `A` times the busiest
+//! region's cycles (that region must serve all `A`): the model takes the larger of the two
+//! bounds, i.e. perfect staggering with the busiest region as the pipeline's bottleneck.
+//! A finished sequence frees its slot for the next one at the end of the round.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::timing::StepTiming;
+
+/// One decode step of one sequence, as the pipeline model sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepCost {
+    /// The step's critical path.
+    pub cycles: u64,
+    /// The busiest region's busy cycles in the step.
+    pub bottleneck: u64,
+}
+
+impl StepCost {
+    /// The step's cycles and its busiest region: regions are layers, plus the instructions
+    /// before the first layer (the embedding) and those after the last (the output head).
+    pub fn of(step: &StepTiming) -> StepCost {
+        let first_layer_instr = step.spans.iter().filter(|s| s.layer.is_some()).map(|s| s.instr).min();
+        // Region key: (0, layer) for layers, (-1, 0) before them, (1, 0) after them.
+        let mut regions: BTreeMap<(i8, u32), (u64, u64)> = BTreeMap::new();
+        for span in &step.spans {
+            let key = match (span.layer, first_layer_instr) {
+                (Some(layer), _) => (0, layer),
+                (None, Some(first)) if span.instr < first => (-1, 0),
+                (None, _) => (1, 0),
+            };
+            let end = span.start_cycle + span.duration_cycles;
+            let entry = regions.entry(key).or_insert((span.start_cycle, end));
+            entry.0 = entry.0.min(span.start_cycle);
+            entry.1 = entry.1.max(end);
+        }
+        let bottleneck = regions.values().map(|(start, end)| end - start).max().unwrap_or(0);
+        StepCost { cycles: step.cycles, bottleneck: bottleneck.min(step.cycles) }
+    }
+}
+
+/// A sequence to run: its steps' costs (prompt positions, then one per generated token but the
+/// last, whose step nobody needs) and its prompt length.
+#[derive(Clone, Debug)]
+pub struct SequenceCosts {
+    pub prompt_tokens: usize,
+    /// Tokens it generates (its first comes from the last prompt step).
+    pub new_tokens: usize,
+    /// One per step the sequence runs, in position order.
+    pub steps: Vec<StepCost>,
+}
+
+/// What the pipeline model gives for one sequence.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SequenceTiming {
+    /// Time from the start of the run to its first generated token.
+    pub modeled_ttft_us: f64,
+    /// Its generated tokens over the time of the rounds that produced them.
+    pub modeled_tok_s: f64,
+}
+
+/// The whole run under the pipeline model.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PipelineTiming {
+    pub sequences: Vec<SequenceTiming>,
+    /// All sequences' generated tokens over the time of the rounds producing any.
+    pub aggregate_modeled_tok_s: f64,
+    /// Modeled cycles from the start to the last token.
+    pub total_cycles: u64,
+}
+
+/// Runs the pipeline model (module documentation) with up to `in_flight` sequences at once.
+pub fn pipeline(sequences: &[SequenceCosts], in_flight: usize, clock_hz: f64) -> PipelineTiming {
+    let in_flight = in_flight.max(1);
+    let n = sequences.len();
+    let mut position = vec![0usize; n];
+    let mut first_token_at = vec![None::<u64>; n];
+    let mut token_cycles = vec![0u64; n];
+    let mut produced = vec![0usize; n];
+    let mut active: Vec<usize> = Vec::new();
+    let mut next = 0;
+    let (mut now, mut all_tokens, mut token_rounds) = (0u64, 0usize, 0u64);
+    loop {
+        while active.len() < in_flight && next < n {
+            active.push(next);
+            next += 1;
+        }
+        if active.is_empty() {
+            break;
+        }
+        let last_step = |s: usize| sequences[s].steps.last().copied().unwrap_or(StepCost { cycles: 0, bottleneck: 0 });
+        let cost = |s: usize| sequences[s].steps.get(position[s]).copied().unwrap_or_else(|| last_step(s));
+        let longest = active.iter().map(|&s| cost(s).cycles).max().unwrap_or(0);
+        let busiest = active.iter().map(|&s| cost(s).bottleneck).max().unwrap_or(0);
+        let round = longest.max(active.len() as u64 * busiest);
+        now += round;
+        let mut tokens = 0;
+        for &s in &active {
+            position[s] += 1;
+            // The step of position p produces a token once the prompt is in (p + 1 >= prompt).
+            if position[s] >= sequences[s].prompt_tokens && produced[s] < sequences[s].new_tokens {
+                produced[s] += 1;
+                token_cycles[s] += round;
+                tokens += 1;
+                if first_token_at[s].is_none() {
+                    first_token_at[s] = Some(now);
+                }
+            }
+        }
+        if tokens > 0 {
+            all_tokens += tokens;
+            token_rounds += round;
+        }
+        active.retain(|&s| produced[s] < sequences[s].new_tokens);
+    }
+    let seconds = |cycles: u64| cycles as f64 / clock_hz;
+    let rate = |tokens: usize, cycles: u64| if cycles == 0 { 0.0 } else { tokens as f64 / seconds(cycles) };
+    PipelineTiming {
+        sequences: (0..n)
+            .map(|s| SequenceTiming {
+                modeled_ttft_us: seconds(first_token_at[s].unwrap_or(now)) * 1e6,
+                modeled_tok_s: rate(produced[s], token_cycles[s]),
+            })
+            .collect(),
+        aggregate_modeled_tok_s: rate(all_tokens, token_rounds),
+        total_cycles: now,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(steps: usize, cycles: u64, bottleneck: u64) -> SequenceCosts {
+        SequenceCosts { prompt_tokens: 1, new_tokens: steps, steps: vec![StepCost { cycles, bottleneck }; steps] }
+    }
+
+    #[test]
+    fn the_busiest_region_bounds_a_full_pipeline() {
+        // 10 regions of 100 cycles: one sequence takes 1000 per token.
+        let one = pipeline(&[seq(4, 1000, 100)], 1, 1e6);
+        assert_eq!(one.aggregate_modeled_tok_s, 1000.0);
+        // Four in flight share the pipeline: each still waits its own 1000 cycles.
+        let four = pipeline(&vec![seq(4, 1000, 100); 4], 4, 1e6);
+        assert_eq!(four.aggregate_modeled_tok_s, 4000.0);
+        assert_eq!(four.sequences[0].modeled_tok_s, 1000.0);
+        // Sixteen saturate the busiest region: 1600 cycles per round.
+        let sixteen = pipeline(&vec![seq(4, 1000, 100); 16], 16, 1e6);
+        assert_eq!(sixteen.aggregate_modeled_tok_s, 10_000.0);
+        // More sequences than slots queue: the fifth starts after the first four finish.
+        let queued = pipeline(&vec![seq(2, 1000, 100); 5], 4, 1e6);
+        assert_eq!(queued.sequences[4].modeled_ttft_us, 3000.0);
+        assert_eq!(queued.sequences[0].modeled_ttft_us, 1000.0);
+    }
+}
