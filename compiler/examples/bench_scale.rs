@@ -35,6 +35,7 @@ use std::error::Error;
 use std::path::Path;
 use std::time::Instant;
 
+use waferc::plan_search;
 use waferc::synth::{synth, Preset};
 use waferc_ir::wafer::distance_bound_cycles;
 use waferc_ir::{Module, Op};
@@ -98,6 +99,8 @@ struct SequenceRow {
 struct Row {
     model: String,
     target: String,
+    /// The plan the search chose.
+    plan: String,
     pes: usize,
     /// Wafers the placement occupies (of the target's).
     wafers: usize,
@@ -148,14 +151,18 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
             }
             reset_peak_rss();
             let start = Instant::now();
-            let program = match compile(&module, &target, &CompileOptions::new(kv_capacity)) {
-                Ok(program) => program,
-                Err(WaferError::DoesNotFit(not_fit)) => {
-                    notes.push(format!("{label} does not fit {}: {not_fit}", target.name));
-                    notes.push(lower_bound_note(&label, &module, kv_capacity, &target));
-                    continue;
-                }
-                Err(other) => return Err(format!("{label} on {}: {other}", target.name).into()),
+            // The plan `compile` would choose: the search over candidate plans.
+            let program = match plan_search::search(&module, &target, &CompileOptions::new(kv_capacity)) {
+                Ok(found) => found.program,
+                Err(e) => match e.downcast::<WaferError>() {
+                    Ok(WaferError::DoesNotFit(not_fit)) => {
+                        notes.push(format!("{label} does not fit {}: {not_fit}", target.name));
+                        notes.push(lower_bound_note(&label, &module, kv_capacity, &target));
+                        continue;
+                    }
+                    Ok(other) => return Err(format!("{label} on {}: {other}", target.name).into()),
+                    Err(other) => return Err(format!("{label} on {}: {other:#}", target.name).into()),
+                },
             };
             let compile_s = start.elapsed().as_secs_f64();
             let peak_mib = peak_rss_mib();
@@ -184,6 +191,7 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
             rows.push(Row {
                 model: label.clone(),
                 target: target.name.clone(),
+                plan: program.plan.to_string(),
                 pes: program.pes.len(),
                 wafers: program.pes.iter().map(|image| image.pe.wafer).max().map_or(0, |w| w as usize + 1),
                 compile_s,
@@ -271,6 +279,7 @@ fn print_table(rows: &[Row]) {
     let header = [
         "model",
         "target",
+        "plan",
         "PEs",
         "wafers",
         "compile s",
@@ -286,12 +295,13 @@ fn print_table(rows: &[Row]) {
         "distance bound tok/s",
         "published tok/s",
     ];
-    let cells: Vec<[String; 16]> = rows
+    let cells: Vec<[String; 17]> = rows
         .iter()
         .map(|r| {
             [
                 r.model.clone(),
                 r.target.clone(),
+                r.plan.clone(),
                 r.pes.to_string(),
                 r.wafers.to_string(),
                 format!("{:.2}", r.compile_s),

@@ -47,6 +47,9 @@ pub struct Candidate {
     pub lost_because: Option<String>,
 }
 
+/// A candidate's record, with the lowering's error when it failed.
+type Record = (Candidate, Option<anyhow::Error>);
+
 /// The plans `--plan auto` tries for `module` on `target`, in order of preference on a tie.
 pub fn candidates(module: &Module) -> Vec<Plan> {
     let layers = module.meta.num_layers.max(1);
@@ -80,8 +83,7 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
         program: WaferProgram,
     }
     let next = AtomicUsize::new(0);
-    let records: Mutex<Vec<Option<(Candidate, Option<anyhow::Error>)>>> =
-        Mutex::new((0..plans.len()).map(|_| None).collect());
+    let records: Mutex<Vec<Option<Record>>> = Mutex::new((0..plans.len()).map(|_| None).collect());
     let best: Mutex<Option<Lowered>> = Mutex::new(None);
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(plans.len()).max(1);
     std::thread::scope(|scope| {
@@ -134,7 +136,7 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
             });
         }
     });
-    let mut records: Vec<(Candidate, Option<anyhow::Error>)> =
+    let mut records: Vec<Record> =
         records.into_inner().expect("no thread panicked").into_iter().map(|r| r.expect("every plan ran")).collect();
     let Some(mut best) = best.into_inner().expect("no thread panicked") else {
         let first = records.iter_mut().find_map(|(_, e)| e.take());
