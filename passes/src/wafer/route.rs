@@ -3,7 +3,10 @@
 //! gather runs along each source column to the destination's row, then along that row; a
 //! point-to-point message goes along the row, then the column. Traffic between wafers goes through each wafer's gateway PE `(0, 0)`.
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+
+use petgraph::graph::{NodeIndex, UnGraph};
 
 use waferc_ir::wafer::{reduce_tree, Pe, Route, Run, TargetParams};
 
@@ -232,88 +235,220 @@ pub(super) struct ColourClash {
     pub pe: Pe,
 }
 
+/// Dense index of a PE on the target.
+fn pe_index(params: &TargetParams, pe: Pe) -> usize {
+    let (cols, rows) = (params.grid_cols as usize, params.grid_rows as usize);
+    (pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize
+}
+
+/// Each route's PEs, deduplicated and sorted by dense index.
+fn route_pes(routes: &[Route], params: &TargetParams) -> Vec<Vec<u32>> {
+    routes
+        .iter()
+        .map(|route| {
+            let mut pes = Vec::new();
+            for_each_pe(route, |pe| pes.push(pe_index(params, pe) as u32));
+            pes.sort_unstable();
+            pes.dedup();
+            pes
+        })
+        .collect()
+}
+
+/// The route conflict graph: node `r` is route `r`; two routes are adjacent when they touch a
+/// common PE and their instructions are not ordered by [`Precedence`] (ordered routes may share
+/// a colour: the router switches the colour between them). Edges are added in increasing
+/// `(r, s)` order, so the graph is the same on every run.
+pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, precedence: &Precedence) -> UnGraph<(), ()> {
+    let pes = route_pes(routes, params);
+    let pe_count = params.grid_cols as usize * params.grid_rows as usize * params.wafers as usize;
+    // Each PE's routes, in compressed rows.
+    let mut starts = vec![0u32; pe_count + 1];
+    for list in &pes {
+        for &p in list {
+            starts[p as usize + 1] += 1;
+        }
+    }
+    for p in 0..pe_count {
+        starts[p + 1] += starts[p];
+    }
+    let mut fill = starts.clone();
+    let mut pe_routes = vec![0u32; *starts.last().unwrap_or(&0) as usize];
+    for (r, list) in pes.iter().enumerate() {
+        for &p in list {
+            pe_routes[fill[p as usize] as usize] = r as u32;
+            fill[p as usize] += 1;
+        }
+    }
+    let mut graph = UnGraph::with_capacity(routes.len(), 0);
+    for _ in routes {
+        graph.add_node(());
+    }
+    // `seen_by[s] == r`: the pair (r, s) was already considered.
+    let mut seen_by = vec![u32::MAX; routes.len()];
+    let mut later = Vec::new();
+    for (r, list) in pes.iter().enumerate() {
+        later.clear();
+        for &p in list {
+            for &s in &pe_routes[starts[p as usize] as usize..starts[p as usize + 1] as usize] {
+                if s as usize > r && seen_by[s as usize] != r as u32 {
+                    seen_by[s as usize] = r as u32;
+                    later.push(s);
+                }
+            }
+        }
+        later.sort_unstable();
+        for &s in &later {
+            if !precedence.ordered(routes[r].instr as usize, routes[s as usize].instr as usize) {
+                graph.add_edge(NodeIndex::new(r), NodeIndex::new(s as usize), ());
+            }
+        }
+    }
+    graph
+}
+
 /// Colours routes so that no two routes touching a PE share one while both can be active, by
-/// DSatur: repeatedly colour the uncoloured route whose neighbours (routes sharing a PE with it
-/// whose instructions are not ordered by [`Precedence`]) already use the most distinct colours
-/// (ties: more PEs, then lower route index), with the lowest colour they leave free. Routes of
-/// ordered instructions may share a colour: the router switches the colour between them.
+/// DSatur over the [`conflict_graph`]: repeatedly colour the uncoloured route whose neighbours
+/// already use the most distinct colours (ties: more PEs, then lower route index), with the
+/// lowest colour they leave free. (petgraph's own `dsatur_coloring` breaks ties by degree and
+/// needed one more colour on the `matvec-split-reduction` snapshot, and has no colour limit.)
 /// Deterministic.
 pub(super) fn assign_colours(
     routes: &mut [Route],
     params: &TargetParams,
     precedence: &Precedence,
 ) -> Result<(), ColourClash> {
-    let (cols, rows) = (params.grid_cols as usize, params.grid_rows as usize);
-    let index = |pe: Pe| (pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize;
-    let pe_count = cols * rows * params.wafers as usize;
+    let graph = conflict_graph(routes, params, precedence);
+    let pes = route_pes(routes, params);
     let limit = params.colours_per_pe.min(32) as u32;
     let all = if limit == 32 { u32::MAX } else { (1u32 << limit) - 1 };
-
-    // Each route's PEs (deduplicated), and each PE's routes (compressed rows).
-    let mut route_pes: Vec<Vec<u32>> = Vec::with_capacity(routes.len());
-    let mut per_pe_count = vec![0u32; pe_count + 1];
-    for route in routes.iter() {
-        let mut pes = Vec::new();
-        for_each_pe(route, |pe| pes.push(index(pe) as u32));
-        pes.sort_unstable();
-        pes.dedup();
-        for &p in &pes {
-            per_pe_count[p as usize + 1] += 1;
-        }
-        route_pes.push(pes);
-    }
-    for p in 0..pe_count {
-        per_pe_count[p + 1] += per_pe_count[p];
-    }
-    let starts = per_pe_count;
-    let mut fill = starts.clone();
-    let mut pe_routes = vec![0u32; *starts.last().unwrap_or(&0) as usize];
-    for (r, pes) in route_pes.iter().enumerate() {
-        for &p in pes {
-            pe_routes[fill[p as usize] as usize] = r as u32;
-            fill[p as usize] += 1;
-        }
-    }
-
     let mut neighbour_colours = vec![0u32; routes.len()];
     let mut coloured = vec![false; routes.len()];
-    let mut used = vec![0u32; pe_count];
-    let mut queue: std::collections::BinaryHeap<(u32, usize, std::cmp::Reverse<usize>)> =
-        route_pes.iter().enumerate().map(|(r, pes)| (0, pes.len(), std::cmp::Reverse(r))).collect();
-    while let Some((saturation, _, std::cmp::Reverse(r))) = queue.pop() {
+    let mut queue: BinaryHeap<(u32, usize, Reverse<usize>)> =
+        pes.iter().enumerate().map(|(r, list)| (0, list.len(), Reverse(r))).collect();
+    while let Some((saturation, _, Reverse(r))) = queue.pop() {
         if coloured[r] || saturation != neighbour_colours[r].count_ones() {
             continue;
         }
         let free = !neighbour_colours[r] & all;
         if free == 0 {
-            let pe = route_pes[r].iter().max_by_key(|p| used[**p as usize].count_ones()).copied().unwrap_or(0) as usize;
-            let (wafer, rest) = (pe / (cols * rows), pe % (cols * rows));
-            return Err(ColourClash {
-                route: r,
-                pe: Pe::new(wafer as u16, (rest % cols) as u16, (rest / cols) as u16),
-            });
+            return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &pes, &coloured, r) });
         }
         let colour = free.trailing_zeros();
         routes[r].colour = colour as u8;
         coloured[r] = true;
         let bit = 1u32 << colour;
-        for &p in &route_pes[r] {
-            used[p as usize] |= bit;
-            for &other in &pe_routes[starts[p as usize] as usize..starts[p as usize + 1] as usize] {
-                let other = other as usize;
-                if !coloured[other]
-                    && neighbour_colours[other] & bit == 0
-                    && !precedence.ordered(routes[r].instr as usize, routes[other].instr as usize)
-                {
-                    neighbour_colours[other] |= bit;
-                    queue.push((
-                        neighbour_colours[other].count_ones(),
-                        route_pes[other].len(),
-                        std::cmp::Reverse(other),
-                    ));
-                }
+        for other in graph.neighbors(NodeIndex::new(r)) {
+            let other = other.index();
+            if !coloured[other] && neighbour_colours[other] & bit == 0 {
+                neighbour_colours[other] |= bit;
+                queue.push((neighbour_colours[other].count_ones(), pes[other].len(), Reverse(other)));
             }
         }
     }
     Ok(())
+}
+
+/// The PE of route `clash` where the routes coloured so far use the most distinct colours (the
+/// last such PE in dense order).
+fn busiest_pe(routes: &[Route], params: &TargetParams, pes: &[Vec<u32>], coloured: &[bool], clash: usize) -> Pe {
+    let mut used: BTreeMap<u32, u32> = pes[clash].iter().map(|&p| (p, 0)).collect();
+    for (r, list) in pes.iter().enumerate().filter(|(r, _)| coloured[*r]) {
+        for p in list {
+            if let Some(colours) = used.get_mut(p) {
+                *colours |= 1 << routes[r].colour;
+            }
+        }
+    }
+    let busiest = used.iter().max_by_key(|(_, colours)| colours.count_ones()).map_or(0, |(p, _)| *p as usize);
+    let (cols, rows) = (params.grid_cols as usize, params.grid_rows as usize);
+    let (wafer, rest) = (busiest / (cols * rows), busiest % (cols * rows));
+    Pe::new(wafer as u16, (rest % cols) as u16, (rest / cols) as u16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use waferc_ir::wafer::RouteKind;
+
+    /// `%1` and `%2` read `%0` side by side; `%3` reads both.
+    fn precedence() -> Precedence {
+        let module = waferc_ir::text::parse(
+            "module architecture=test vocab_size=8 num_layers=1\n\
+             weight @table : bf16[8, 32]\nweight @a : bf16[32, 32]\nweight @b : bf16[32, 32]\n\
+             weight @head : bf16[8, 32]\n\
+             %0 = embed @table : f32[32]\n\
+             layer 0 {\n  %1 = matvec %0, @a : f32[32]\n  %2 = matvec %0, @b : f32[32]\n  \
+             %3 = add %1, %2 : f32[32]\n  %4 = add %3, %0 : f32[32]\n}\n\
+             %5 = matvec %4, @head : f32[8]\noutput %5\n",
+        )
+        .expect("the test module parses");
+        Precedence::new(&module)
+    }
+
+    fn route(id: u32, instr: u32, from: Pe, to: Pe) -> Route {
+        let mut path = Vec::new();
+        unicast(from, to, &mut path);
+        Route {
+            id,
+            instr,
+            kind: RouteKind::Collect { elements: 0..32 },
+            colour: 0,
+            sources: vec![from],
+            destinations: vec![to],
+            path,
+            message_bytes: 128,
+        }
+    }
+
+    #[test]
+    fn routes_conflict_when_they_share_a_pe_and_are_not_ordered() {
+        let params = waferc_targets::Target::grid(4, 4).params();
+        let pe = |x, y| Pe::new(0, x, y);
+        let routes = [
+            route(0, 1, pe(0, 0), pe(3, 0)),
+            // Shares row 0 with route 0; %2 runs beside %1.
+            route(1, 2, pe(1, 0), pe(2, 0)),
+            // Shares row 0 too, but %3 reads %1 and %2.
+            route(2, 3, pe(3, 0), pe(0, 0)),
+            // Unordered with %1, but on another row.
+            route(3, 2, pe(0, 2), pe(3, 2)),
+        ];
+        let graph = conflict_graph(&routes, &params, &precedence());
+        let edges: Vec<(usize, usize)> = graph
+            .edge_indices()
+            .map(|e| graph.edge_endpoints(e).expect("an edge has endpoints"))
+            .map(|(a, b)| (a.index(), b.index()))
+            .collect();
+        assert_eq!(edges, [(0, 1)]);
+    }
+
+    #[test]
+    fn colouring_gives_conflicting_routes_distinct_colours_and_reports_a_clash_at_the_limit() {
+        let mut params = waferc_targets::Target::grid(4, 4).params();
+        let pe = |x, y| Pe::new(0, x, y);
+        // %1, %2 and %1 again: three routes through PE (1, 0), pairwise unordered.
+        let make =
+            || [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 2, pe(1, 0), pe(1, 3)), route(2, 1, pe(1, 1), pe(1, 0))];
+        let mut routes = make();
+        assert!(assign_colours(&mut routes, &params, &precedence()).is_ok());
+        let mut colours: Vec<u8> = routes.iter().map(|r| r.colour).collect();
+        colours.sort_unstable();
+        assert_eq!(colours, [0, 1, 2]);
+
+        params.colours_per_pe = 2;
+        let mut routes = make();
+        let clash = assign_colours(&mut routes, &params, &precedence()).err().expect("three routes need three colours");
+        assert_eq!(clash.pe, pe(1, 0));
+    }
+
+    #[test]
+    fn ordered_routes_share_a_colour() {
+        let params = waferc_targets::Target::grid(4, 4).params();
+        let pe = |x, y| Pe::new(0, x, y);
+        let mut routes =
+            [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 3, pe(3, 0), pe(0, 0)), route(2, 5, pe(0, 0), pe(0, 3))];
+        assert!(assign_colours(&mut routes, &params, &precedence()).is_ok());
+        assert!(routes.iter().all(|r| r.colour == 0));
+    }
 }
