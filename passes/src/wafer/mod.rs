@@ -27,6 +27,7 @@
 //! [`check`] re-verifies a program independently of the placer's bookkeeping.
 
 mod check;
+mod detour;
 mod place;
 mod precedence;
 mod route;

@@ -8,8 +8,9 @@ use std::collections::{BTreeMap, BinaryHeap};
 
 use petgraph::graph::{NodeIndex, UnGraph};
 
-use waferc_ir::wafer::{reduce_tree, Pe, Route, Run, TargetParams};
+use waferc_ir::wafer::{reduce_tree, Pe, Route, RouteKind, Run, TargetParams};
 
+use super::detour::{paths_for_legs, MeshView};
 use super::precedence::Precedence;
 
 /// The PE through which a wafer talks to its neighbours in the pipeline.
@@ -310,7 +311,9 @@ pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, precedence
 /// Colours routes so that no two routes touching a PE share one while both can be active, by
 /// DSatur over the [`conflict_graph`]: repeatedly colour the uncoloured route whose neighbours
 /// already use the most distinct colours (ties: more PEs, then lower route index), with the
-/// lowest colour they leave free. (petgraph's own `dsatur_coloring` breaks ties by degree and
+/// lowest colour they leave free. A route left no free colour by its dimension-ordered path
+/// takes a detour where one colour is free all along, if there is one ([`Colouring::detour`]).
+/// (petgraph's own `dsatur_coloring` breaks ties by degree and
 /// needed one more colour on the `matvec-split-reduction` snapshot, and has no colour limit.)
 /// Deterministic.
 pub(super) fn assign_colours(
@@ -318,8 +321,9 @@ pub(super) fn assign_colours(
     params: &TargetParams,
     precedence: &Precedence,
 ) -> Result<(), ColourClash> {
-    let graph = conflict_graph(routes, params, precedence);
-    let pes = route_pes(routes, params);
+    let mut graph = conflict_graph(routes, params, precedence);
+    let mut pes = route_pes(routes, params);
+    let mut detoured = Detoured::new(params);
     let limit = params.colours_per_pe.min(32) as u32;
     let all = if limit == 32 { u32::MAX } else { (1u32 << limit) - 1 };
     let mut neighbour_colours = vec![0u32; routes.len()];
@@ -331,10 +335,22 @@ pub(super) fn assign_colours(
             continue;
         }
         let free = !neighbour_colours[r] & all;
-        if free == 0 {
-            return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &pes, &coloured, r) });
-        }
-        let colour = free.trailing_zeros();
+        let colour = if free != 0 {
+            free.trailing_zeros()
+        } else {
+            let mut state = Colouring {
+                params,
+                precedence,
+                graph: &mut graph,
+                pes: &mut pes,
+                coloured: &coloured,
+                detoured: &mut detoured,
+            };
+            match state.detour(routes, r, limit) {
+                Some(colour) => colour,
+                None => return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &pes, &coloured, r) }),
+            }
+        };
         routes[r].colour = colour as u8;
         coloured[r] = true;
         let bit = 1u32 << colour;
@@ -347,6 +363,143 @@ pub(super) fn assign_colours(
         }
     }
     Ok(())
+}
+
+/// The point-to-point legs a detour may re-route `route` by, in path order, when every run of
+/// the route carries one message (so separate paths per leg keep its traffic): a multicast's
+/// source to each destination, or a reduction's tree edges in [`reduce_tree`] order and then
+/// the forward to the destination. `None` for a gather (its runs count the sources they carry)
+/// and for a route that leaves its wafer.
+fn legs(route: &Route) -> Option<Vec<(Pe, Pe)>> {
+    let wafer = route.sources.first()?.wafer;
+    let on_wafer = route.sources.iter().chain(&route.destinations).all(|pe| pe.wafer == wafer);
+    if !on_wafer || route.path.iter().any(Run::is_inter_wafer) {
+        return None;
+    }
+    match route.kind {
+        _ if route.kind.is_multicast() => {
+            let [source] = route.sources[..] else { return None };
+            Some(route.destinations.iter().map(|&d| (source, d)).collect())
+        }
+        RouteKind::Reduce { .. } => {
+            let leaves = &route.sources;
+            let mut legs: Vec<(Pe, Pe)> = reduce_tree(leaves.len())
+                .into_iter()
+                .map(|(receiver, sender)| (leaves[sender], leaves[receiver]))
+                .collect();
+            legs.extend(route.destinations.iter().filter(|&&d| d != leaves[0]).map(|&d| (leaves[0], d)));
+            Some(legs)
+        }
+        _ => None,
+    }
+}
+
+/// The routes touching each PE, kept up to date as routes take detours.
+struct Detoured {
+    pe_routes: BTreeMap<u32, Vec<u32>>,
+    built: bool,
+}
+
+impl Detoured {
+    fn new(_params: &TargetParams) -> Detoured {
+        Detoured { pe_routes: BTreeMap::new(), built: false }
+    }
+
+    /// Built on the first detour only: most programs never need one.
+    fn touching(&mut self, pes: &[Vec<u32>]) -> &mut BTreeMap<u32, Vec<u32>> {
+        if !self.built {
+            for (r, list) in pes.iter().enumerate() {
+                for &p in list {
+                    self.pe_routes.entry(p).or_default().push(r as u32);
+                }
+            }
+            self.built = true;
+        }
+        &mut self.pe_routes
+    }
+}
+
+/// The colouring's state that a detour reads and updates.
+struct Colouring<'a, 'g> {
+    params: &'a TargetParams,
+    precedence: &'a Precedence,
+    graph: &'g mut UnGraph<(), ()>,
+    pes: &'g mut Vec<Vec<u32>>,
+    coloured: &'g [bool],
+    detoured: &'g mut Detoured,
+}
+
+impl Colouring<'_, '_> {
+    /// Re-routes route `r` through PEs where some colour is free of every coloured route it
+    /// conflicts with: per colour, A* paths on the mesh ([`super::detour`]) for the route's legs
+    /// ([`legs`]) avoiding PEs where that colour is taken, each hop costing more where more
+    /// colours are in use; the cheapest set of paths wins (ties: the lower colour). Updates the
+    /// route's path, its PEs and its conflict-graph edges. `None`: the route has no legs to
+    /// re-route, or no colour has paths for all of them.
+    fn detour(&mut self, routes: &mut [Route], r: usize, limit: u32) -> Option<u32> {
+        let route = &routes[r];
+        let legs = legs(route)?;
+        let params = self.params;
+        let instr = route.instr as usize;
+        let touching = self.detoured.touching(self.pes);
+        // Colours taken at a PE by coloured routes that may be active alongside route `r`.
+        let taken = |pe: Pe| -> u32 {
+            let mut colours = 0u32;
+            for &s in touching.get(&(pe_index(params, pe) as u32)).map_or(&[][..], |v| &v[..]) {
+                let s = s as usize;
+                if s != r && self.coloured[s] && !self.precedence.ordered(instr, routes[s].instr as usize) {
+                    colours |= 1 << routes[s].colour;
+                }
+            }
+            colours
+        };
+        let mut best: Option<(u64, u32, Vec<Run>)> = None;
+        for colour in 0..limit {
+            let bit = 1u32 << colour;
+            let open = |pe: Pe| taken(pe) & bit == 0;
+            if !route.sources.iter().chain(&route.destinations).all(|pe| open(*pe)) {
+                continue;
+            }
+            let wafer = route.sources[0].wafer;
+            let mesh = MeshView { cols: params.grid_cols, rows: params.grid_rows, wafer, open: &open };
+            let pressure = |pe: Pe| taken(pe).count_ones();
+            if let Some((runs, cost)) = paths_for_legs(mesh, &legs, &pressure) {
+                if best.as_ref().is_none_or(|(c, _, _)| cost < *c) {
+                    best = Some((cost, colour, runs));
+                }
+            }
+        }
+        let (_, colour, runs) = best?;
+        routes[r].path = runs;
+        let mut new_pes = Vec::new();
+        for_each_pe(&routes[r], |pe| new_pes.push(pe_index(params, pe) as u32));
+        new_pes.sort_unstable();
+        new_pes.dedup();
+        for &p in &self.pes[r] {
+            if let Some(list) = touching.get_mut(&p) {
+                list.retain(|&s| s as usize != r);
+            }
+        }
+        let node = NodeIndex::new(r);
+        while let Some(edge) = self.graph.first_edge(node, petgraph::Direction::Outgoing) {
+            self.graph.remove_edge(edge);
+        }
+        let mut neighbours = Vec::new();
+        for &p in &new_pes {
+            let list = touching.entry(p).or_default();
+            neighbours.extend(list.iter().copied());
+            list.push(r as u32);
+        }
+        neighbours.sort_unstable();
+        neighbours.dedup();
+        for s in neighbours {
+            if !self.precedence.ordered(instr, routes[s as usize].instr as usize) {
+                self.graph.add_edge(node, NodeIndex::new(s as usize), ());
+            }
+        }
+        self.pes[r] = new_pes;
+        Some(colour)
+    }
 }
 
 /// The PE of route `clash` where the routes coloured so far use the most distinct colours (the
@@ -369,7 +522,6 @@ fn busiest_pe(routes: &[Route], params: &TargetParams, pes: &[Vec<u32>], coloure
 #[cfg(test)]
 mod tests {
     use super::*;
-    use waferc_ir::wafer::RouteKind;
 
     /// `%1` and `%2` read `%0` side by side; `%3` reads both.
     fn precedence() -> Precedence {
@@ -450,5 +602,47 @@ mod tests {
             [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 3, pe(3, 0), pe(0, 0)), route(2, 5, pe(0, 0), pe(0, 3))];
         assert!(assign_colours(&mut routes, &params, &precedence()).is_ok());
         assert!(routes.iter().all(|r| r.colour == 0));
+    }
+    #[test]
+    fn a_multicast_left_without_a_colour_detours_round_the_saturated_pe() {
+        let mut params = waferc_targets::Target::grid(4, 4).params();
+        params.colours_per_pe = 2;
+        let pe = |x, y| Pe::new(0, x, y);
+        // Two routes of %2 take both colours at (1, 1); a delivery of %1's result along row 1
+        // would cross it, so it goes round through row 2.
+        let mut delivery = route(2, 1, pe(0, 1), pe(2, 1));
+        delivery.kind = RouteKind::Operand { value: 1, elements: 0..32 };
+        let mut routes = [route(0, 2, pe(3, 0), pe(1, 1)), route(1, 2, pe(3, 0), pe(1, 1)), delivery];
+        assert!(assign_colours(&mut routes, &params, &precedence()).is_ok());
+        let detour = &routes[2];
+        assert!(detour.colour < 2);
+        let mut visited = Vec::new();
+        for_each_pe(detour, |p| visited.push(p));
+        assert!(!visited.contains(&pe(1, 1)), "the detour avoids the saturated PE: {visited:?}");
+        let mut at = pe(0, 1);
+        for run in &detour.path {
+            assert_eq!(run.from, at);
+            at = run.to;
+        }
+        assert_eq!(at, pe(2, 1));
+        visited.sort_unstable();
+        visited.dedup();
+        assert_eq!(visited.len(), 5, "the shortest way round: {visited:?}");
+        // The colours are legal on the new path: no PE has two unordered routes of one colour.
+        let graph = conflict_graph(&routes, &params, &precedence());
+        for e in graph.edge_indices() {
+            let (a, b) = graph.edge_endpoints(e).expect("an edge has endpoints");
+            assert_ne!(routes[a.index()].colour, routes[b.index()].colour);
+        }
+    }
+
+    #[test]
+    fn a_gather_is_not_rerouted() {
+        let mut params = waferc_targets::Target::grid(4, 4).params();
+        params.colours_per_pe = 2;
+        let pe = |x, y| Pe::new(0, x, y);
+        let mut routes =
+            [route(0, 2, pe(3, 0), pe(1, 1)), route(1, 2, pe(3, 0), pe(1, 1)), route(2, 1, pe(0, 1), pe(2, 1))];
+        assert!(assign_colours(&mut routes, &params, &precedence()).is_err());
     }
 }
