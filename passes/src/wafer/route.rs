@@ -256,11 +256,32 @@ fn route_pes(routes: &[Route], params: &TargetParams) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// When two routes can never be active at the same time, so may share a colour on a PE: their
+/// instructions are ordered by [`Precedence`], or they belong to one instruction and are sent
+/// in different steps of the schedule (an instruction's steps run one after another, each
+/// step's messages delivered before the next begins).
+pub(super) struct RouteOrder<'a> {
+    pub precedence: &'a Precedence,
+    /// The schedule step sending each route (by route index).
+    pub step_of: Vec<u32>,
+}
+
+impl RouteOrder<'_> {
+    fn apart(&self, routes: &[Route], r: usize, s: usize) -> bool {
+        let (a, b) = (routes[r].instr as usize, routes[s].instr as usize);
+        if a == b {
+            self.step_of[r] != self.step_of[s]
+        } else {
+            self.precedence.ordered(a, b)
+        }
+    }
+}
+
 /// The route conflict graph: node `r` is route `r`; two routes are adjacent when they touch a
-/// common PE and their instructions are not ordered by [`Precedence`] (ordered routes may share
-/// a colour: the router switches the colour between them). Edges are added in increasing
+/// common PE and are not apart by [`RouteOrder`] (routes never active together may share a
+/// colour: the router switches the colour between them). Edges are added in increasing
 /// `(r, s)` order, so the graph is the same on every run.
-pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, precedence: &Precedence) -> UnGraph<(), ()> {
+pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, order: &RouteOrder) -> UnGraph<(), ()> {
     let pes = route_pes(routes, params);
     let pe_count = params.grid_cols as usize * params.grid_rows as usize * params.wafers as usize;
     // Each PE's routes, in compressed rows.
@@ -300,7 +321,7 @@ pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, precedence
         }
         later.sort_unstable();
         for &s in &later {
-            if !precedence.ordered(routes[r].instr as usize, routes[s as usize].instr as usize) {
+            if !order.apart(routes, r, s as usize) {
                 graph.add_edge(NodeIndex::new(r), NodeIndex::new(s as usize), ());
             }
         }
@@ -319,9 +340,9 @@ pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, precedence
 pub(super) fn assign_colours(
     routes: &mut [Route],
     params: &TargetParams,
-    precedence: &Precedence,
+    order: &RouteOrder,
 ) -> Result<(), ColourClash> {
-    let mut graph = conflict_graph(routes, params, precedence);
+    let mut graph = conflict_graph(routes, params, order);
     let mut pes = route_pes(routes, params);
     let mut detoured = Detoured::new(params);
     let limit = params.colours_per_pe.min(32) as u32;
@@ -340,7 +361,7 @@ pub(super) fn assign_colours(
         } else {
             let mut state = Colouring {
                 params,
-                precedence,
+                order,
                 graph: &mut graph,
                 pes: &mut pes,
                 coloured: &coloured,
@@ -422,7 +443,7 @@ impl Detoured {
 /// The colouring's state that a detour reads and updates.
 struct Colouring<'a, 'g> {
     params: &'a TargetParams,
-    precedence: &'a Precedence,
+    order: &'a RouteOrder<'a>,
     graph: &'g mut UnGraph<(), ()>,
     pes: &'g mut Vec<Vec<u32>>,
     coloured: &'g [bool],
@@ -440,14 +461,13 @@ impl Colouring<'_, '_> {
         let route = &routes[r];
         let legs = legs(route)?;
         let params = self.params;
-        let instr = route.instr as usize;
         let touching = self.detoured.touching(self.pes);
         // Colours taken at a PE by coloured routes that may be active alongside route `r`.
         let taken = |pe: Pe| -> u32 {
             let mut colours = 0u32;
             for &s in touching.get(&(pe_index(params, pe) as u32)).map_or(&[][..], |v| &v[..]) {
                 let s = s as usize;
-                if s != r && self.coloured[s] && !self.precedence.ordered(instr, routes[s].instr as usize) {
+                if s != r && self.coloured[s] && !self.order.apart(routes, r, s) {
                     colours |= 1 << routes[s].colour;
                 }
             }
@@ -493,7 +513,7 @@ impl Colouring<'_, '_> {
         neighbours.sort_unstable();
         neighbours.dedup();
         for s in neighbours {
-            if !self.precedence.ordered(instr, routes[s as usize].instr as usize) {
+            if !self.order.apart(routes, r, s as usize) {
                 self.graph.add_edge(node, NodeIndex::new(s as usize), ());
             }
         }
@@ -524,7 +544,7 @@ mod tests {
     use super::*;
 
     /// `%1` and `%2` read `%0` side by side; `%3` reads both.
-    fn precedence() -> Precedence {
+    fn module_precedence() -> Precedence {
         let module = waferc_ir::text::parse(
             "module architecture=test vocab_size=8 num_layers=1\n\
              weight @table : bf16[8, 32]\nweight @a : bf16[32, 32]\nweight @b : bf16[32, 32]\n\
@@ -536,6 +556,11 @@ mod tests {
         )
         .expect("the test module parses");
         Precedence::new(&module)
+    }
+
+    /// Each route in its instruction's one step: only precedence orders routes.
+    fn one_step_each(routes: &[Route]) -> Vec<u32> {
+        routes.iter().map(|r| r.instr).collect()
     }
 
     fn route(id: u32, instr: u32, from: Pe, to: Pe) -> Route {
@@ -566,7 +591,9 @@ mod tests {
             // Unordered with %1, but on another row.
             route(3, 2, pe(0, 2), pe(3, 2)),
         ];
-        let graph = conflict_graph(&routes, &params, &precedence());
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let graph = conflict_graph(&routes, &params, &order);
         let edges: Vec<(usize, usize)> = graph
             .edge_indices()
             .map(|e| graph.edge_endpoints(e).expect("an edge has endpoints"))
@@ -583,15 +610,33 @@ mod tests {
         let make =
             || [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 2, pe(1, 0), pe(1, 3)), route(2, 1, pe(1, 1), pe(1, 0))];
         let mut routes = make();
-        assert!(assign_colours(&mut routes, &params, &precedence()).is_ok());
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        assert!(assign_colours(&mut routes, &params, &order).is_ok());
         let mut colours: Vec<u8> = routes.iter().map(|r| r.colour).collect();
         colours.sort_unstable();
         assert_eq!(colours, [0, 1, 2]);
 
         params.colours_per_pe = 2;
         let mut routes = make();
-        let clash = assign_colours(&mut routes, &params, &precedence()).err().expect("three routes need three colours");
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let clash = assign_colours(&mut routes, &params, &order).err().expect("three routes need three colours");
         assert_eq!(clash.pe, pe(1, 0));
+    }
+
+    #[test]
+    fn routes_of_one_instruction_in_different_steps_share_a_colour() {
+        let params = waferc_targets::Target::grid(4, 4).params();
+        let pe = |x, y| Pe::new(0, x, y);
+        let mut routes =
+            [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 1, pe(3, 0), pe(0, 0)), route(2, 1, pe(1, 0), pe(1, 3))];
+        let precedence = module_precedence();
+        // Routes 0 and 1 go in one step, route 2 in the next.
+        let order = RouteOrder { precedence: &precedence, step_of: vec![4, 4, 5] };
+        assert!(assign_colours(&mut routes, &params, &order).is_ok());
+        assert_ne!(routes[0].colour, routes[1].colour);
+        assert_eq!(routes[2].colour, 0);
     }
 
     #[test]
@@ -600,7 +645,9 @@ mod tests {
         let pe = |x, y| Pe::new(0, x, y);
         let mut routes =
             [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 3, pe(3, 0), pe(0, 0)), route(2, 5, pe(0, 0), pe(0, 3))];
-        assert!(assign_colours(&mut routes, &params, &precedence()).is_ok());
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        assert!(assign_colours(&mut routes, &params, &order).is_ok());
         assert!(routes.iter().all(|r| r.colour == 0));
     }
     #[test]
@@ -613,7 +660,9 @@ mod tests {
         let mut delivery = route(2, 1, pe(0, 1), pe(2, 1));
         delivery.kind = RouteKind::Operand { value: 1, elements: 0..32 };
         let mut routes = [route(0, 2, pe(3, 0), pe(1, 1)), route(1, 2, pe(3, 0), pe(1, 1)), delivery];
-        assert!(assign_colours(&mut routes, &params, &precedence()).is_ok());
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        assert!(assign_colours(&mut routes, &params, &order).is_ok());
         let detour = &routes[2];
         assert!(detour.colour < 2);
         let mut visited = Vec::new();
@@ -629,7 +678,9 @@ mod tests {
         visited.dedup();
         assert_eq!(visited.len(), 5, "the shortest way round: {visited:?}");
         // The colours are legal on the new path: no PE has two unordered routes of one colour.
-        let graph = conflict_graph(&routes, &params, &precedence());
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let graph = conflict_graph(&routes, &params, &order);
         for e in graph.edge_indices() {
             let (a, b) = graph.edge_endpoints(e).expect("an edge has endpoints");
             assert_ne!(routes[a.index()].colour, routes[b.index()].colour);
@@ -643,6 +694,8 @@ mod tests {
         let pe = |x, y| Pe::new(0, x, y);
         let mut routes =
             [route(0, 2, pe(3, 0), pe(1, 1)), route(1, 2, pe(3, 0), pe(1, 1)), route(2, 1, pe(0, 1), pe(2, 1))];
-        assert!(assign_colours(&mut routes, &params, &precedence()).is_err());
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        assert!(assign_colours(&mut routes, &params, &order).is_err());
     }
 }
