@@ -345,6 +345,7 @@ pub(super) fn assign_colours(
     let mut graph = conflict_graph(routes, params, order);
     let mut pes = route_pes(routes, params);
     let mut detoured = Detoured::new(params);
+    let mut detours = 0usize;
     let limit = params.colours_per_pe.min(32) as u32;
     let all = if limit == 32 { u32::MAX } else { (1u32 << limit) - 1 };
     let mut neighbour_colours = vec![0u32; routes.len()];
@@ -358,7 +359,8 @@ pub(super) fn assign_colours(
         let free = !neighbour_colours[r] & all;
         let colour = if free != 0 {
             free.trailing_zeros()
-        } else {
+        } else if detours < DETOUR_BUDGET {
+            detours += 1;
             let mut state = Colouring {
                 params,
                 order,
@@ -371,6 +373,8 @@ pub(super) fn assign_colours(
                 Some(colour) => colour,
                 None => return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &pes, &coloured, r) }),
             }
+        } else {
+            return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &pes, &coloured, r) });
         };
         routes[r].colour = colour as u8;
         coloured[r] = true;
@@ -414,6 +418,13 @@ fn legs(route: &Route) -> Option<Vec<(Pe, Pe)>> {
         _ => None,
     }
 }
+
+/// Detours one colouring may take before it reports a clash: each is an A* search per colour,
+/// and a placement needing more is better changed than patched (a bound on compile time).
+const DETOUR_BUDGET: usize = 256;
+
+/// How far (in PEs) a detour may stray outside its route's endpoints' bounding box.
+const DETOUR_MARGIN: u16 = 4;
 
 /// The routes touching each PE, kept up to date as routes take detours.
 struct Detoured {
@@ -473,10 +484,21 @@ impl Colouring<'_, '_> {
             }
             colours
         };
+        // The search stays within DETOUR_MARGIN PEs of the route's endpoints' bounding box: on
+        // a full wafer an unbounded A* per colour would explore most of the mesh.
+        let ends = || route.sources.iter().chain(&route.destinations);
+        let (x0, x1) = (ends().map(|p| p.x).min()?, ends().map(|p| p.x).max()?);
+        let (y0, y1) = (ends().map(|p| p.y).min()?, ends().map(|p| p.y).max()?);
+        let within = |pe: Pe| {
+            pe.x + DETOUR_MARGIN >= x0
+                && pe.x <= x1 + DETOUR_MARGIN
+                && pe.y + DETOUR_MARGIN >= y0
+                && pe.y <= y1 + DETOUR_MARGIN
+        };
         let mut best: Option<(u64, u32, Vec<Run>)> = None;
         for colour in 0..limit {
             let bit = 1u32 << colour;
-            let open = |pe: Pe| taken(pe) & bit == 0;
+            let open = |pe: Pe| within(pe) && taken(pe) & bit == 0;
             if !route.sources.iter().chain(&route.destinations).all(|pe| open(*pe)) {
                 continue;
             }
