@@ -625,8 +625,9 @@ impl<'a> Checker<'a> {
     }
 
     /// Paths are walkable and colours legal: within the limit, and two routes sharing a colour
-    /// on a PE belong to instructions one of which reads the other's result (transitively), so
-    /// they are never active at the same time (the router switches the colour between them).
+    /// on a PE belong to instructions one of which reads the other's result (transitively), or
+    /// to one instruction's different schedule steps, so they are never active at the same time
+    /// (the router switches the colour between them).
     fn paths_and_colours(&mut self) {
         let params = &self.program.target;
         let (cols, rows) = (params.grid_cols as usize, params.grid_rows as usize);
@@ -637,8 +638,16 @@ impl<'a> Checker<'a> {
         let index = |pe: Pe, colour: u8| {
             ((pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize) * colours + colour as usize
         };
+        // The schedule step sending each route: one instruction's steps run one after another.
+        let mut step_of: HashMap<u32, usize> = HashMap::new();
+        for (s, step) in self.program.schedule.iter().enumerate() {
+            for id in &step.routes {
+                step_of.entry(*id).or_insert(s);
+            }
+        }
+        let step = |r: &Route| step_of.get(&r.id).copied().unwrap_or(usize::MAX);
         let mut order: Vec<(usize, &Route)> = self.program.routes.iter().enumerate().collect();
-        order.sort_by_key(|(_, r)| (r.instr, r.id));
+        order.sort_by_key(|(_, r)| (r.instr, step(r), r.id));
         let mut reads = Reads::new(self.module);
         for (position, route) in order {
             if route.sources.is_empty() || route.destinations.is_empty() {
@@ -666,7 +675,11 @@ impl<'a> Checker<'a> {
                 let slot = &mut last[index(*pe, route.colour)];
                 if *slot != u32::MAX && *slot != position as u32 {
                     let other = &self.program.routes[*slot as usize];
-                    let apart = other.instr != route.instr && reads.transitively(route.instr, other.instr);
+                    let apart = if other.instr == route.instr {
+                        step(other) != step(route)
+                    } else {
+                        reads.transitively(route.instr, other.instr)
+                    };
                     if !apart && clash.is_none_or(|(c, _)| *pe < c) {
                         clash = Some((*pe, other));
                     }

@@ -30,6 +30,7 @@
 //! [`check`] re-verifies a program independently of the placer's bookkeeping.
 
 mod check;
+mod detour;
 mod experts;
 mod place;
 mod precedence;

@@ -187,7 +187,16 @@ impl<'a> Placer<'a> {
             self.deliver(i);
         }
         let precedence = super::precedence::Precedence::new(module);
-        if let Err(clash) = assign_colours(&mut self.routes, params, &precedence) {
+        let schedule = self.schedule();
+        let mut step_of = vec![0u32; self.routes.len()];
+        for (s, step) in schedule.iter().enumerate() {
+            for &id in &step.routes {
+                step_of[id as usize] = s as u32;
+            }
+        }
+        if let Err(clash) =
+            assign_colours(&mut self.routes, params, &route::RouteOrder { precedence: &precedence, step_of })
+        {
             let route = &self.routes[clash.route];
             let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
             // Name the routes that took the colours: every route sharing a PE with the failed one.
@@ -220,7 +229,6 @@ impl<'a> Placer<'a> {
                 holders,
             });
         }
-        let schedule = self.schedule();
         let options = self.options;
         let Placer { mut images, placements, routes, .. } = self;
         images.sort_unstable_by_key(|image| image.pe);

@@ -3,10 +3,14 @@
 //! gather runs along each source column to the destination's row, then along that row; a
 //! point-to-point message goes along the row, then the column. Traffic between wafers goes through each wafer's gateway PE `(0, 0)`.
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
 
-use waferc_ir::wafer::{reduce_tree, Pe, Route, Run, TargetParams};
+use petgraph::graph::{NodeIndex, UnGraph};
 
+use waferc_ir::wafer::{reduce_tree, Pe, Route, RouteKind, Run, TargetParams};
+
+use super::detour::{paths_for_legs, MeshView};
 use super::precedence::Precedence;
 
 /// The PE through which a wafer talks to its neighbours in the pipeline.
@@ -232,88 +236,488 @@ pub(super) struct ColourClash {
     pub pe: Pe,
 }
 
-/// Colours routes so that no two routes touching a PE share one while both can be active, by
-/// DSatur: repeatedly colour the uncoloured route whose neighbours (routes sharing a PE with it
-/// whose instructions are not ordered by [`Precedence`]) already use the most distinct colours
-/// (ties: more PEs, then lower route index), with the lowest colour they leave free. Routes of
-/// ordered instructions may share a colour: the router switches the colour between them.
-/// Deterministic.
-pub(super) fn assign_colours(
-    routes: &mut [Route],
-    params: &TargetParams,
-    precedence: &Precedence,
-) -> Result<(), ColourClash> {
+/// Dense index of a PE on the target.
+fn pe_index(params: &TargetParams, pe: Pe) -> usize {
     let (cols, rows) = (params.grid_cols as usize, params.grid_rows as usize);
-    let index = |pe: Pe| (pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize;
-    let pe_count = cols * rows * params.wafers as usize;
-    let limit = params.colours_per_pe.min(32) as u32;
-    let all = if limit == 32 { u32::MAX } else { (1u32 << limit) - 1 };
+    (pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize
+}
 
-    // Each route's PEs (deduplicated), and each PE's routes (compressed rows).
-    let mut route_pes: Vec<Vec<u32>> = Vec::with_capacity(routes.len());
-    let mut per_pe_count = vec![0u32; pe_count + 1];
-    for route in routes.iter() {
-        let mut pes = Vec::new();
-        for_each_pe(route, |pe| pes.push(index(pe) as u32));
-        pes.sort_unstable();
-        pes.dedup();
-        for &p in &pes {
-            per_pe_count[p as usize + 1] += 1;
+/// Each route's PEs, deduplicated and sorted by dense index.
+fn route_pes(routes: &[Route], params: &TargetParams) -> Vec<Vec<u32>> {
+    routes
+        .iter()
+        .map(|route| {
+            let mut pes = Vec::new();
+            for_each_pe(route, |pe| pes.push(pe_index(params, pe) as u32));
+            pes.sort_unstable();
+            pes.dedup();
+            pes
+        })
+        .collect()
+}
+
+/// When two routes can never be active at the same time, so may share a colour on a PE: their
+/// instructions are ordered by [`Precedence`], or they belong to one instruction and are sent
+/// in different steps of the schedule (an instruction's steps run one after another, each
+/// step's messages delivered before the next begins).
+pub(super) struct RouteOrder<'a> {
+    pub precedence: &'a Precedence,
+    /// The schedule step sending each route (by route index).
+    pub step_of: Vec<u32>,
+}
+
+impl RouteOrder<'_> {
+    fn apart(&self, routes: &[Route], r: usize, s: usize) -> bool {
+        let (a, b) = (routes[r].instr as usize, routes[s].instr as usize);
+        if a == b {
+            self.step_of[r] != self.step_of[s]
+        } else {
+            self.precedence.ordered(a, b)
         }
-        route_pes.push(pes);
+    }
+}
+
+/// The route conflict graph: node `r` is route `r`; two routes are adjacent when they touch a
+/// common PE and are not apart by [`RouteOrder`] (routes never active together may share a
+/// colour: the router switches the colour between them). Edges are added in increasing
+/// `(r, s)` order, so the graph is the same on every run.
+pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, order: &RouteOrder) -> UnGraph<(), ()> {
+    let pes = route_pes(routes, params);
+    let pe_count = params.grid_cols as usize * params.grid_rows as usize * params.wafers as usize;
+    // Each PE's routes, in compressed rows.
+    let mut starts = vec![0u32; pe_count + 1];
+    for list in &pes {
+        for &p in list {
+            starts[p as usize + 1] += 1;
+        }
     }
     for p in 0..pe_count {
-        per_pe_count[p + 1] += per_pe_count[p];
+        starts[p + 1] += starts[p];
     }
-    let starts = per_pe_count;
     let mut fill = starts.clone();
     let mut pe_routes = vec![0u32; *starts.last().unwrap_or(&0) as usize];
-    for (r, pes) in route_pes.iter().enumerate() {
-        for &p in pes {
+    for (r, list) in pes.iter().enumerate() {
+        for &p in list {
             pe_routes[fill[p as usize] as usize] = r as u32;
             fill[p as usize] += 1;
         }
     }
+    let mut graph = UnGraph::with_capacity(routes.len(), 0);
+    for _ in routes {
+        graph.add_node(());
+    }
+    // `seen_by[s] == r`: the pair (r, s) was already considered.
+    let mut seen_by = vec![u32::MAX; routes.len()];
+    let mut later = Vec::new();
+    for (r, list) in pes.iter().enumerate() {
+        later.clear();
+        for &p in list {
+            for &s in &pe_routes[starts[p as usize] as usize..starts[p as usize + 1] as usize] {
+                if s as usize > r && seen_by[s as usize] != r as u32 {
+                    seen_by[s as usize] = r as u32;
+                    later.push(s);
+                }
+            }
+        }
+        later.sort_unstable();
+        for &s in &later {
+            if !order.apart(routes, r, s as usize) {
+                graph.add_edge(NodeIndex::new(r), NodeIndex::new(s as usize), ());
+            }
+        }
+    }
+    graph
+}
 
+/// Colours routes so that no two routes touching a PE share one while both can be active, by
+/// DSatur over the [`conflict_graph`]: repeatedly colour the uncoloured route whose neighbours
+/// already use the most distinct colours (ties: more PEs, then lower route index), with the
+/// lowest colour they leave free. A route left no free colour by its dimension-ordered path
+/// takes a detour where one colour is free all along, if there is one ([`Colouring::detour`]).
+/// (petgraph's own `dsatur_coloring` breaks ties by degree and
+/// needed one more colour on the `matvec-split-reduction` snapshot, and has no colour limit.)
+/// Deterministic.
+pub(super) fn assign_colours(
+    routes: &mut [Route],
+    params: &TargetParams,
+    order: &RouteOrder,
+) -> Result<(), ColourClash> {
+    let mut graph = conflict_graph(routes, params, order);
+    let mut pes = route_pes(routes, params);
+    let mut detoured = Detoured::new(params);
+    let mut detours = 0usize;
+    let limit = params.colours_per_pe.min(32) as u32;
+    let all = if limit == 32 { u32::MAX } else { (1u32 << limit) - 1 };
     let mut neighbour_colours = vec![0u32; routes.len()];
     let mut coloured = vec![false; routes.len()];
-    let mut used = vec![0u32; pe_count];
-    let mut queue: std::collections::BinaryHeap<(u32, usize, std::cmp::Reverse<usize>)> =
-        route_pes.iter().enumerate().map(|(r, pes)| (0, pes.len(), std::cmp::Reverse(r))).collect();
-    while let Some((saturation, _, std::cmp::Reverse(r))) = queue.pop() {
+    let mut queue: BinaryHeap<(u32, usize, Reverse<usize>)> =
+        pes.iter().enumerate().map(|(r, list)| (0, list.len(), Reverse(r))).collect();
+    while let Some((saturation, _, Reverse(r))) = queue.pop() {
         if coloured[r] || saturation != neighbour_colours[r].count_ones() {
             continue;
         }
         let free = !neighbour_colours[r] & all;
-        if free == 0 {
-            let pe = route_pes[r].iter().max_by_key(|p| used[**p as usize].count_ones()).copied().unwrap_or(0) as usize;
-            let (wafer, rest) = (pe / (cols * rows), pe % (cols * rows));
-            return Err(ColourClash {
-                route: r,
-                pe: Pe::new(wafer as u16, (rest % cols) as u16, (rest / cols) as u16),
-            });
-        }
-        let colour = free.trailing_zeros();
+        let colour = if free != 0 {
+            free.trailing_zeros()
+        } else if detours < DETOUR_BUDGET {
+            detours += 1;
+            let mut state = Colouring {
+                params,
+                order,
+                graph: &mut graph,
+                pes: &mut pes,
+                coloured: &coloured,
+                detoured: &mut detoured,
+            };
+            match state.detour(routes, r, limit) {
+                Some(colour) => colour,
+                None => return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &pes, &coloured, r) }),
+            }
+        } else {
+            return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &pes, &coloured, r) });
+        };
         routes[r].colour = colour as u8;
         coloured[r] = true;
         let bit = 1u32 << colour;
-        for &p in &route_pes[r] {
-            used[p as usize] |= bit;
-            for &other in &pe_routes[starts[p as usize] as usize..starts[p as usize + 1] as usize] {
-                let other = other as usize;
-                if !coloured[other]
-                    && neighbour_colours[other] & bit == 0
-                    && !precedence.ordered(routes[r].instr as usize, routes[other].instr as usize)
-                {
-                    neighbour_colours[other] |= bit;
-                    queue.push((
-                        neighbour_colours[other].count_ones(),
-                        route_pes[other].len(),
-                        std::cmp::Reverse(other),
-                    ));
-                }
+        for other in graph.neighbors(NodeIndex::new(r)) {
+            let other = other.index();
+            if !coloured[other] && neighbour_colours[other] & bit == 0 {
+                neighbour_colours[other] |= bit;
+                queue.push((neighbour_colours[other].count_ones(), pes[other].len(), Reverse(other)));
             }
         }
     }
     Ok(())
+}
+
+/// The point-to-point legs a detour may re-route `route` by, in path order, when every run of
+/// the route carries one message (so separate paths per leg keep its traffic): a multicast's
+/// source to each destination, or a reduction's tree edges in [`reduce_tree`] order and then
+/// the forward to the destination. `None` for a gather (its runs count the sources they carry)
+/// and for a route that leaves its wafer.
+fn legs(route: &Route) -> Option<Vec<(Pe, Pe)>> {
+    let wafer = route.sources.first()?.wafer;
+    let on_wafer = route.sources.iter().chain(&route.destinations).all(|pe| pe.wafer == wafer);
+    if !on_wafer || route.path.iter().any(Run::is_inter_wafer) {
+        return None;
+    }
+    match route.kind {
+        _ if route.kind.is_multicast() => {
+            let [source] = route.sources[..] else { return None };
+            Some(route.destinations.iter().map(|&d| (source, d)).collect())
+        }
+        RouteKind::Reduce { .. } => {
+            let leaves = &route.sources;
+            let mut legs: Vec<(Pe, Pe)> = reduce_tree(leaves.len())
+                .into_iter()
+                .map(|(receiver, sender)| (leaves[sender], leaves[receiver]))
+                .collect();
+            legs.extend(route.destinations.iter().filter(|&&d| d != leaves[0]).map(|&d| (leaves[0], d)));
+            Some(legs)
+        }
+        _ => None,
+    }
+}
+
+/// Detours one colouring may take before it reports a clash: each is an A* search per colour,
+/// and a placement needing more is better changed than patched (a bound on compile time).
+const DETOUR_BUDGET: usize = 256;
+
+/// How far (in PEs) a detour may stray outside its route's endpoints' bounding box.
+const DETOUR_MARGIN: u16 = 4;
+
+/// The routes touching each PE, kept up to date as routes take detours.
+struct Detoured {
+    pe_routes: BTreeMap<u32, Vec<u32>>,
+    built: bool,
+}
+
+impl Detoured {
+    fn new(_params: &TargetParams) -> Detoured {
+        Detoured { pe_routes: BTreeMap::new(), built: false }
+    }
+
+    /// Built on the first detour only: most programs never need one.
+    fn touching(&mut self, pes: &[Vec<u32>]) -> &mut BTreeMap<u32, Vec<u32>> {
+        if !self.built {
+            for (r, list) in pes.iter().enumerate() {
+                for &p in list {
+                    self.pe_routes.entry(p).or_default().push(r as u32);
+                }
+            }
+            self.built = true;
+        }
+        &mut self.pe_routes
+    }
+}
+
+/// The colouring's state that a detour reads and updates.
+struct Colouring<'a, 'g> {
+    params: &'a TargetParams,
+    order: &'a RouteOrder<'a>,
+    graph: &'g mut UnGraph<(), ()>,
+    pes: &'g mut Vec<Vec<u32>>,
+    coloured: &'g [bool],
+    detoured: &'g mut Detoured,
+}
+
+impl Colouring<'_, '_> {
+    /// Re-routes route `r` through PEs where some colour is free of every coloured route it
+    /// conflicts with: per colour, A* paths on the mesh ([`super::detour`]) for the route's legs
+    /// ([`legs`]) avoiding PEs where that colour is taken, each hop costing more where more
+    /// colours are in use; the cheapest set of paths wins (ties: the lower colour). Updates the
+    /// route's path, its PEs and its conflict-graph edges. `None`: the route has no legs to
+    /// re-route, or no colour has paths for all of them.
+    fn detour(&mut self, routes: &mut [Route], r: usize, limit: u32) -> Option<u32> {
+        let route = &routes[r];
+        let legs = legs(route)?;
+        let params = self.params;
+        let touching = self.detoured.touching(self.pes);
+        // Colours taken at a PE by coloured routes that may be active alongside route `r`.
+        let taken = |pe: Pe| -> u32 {
+            let mut colours = 0u32;
+            for &s in touching.get(&(pe_index(params, pe) as u32)).map_or(&[][..], |v| &v[..]) {
+                let s = s as usize;
+                if s != r && self.coloured[s] && !self.order.apart(routes, r, s) {
+                    colours |= 1 << routes[s].colour;
+                }
+            }
+            colours
+        };
+        // The search stays within DETOUR_MARGIN PEs of the route's endpoints' bounding box: on
+        // a full wafer an unbounded A* per colour would explore most of the mesh.
+        let ends = || route.sources.iter().chain(&route.destinations);
+        let (x0, x1) = (ends().map(|p| p.x).min()?, ends().map(|p| p.x).max()?);
+        let (y0, y1) = (ends().map(|p| p.y).min()?, ends().map(|p| p.y).max()?);
+        let within = |pe: Pe| {
+            pe.x + DETOUR_MARGIN >= x0
+                && pe.x <= x1 + DETOUR_MARGIN
+                && pe.y + DETOUR_MARGIN >= y0
+                && pe.y <= y1 + DETOUR_MARGIN
+        };
+        let mut best: Option<(u64, u32, Vec<Run>)> = None;
+        for colour in 0..limit {
+            let bit = 1u32 << colour;
+            let open = |pe: Pe| within(pe) && taken(pe) & bit == 0;
+            if !route.sources.iter().chain(&route.destinations).all(|pe| open(*pe)) {
+                continue;
+            }
+            let wafer = route.sources[0].wafer;
+            let mesh = MeshView { cols: params.grid_cols, rows: params.grid_rows, wafer, open: &open };
+            let pressure = |pe: Pe| taken(pe).count_ones();
+            if let Some((runs, cost)) = paths_for_legs(mesh, &legs, &pressure) {
+                if best.as_ref().is_none_or(|(c, _, _)| cost < *c) {
+                    best = Some((cost, colour, runs));
+                }
+            }
+        }
+        let (_, colour, runs) = best?;
+        routes[r].path = runs;
+        let mut new_pes = Vec::new();
+        for_each_pe(&routes[r], |pe| new_pes.push(pe_index(params, pe) as u32));
+        new_pes.sort_unstable();
+        new_pes.dedup();
+        for &p in &self.pes[r] {
+            if let Some(list) = touching.get_mut(&p) {
+                list.retain(|&s| s as usize != r);
+            }
+        }
+        let node = NodeIndex::new(r);
+        while let Some(edge) = self.graph.first_edge(node, petgraph::Direction::Outgoing) {
+            self.graph.remove_edge(edge);
+        }
+        let mut neighbours = Vec::new();
+        for &p in &new_pes {
+            let list = touching.entry(p).or_default();
+            neighbours.extend(list.iter().copied());
+            list.push(r as u32);
+        }
+        neighbours.sort_unstable();
+        neighbours.dedup();
+        for s in neighbours {
+            if !self.order.apart(routes, r, s as usize) {
+                self.graph.add_edge(node, NodeIndex::new(s as usize), ());
+            }
+        }
+        self.pes[r] = new_pes;
+        Some(colour)
+    }
+}
+
+/// The PE of route `clash` where the routes coloured so far use the most distinct colours (the
+/// last such PE in dense order).
+fn busiest_pe(routes: &[Route], params: &TargetParams, pes: &[Vec<u32>], coloured: &[bool], clash: usize) -> Pe {
+    let mut used: BTreeMap<u32, u32> = pes[clash].iter().map(|&p| (p, 0)).collect();
+    for (r, list) in pes.iter().enumerate().filter(|(r, _)| coloured[*r]) {
+        for p in list {
+            if let Some(colours) = used.get_mut(p) {
+                *colours |= 1 << routes[r].colour;
+            }
+        }
+    }
+    let busiest = used.iter().max_by_key(|(_, colours)| colours.count_ones()).map_or(0, |(p, _)| *p as usize);
+    let (cols, rows) = (params.grid_cols as usize, params.grid_rows as usize);
+    let (wafer, rest) = (busiest / (cols * rows), busiest % (cols * rows));
+    Pe::new(wafer as u16, (rest % cols) as u16, (rest / cols) as u16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `%1` and `%2` read `%0` side by side; `%3` reads both.
+    fn module_precedence() -> Precedence {
+        let module = waferc_ir::text::parse(
+            "module architecture=test vocab_size=8 num_layers=1\n\
+             weight @table : bf16[8, 32]\nweight @a : bf16[32, 32]\nweight @b : bf16[32, 32]\n\
+             weight @head : bf16[8, 32]\n\
+             %0 = embed @table : f32[32]\n\
+             layer 0 {\n  %1 = matvec %0, @a : f32[32]\n  %2 = matvec %0, @b : f32[32]\n  \
+             %3 = add %1, %2 : f32[32]\n  %4 = add %3, %0 : f32[32]\n}\n\
+             %5 = matvec %4, @head : f32[8]\noutput %5\n",
+        )
+        .expect("the test module parses");
+        Precedence::new(&module)
+    }
+
+    /// Each route in its instruction's one step: only precedence orders routes.
+    fn one_step_each(routes: &[Route]) -> Vec<u32> {
+        routes.iter().map(|r| r.instr).collect()
+    }
+
+    fn route(id: u32, instr: u32, from: Pe, to: Pe) -> Route {
+        let mut path = Vec::new();
+        unicast(from, to, &mut path);
+        Route {
+            id,
+            instr,
+            kind: RouteKind::Collect { elements: 0..32 },
+            colour: 0,
+            sources: vec![from],
+            destinations: vec![to],
+            path,
+            message_bytes: 128,
+        }
+    }
+
+    #[test]
+    fn routes_conflict_when_they_share_a_pe_and_are_not_ordered() {
+        let params = waferc_targets::Target::grid(4, 4).params();
+        let pe = |x, y| Pe::new(0, x, y);
+        let routes = [
+            route(0, 1, pe(0, 0), pe(3, 0)),
+            // Shares row 0 with route 0; %2 runs beside %1.
+            route(1, 2, pe(1, 0), pe(2, 0)),
+            // Shares row 0 too, but %3 reads %1 and %2.
+            route(2, 3, pe(3, 0), pe(0, 0)),
+            // Unordered with %1, but on another row.
+            route(3, 2, pe(0, 2), pe(3, 2)),
+        ];
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let graph = conflict_graph(&routes, &params, &order);
+        let edges: Vec<(usize, usize)> = graph
+            .edge_indices()
+            .map(|e| graph.edge_endpoints(e).expect("an edge has endpoints"))
+            .map(|(a, b)| (a.index(), b.index()))
+            .collect();
+        assert_eq!(edges, [(0, 1)]);
+    }
+
+    #[test]
+    fn colouring_gives_conflicting_routes_distinct_colours_and_reports_a_clash_at_the_limit() {
+        let mut params = waferc_targets::Target::grid(4, 4).params();
+        let pe = |x, y| Pe::new(0, x, y);
+        // %1, %2 and %1 again: three routes through PE (1, 0), pairwise unordered.
+        let make =
+            || [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 2, pe(1, 0), pe(1, 3)), route(2, 1, pe(1, 1), pe(1, 0))];
+        let mut routes = make();
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        assert!(assign_colours(&mut routes, &params, &order).is_ok());
+        let mut colours: Vec<u8> = routes.iter().map(|r| r.colour).collect();
+        colours.sort_unstable();
+        assert_eq!(colours, [0, 1, 2]);
+
+        params.colours_per_pe = 2;
+        let mut routes = make();
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let clash = assign_colours(&mut routes, &params, &order).err().expect("three routes need three colours");
+        assert_eq!(clash.pe, pe(1, 0));
+    }
+
+    #[test]
+    fn routes_of_one_instruction_in_different_steps_share_a_colour() {
+        let params = waferc_targets::Target::grid(4, 4).params();
+        let pe = |x, y| Pe::new(0, x, y);
+        let mut routes =
+            [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 1, pe(3, 0), pe(0, 0)), route(2, 1, pe(1, 0), pe(1, 3))];
+        let precedence = module_precedence();
+        // Routes 0 and 1 go in one step, route 2 in the next.
+        let order = RouteOrder { precedence: &precedence, step_of: vec![4, 4, 5] };
+        assert!(assign_colours(&mut routes, &params, &order).is_ok());
+        assert_ne!(routes[0].colour, routes[1].colour);
+        assert_eq!(routes[2].colour, 0);
+    }
+
+    #[test]
+    fn ordered_routes_share_a_colour() {
+        let params = waferc_targets::Target::grid(4, 4).params();
+        let pe = |x, y| Pe::new(0, x, y);
+        let mut routes =
+            [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 3, pe(3, 0), pe(0, 0)), route(2, 5, pe(0, 0), pe(0, 3))];
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        assert!(assign_colours(&mut routes, &params, &order).is_ok());
+        assert!(routes.iter().all(|r| r.colour == 0));
+    }
+    #[test]
+    fn a_multicast_left_without_a_colour_detours_round_the_saturated_pe() {
+        let mut params = waferc_targets::Target::grid(4, 4).params();
+        params.colours_per_pe = 2;
+        let pe = |x, y| Pe::new(0, x, y);
+        // Two routes of %2 take both colours at (1, 1); a delivery of %1's result along row 1
+        // would cross it, so it goes round through row 2.
+        let mut delivery = route(2, 1, pe(0, 1), pe(2, 1));
+        delivery.kind = RouteKind::Operand { value: 1, elements: 0..32 };
+        let mut routes = [route(0, 2, pe(3, 0), pe(1, 1)), route(1, 2, pe(3, 0), pe(1, 1)), delivery];
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        assert!(assign_colours(&mut routes, &params, &order).is_ok());
+        let detour = &routes[2];
+        assert!(detour.colour < 2);
+        let mut visited = Vec::new();
+        for_each_pe(detour, |p| visited.push(p));
+        assert!(!visited.contains(&pe(1, 1)), "the detour avoids the saturated PE: {visited:?}");
+        let mut at = pe(0, 1);
+        for run in &detour.path {
+            assert_eq!(run.from, at);
+            at = run.to;
+        }
+        assert_eq!(at, pe(2, 1));
+        visited.sort_unstable();
+        visited.dedup();
+        assert_eq!(visited.len(), 5, "the shortest way round: {visited:?}");
+        // The colours are legal on the new path: no PE has two unordered routes of one colour.
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let graph = conflict_graph(&routes, &params, &order);
+        for e in graph.edge_indices() {
+            let (a, b) = graph.edge_endpoints(e).expect("an edge has endpoints");
+            assert_ne!(routes[a.index()].colour, routes[b.index()].colour);
+        }
+    }
+
+    #[test]
+    fn a_gather_is_not_rerouted() {
+        let mut params = waferc_targets::Target::grid(4, 4).params();
+        params.colours_per_pe = 2;
+        let pe = |x, y| Pe::new(0, x, y);
+        let mut routes =
+            [route(0, 2, pe(3, 0), pe(1, 1)), route(1, 2, pe(3, 0), pe(1, 1)), route(2, 1, pe(0, 1), pe(2, 1))];
+        let precedence = module_precedence();
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        assert!(assign_colours(&mut routes, &params, &order).is_err());
+    }
 }
