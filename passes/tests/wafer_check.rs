@@ -105,23 +105,40 @@ fn a_doubly_placed_tile_is_caught() {
 #[test]
 fn shared_colours_and_broken_paths_are_caught() {
     let (module, mut program) = compiled();
-    // Two routes that share a PE given the same colour.
+    // Two routes that share a PE and may be active at the same time (their instructions are
+    // different and neither reads the other's result), given the same colour.
     let (a, b) = {
         let touched = |r: &waferc_ir::wafer::Route| -> Vec<Pe> {
             let mut pes: Vec<Pe> = r.sources.iter().chain(&r.destinations).copied().collect();
             pes.extend(r.path.iter().flat_map(|run| run.pes()));
             pes
         };
+        let reads = |reader: u32, source: u32| {
+            let mut stack = vec![reader as usize];
+            let mut seen = std::collections::HashSet::new();
+            while let Some(v) = stack.pop() {
+                for operand in module.body[waferc_ir::Handle::new(v)].op.operands() {
+                    if operand.index() == source as usize {
+                        return true;
+                    }
+                    if seen.insert(operand.index()) {
+                        stack.push(operand.index());
+                    }
+                }
+            }
+            false
+        };
         let mut found = None;
         'outer: for (i, r) in program.routes.iter().enumerate() {
             for (j, s) in program.routes.iter().enumerate().skip(i + 1) {
-                if touched(r).iter().any(|pe| touched(s).contains(pe)) {
+                let apart = r.instr == s.instr || reads(r.instr, s.instr) || reads(s.instr, r.instr);
+                if !apart && touched(r).iter().any(|pe| touched(s).contains(pe)) {
                     found = Some((i, j));
                     break 'outer;
                 }
             }
         }
-        found.unwrap()
+        found.expect("two unordered routes meet at a PE")
     };
     program.routes[b].colour = program.routes[a].colour;
     let err = problems(&program, &module);
