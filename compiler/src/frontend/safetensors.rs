@@ -332,6 +332,16 @@ fn read_file(path: &Path) -> Result<SafetensorsFile, FrontendError> {
     Ok(SafetensorsFile { path: Arc::new(path.to_path_buf()), map: Arc::new(map), tensors, shape_only })
 }
 
+/// Validates a safetensors file image held in memory, as [`read_checkpoint_dir`] validates each
+/// file it maps, and lists its tensor names; `file` names the image in errors. Also the entry
+/// point the fuzz targets and their replay test drive.
+pub fn check_image(bytes: &[u8], file: &Path) -> Result<Vec<String>, FrontendError> {
+    let tensors = parse_header(bytes)
+        .map_err(|problems| FrontendError::Format { file: file.to_path_buf(), message: list_problems(&problems) })?;
+    is_shape_only(bytes);
+    Ok(tensors.into_iter().map(|t| t.name).collect())
+}
+
 /// Whether the (already validated) header's `__metadata__` has [`SHAPE_ONLY_KEY`] = "true".
 fn is_shape_only(bytes: &[u8]) -> bool {
     let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("validated header")) as usize;

@@ -210,7 +210,12 @@ impl GgufFile {
         // SAFETY: the map is read-only; like every mmap-based model loader, we rely on the
         // checkpoint not being truncated or rewritten while the compiler runs.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        parse(Arc::new(map)).map_err(|message| FrontendError::Format { file: path.to_owned(), message })
+        GgufFile::from_map(Arc::new(map), path)
+    }
+
+    /// Parses a GGUF image already mapped; `path` names it in errors.
+    pub fn from_map(map: Arc<Mmap>, path: &Path) -> Result<GgufFile, FrontendError> {
+        parse(map).map_err(|message| FrontendError::Format { file: path.to_owned(), message })
     }
 
     pub fn get(&self, key: &str) -> Option<&MetadataValue> {
