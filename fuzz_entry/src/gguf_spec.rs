@@ -129,6 +129,21 @@ pub fn gguf_structured(data: &[u8]) -> Result<(), String> {
     crate::read_gguf(&spec.to_bytes())
 }
 
+/// The complete one-layer llama GGUF the structured target starts from (a seed for `gguf` and,
+/// compiled, for `artifact`).
+pub fn tiny_llama_gguf() -> Vec<u8> {
+    let spec = GgufSpec {
+        version: Version::V3,
+        tiny_llama: true,
+        metadata: Vec::new(),
+        tensors: Vec::new(),
+        tensor_count_delta: None,
+        kv_count_delta: None,
+        trailing: Vec::new(),
+    };
+    spec.to_bytes()
+}
+
 impl GgufSpec {
     fn to_bytes(&self) -> Vec<u8> {
         let mut metadata: Vec<(String, Vec<u8>)> = Vec::new();
@@ -284,9 +299,9 @@ fn string_array<S: AsRef<str>>(items: &[S]) -> Vec<u8> {
 fn tiny_llama(metadata: &mut Vec<(String, Vec<u8>)>, tensors: &mut Vec<(String, Vec<u64>, u32, Option<u64>)>) {
     let u32_value = |v: u32| Value::U32(v).encode();
     let str_value = |s: &str| Value::Str(s.to_string()).encode();
-    // 64 tokens: the printable ASCII range of GPT-2's byte alphabet, then two merges' results.
-    let mut tokens: Vec<String> = (b'!'..=b'~').take(60).map(|b| (b as char).to_string()).collect();
-    tokens.extend(["He", "ll", "Hell", "o"].map(String::from));
+    // 64 tokens: letters, eight digits, GPT-2's byte-level space, then the three merges' results.
+    let mut tokens: Vec<String> = (b'a'..=b'z').chain(b'A'..=b'Z').chain(b'0'..=b'7').map(|b| (b as char).to_string()).collect();
+    tokens.extend(["\u{120}", "He", "ll", "Hell"].map(String::from));
     let merges = ["H e", "l l", "He ll"];
     metadata.extend([
         ("general.architecture".to_string(), str_value("llama")),

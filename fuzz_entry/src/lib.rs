@@ -21,7 +21,7 @@ use waferc_runtime::executor::{ExecOptions, Executor};
 use waferc_targets::Target;
 
 pub use checkpoint_dir::checkpoint_dir;
-pub use gguf_spec::gguf_structured;
+pub use gguf_spec::{gguf_structured, tiny_llama_gguf};
 
 /// One fuzz target: its name (the cargo-fuzz target and corpus directory) and its entry.
 pub struct FuzzTarget {
@@ -100,7 +100,7 @@ pub(crate) fn read_gguf(data: &[u8]) -> Result<(), String> {
     frontend::lower(&checkpoint).map(drop).map_err(|e| e.to_string())
 }
 
-/// An artifact image, then `inspect` (text, JSON, SVG) and one decode step of `run` on it.
+/// An artifact image (header, checksum, tile blob, IR blob, tokenizer), then `inspect` (text, JSON, SVG) and one decode step of `run` on it.
 ///
 /// Structure-aware: an input that starts with the artifact magic has its IR blob length and
 /// checksum recomputed from its bytes, so a mutated header or blob gets past the corruption
@@ -110,6 +110,11 @@ pub fn artifact(data: &[u8]) -> Result<(), String> {
     seal_artifact(&mut image);
     let compiled = artifact::read_image(anon_map(&image), Path::new("fuzz.wafer")).map_err(|e| e.to_string())?;
     let (program, module) = (&compiled.program, &compiled.module);
+    if let Some(json) = &compiled.tokenizer_json {
+        let tokenizer = frontend::Tokenizer::from_json(json, Path::new("fuzz.wafer")).map_err(|e| e.to_string())?;
+        let ids = tokenizer.encode("Hello, wafer!").map_err(|e| e.to_string())?;
+        tokenizer.decode(&ids).map_err(|e| e.to_string())?;
+    }
     let filter = Filter::all();
     let timing = ExecOptions { timing_only: true, record_values: false };
     let mut executor = Executor::new(program, module, None, timing).map_err(|e| e.to_string())?;
