@@ -133,8 +133,14 @@ enum TensorName {
 #[derive(Arbitrary, Debug)]
 enum IndexEdit {
     Drop(u8),
-    Move { tensor: u8, shard: String },
-    Add { tensor: String, shard: String },
+    Move {
+        tensor: u8,
+        shard: String,
+    },
+    Add {
+        tensor: String,
+        shard: String,
+    },
     NotAString(u8),
     /// Replace the whole index with this text.
     Raw(String),

@@ -97,9 +97,16 @@ enum Value {
     Strings(Vec<String>),
     I32s(Vec<i32>),
     /// An array header with any element type and count, then raw bytes.
-    RawArray { element_type: u32, count: u64, bytes: Vec<u8> },
+    RawArray {
+        element_type: u32,
+        count: u64,
+        bytes: Vec<u8>,
+    },
     /// Any type id, then raw bytes.
-    Raw { type_id: u32, bytes: Vec<u8> },
+    Raw {
+        type_id: u32,
+        bytes: Vec<u8>,
+    },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -300,7 +307,8 @@ fn tiny_llama(metadata: &mut Vec<(String, Vec<u8>)>, tensors: &mut Vec<(String, 
     let u32_value = |v: u32| Value::U32(v).encode();
     let str_value = |s: &str| Value::Str(s.to_string()).encode();
     // 64 tokens: letters, eight digits, GPT-2's byte-level space, then the three merges' results.
-    let mut tokens: Vec<String> = (b'a'..=b'z').chain(b'A'..=b'Z').chain(b'0'..=b'7').map(|b| (b as char).to_string()).collect();
+    let mut tokens: Vec<String> =
+        (b'a'..=b'z').chain(b'A'..=b'Z').chain(b'0'..=b'7').map(|b| (b as char).to_string()).collect();
     tokens.extend(["\u{120}", "He", "ll", "Hell"].map(String::from));
     let merges = ["H e", "l l", "He ll"];
     metadata.extend([

@@ -42,7 +42,11 @@ fn every_seed_and_regression_replays_without_a_panic() {
                 Ok(Err(message)) => {
                     let named = file_name(target.name).is_none_or(|name| message.contains(name));
                     if !named {
-                        failures.push(format!("{}: {}: error does not name the file: {message}", target.name, input.display()));
+                        failures.push(format!(
+                            "{}: {}: error does not name the file: {message}",
+                            target.name,
+                            input.display()
+                        ));
                     }
                 }
                 Ok(Ok(())) => {}
