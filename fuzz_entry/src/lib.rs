@@ -109,6 +109,9 @@ pub fn artifact(data: &[u8]) -> Result<(), String> {
     let mut image = data.to_vec();
     seal_artifact(&mut image);
     let compiled = artifact::read_image(anon_map(&image), Path::new("fuzz.wafer")).map_err(|e| e.to_string())?;
+    // As `waferc run` and `inspect` do, executor errors (which name the instruction and PE) get
+    // the artifact's name in front.
+    let running = |e: waferc_runtime::executor::ExecError| format!("running fuzz.wafer: {e}");
     let (program, module) = (&compiled.program, &compiled.module);
     if let Some(json) = &compiled.tokenizer_json {
         let tokenizer = frontend::Tokenizer::from_json(json, Path::new("fuzz.wafer")).map_err(|e| e.to_string())?;
@@ -117,8 +120,8 @@ pub fn artifact(data: &[u8]) -> Result<(), String> {
     }
     let filter = Filter::all();
     let timing = ExecOptions { timing_only: true, record_values: false };
-    let mut executor = Executor::new(program, module, None, timing).map_err(|e| e.to_string())?;
-    executor.step(0).map_err(|e| e.to_string())?;
+    let mut executor = Executor::new(program, module, None, timing).map_err(running)?;
+    executor.step(0).map_err(running)?;
     inspect::summary_text(program, Some(module), &filter, None);
     inspect::write_placement_json(program, Some(module), &filter, &mut std::io::sink(), true)
         .map_err(|e| e.to_string())?;
