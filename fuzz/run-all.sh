@@ -19,7 +19,8 @@ if [ ${#targets[@]} -eq 0 ]; then
 fi
 mkdir -p logs
 # Build once, then run the binaries: editing the sources during a long run does not rebuild them.
-[ -n "${NO_BUILD:-}" ] || cargo +nightly fuzz build -O
+# -a: debug assertions and overflow checks, so an arithmetic overflow is a finding too.
+[ -n "${NO_BUILD:-}" ] || cargo +nightly fuzz build -O -a
 bin=target/$(rustc +nightly -vV | sed -n 's/^host: //p')/release
 results=()
 for t in "${targets[@]}"; do

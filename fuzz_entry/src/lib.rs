@@ -127,8 +127,8 @@ pub fn artifact(data: &[u8]) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     inspect::placement_svg(program, Some(module), &filter, ColourBy::Layer);
     let functional = ExecOptions { timing_only: false, record_values: false };
-    let mut executor = Executor::new(program, module, compiled.tiles.bytes(), functional).map_err(|e| e.to_string())?;
-    executor.step(0).map(drop).map_err(|e| e.to_string())
+    let mut executor = Executor::new(program, module, compiled.tiles.bytes(), functional).map_err(running)?;
+    executor.step(0).map(drop).map_err(running)
 }
 
 /// Makes an artifact image whose prefix carries the magic consistent: the IR blob length takes
