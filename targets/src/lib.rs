@@ -39,6 +39,9 @@ impl<T> Param<T> {
     }
 }
 
+/// The largest target file read (real ones are a few kilobytes).
+pub const MAX_TARGET_FILE_BYTES: u64 = 1 << 20;
+
 /// A wafer-scale target. Field names are the TOML keys of a target file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Target {
@@ -172,9 +175,16 @@ impl Target {
 
     /// Reads a target file (see the crate documentation for its form).
     pub fn from_file(path: &Path) -> Result<Target, TargetError> {
+        use std::io::Read;
         let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| TargetError::Read { path: shown.clone(), message: e.to_string() })?;
+        let read_error = |message: String| TargetError::Read { path: shown.clone(), message };
+        let file = std::fs::File::open(path).map_err(|e| read_error(e.to_string()))?;
+        let mut text = String::new();
+        // One byte past the limit tells "exactly at the limit" from "larger".
+        file.take(MAX_TARGET_FILE_BYTES + 1).read_to_string(&mut text).map_err(|e| read_error(e.to_string()))?;
+        if text.len() as u64 > MAX_TARGET_FILE_BYTES {
+            return Err(read_error(format!("larger than the {MAX_TARGET_FILE_BYTES} bytes a target file may have")));
+        }
         Target::from_toml(&text, &shown)
     }
 

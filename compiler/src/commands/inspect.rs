@@ -57,7 +57,7 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
 
     let content = match args.format {
         Format::Text => {
-            let speed = modeled_speed(&compiled)?;
+            let speed = modeled_speed(&compiled).with_context(|| format!("modelling {}", args.artifact.display()))?;
             inspect::summary_text(program, Some(module), &filter, Some(&speed))
         }
         Format::Svg => {

@@ -137,7 +137,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             timing_only: args.timing_only,
         })
         .collect();
-    let outcomes = execute_in_flight(&compiled, &executions, in_flight)?;
+    // Executor errors name the instruction and PE; this names the artifact they came from.
+    let outcomes = execute_in_flight(&compiled, &executions, in_flight)
+        .with_context(|| format!("running {}", args.artifact.display()))?;
     let pipelined = pipeline_timing(&prompts, &outcomes, in_flight, program.target.clock_hz);
     let outcome = &outcomes[0];
     let prompt = &prompts[0];

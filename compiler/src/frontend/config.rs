@@ -15,8 +15,7 @@ use super::{Architecture, FrontendError, ModelConfig, MoeConfig, SlidingWindow};
 
 /// Reads and parses `path` (a `config.json`).
 pub fn read_config(path: &Path) -> Result<ModelConfig, FrontendError> {
-    let text =
-        std::fs::read_to_string(path).map_err(|source| FrontendError::Io { path: path.to_path_buf(), source })?;
+    let text = super::read_bounded_text(path, super::MAX_CONFIG_BYTES)?;
     parse_config(&text, path)
 }
 

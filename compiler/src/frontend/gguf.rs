@@ -26,7 +26,16 @@ use crate::frontend::{Architecture, Checkpoint, FrontendError, ModelConfig, Tens
 /// Reads a GGUF file: the checkpoint, and its tokenizer when there is one (a `tokenizer.json`
 /// beside the file wins over the one GGUF metadata describes).
 pub fn read(path: &Path) -> Result<(Checkpoint, Option<Tokenizer>), FrontendError> {
-    let file = GgufFile::open(path)?;
+    read_parsed(GgufFile::open(path)?, path)
+}
+
+/// [`read`] of a GGUF image already in memory (an anonymous map, say); `path` names it in
+/// errors and locates a `tokenizer.json` beside it. The fuzz targets' entry point.
+pub fn read_image(map: Arc<memmap2::Mmap>, path: &Path) -> Result<(Checkpoint, Option<Tokenizer>), FrontendError> {
+    read_parsed(GgufFile::from_map(map, path)?, path)
+}
+
+fn read_parsed(file: GgufFile, path: &Path) -> Result<(Checkpoint, Option<Tokenizer>), FrontendError> {
     let mut problems = Vec::new();
     let config = model_config(&file, &mut problems);
     let tensors = match &config {

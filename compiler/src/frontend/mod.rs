@@ -129,6 +129,37 @@ pub struct LoadedModel {
     pub checkpoint_path: PathBuf,
 }
 
+/// The largest `config.json` the frontend reads (real ones are a few kilobytes).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+/// The largest `model.safetensors.index.json` (a 1,000-shard MoE index is a few megabytes).
+pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+/// The largest `tokenizer.json` (the biggest real vocabularies are tens of megabytes).
+pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+
+/// Reads a whole text or JSON file no larger than `limit` bytes, so a hostile or mistaken path
+/// (a multi-gigabyte file named config.json) fails with an error instead of exhausting memory.
+pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, FrontendError> {
+    use std::io::Read;
+    let io = |source| FrontendError::Io { path: path.to_path_buf(), source };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut bytes = Vec::new();
+    // One byte past the limit tells "exactly at the limit" from "larger".
+    file.take(limit + 1).read_to_end(&mut bytes).map_err(io)?;
+    if bytes.len() as u64 > limit {
+        return Err(FrontendError::Format {
+            file: path.to_path_buf(),
+            message: format!("larger than the {limit} bytes waferc reads for this file"),
+        });
+    }
+    Ok(bytes)
+}
+
+/// [`read_bounded`] as UTF-8 text.
+pub(crate) fn read_bounded_text(path: &Path, limit: u64) -> Result<String, FrontendError> {
+    String::from_utf8(read_bounded(path, limit)?)
+        .map_err(|e| FrontendError::Format { file: path.to_path_buf(), message: format!("not UTF-8 text: {e}") })
+}
+
 /// Loads a checkpoint and lowers it: a Hugging Face directory (config.json + safetensors,
 /// optionally tokenizer.json) or a `.gguf` file.
 pub fn load(path: &Path) -> Result<LoadedModel, FrontendError> {

@@ -18,6 +18,9 @@ use super::{FrontendError, TensorEntry};
 
 pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The largest JSON header a safetensors file may declare: the safetensors crate's own limit
+/// (`MAX_HEADER_SIZE`). Tensor count, names and shapes are all bounded by it.
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 /// The tensors of a checkpoint directory.
 #[derive(Debug, Default)]
@@ -136,8 +139,7 @@ pub fn read_checkpoint_dir(dir: &Path) -> Result<CheckpointTensors, FrontendErro
 
 fn read_sharded(dir: &Path, index_path: &Path) -> Result<CheckpointTensors, FrontendError> {
     let format = |message: String| FrontendError::Format { file: index_path.to_path_buf(), message };
-    let text = std::fs::read_to_string(index_path)
-        .map_err(|source| FrontendError::Io { path: index_path.to_path_buf(), source })?;
+    let text = super::read_bounded_text(index_path, super::MAX_INDEX_BYTES)?;
     let index: Value = serde_json::from_str(&text).map_err(|e| format(format!("invalid JSON: {e}")))?;
     let Some(Value::Object(weight_map)) = index.get("weight_map") else {
         return Err(format("missing `weight_map` object".to_string()));
@@ -332,6 +334,16 @@ fn read_file(path: &Path) -> Result<SafetensorsFile, FrontendError> {
     Ok(SafetensorsFile { path: Arc::new(path.to_path_buf()), map: Arc::new(map), tensors, shape_only })
 }
 
+/// Validates a safetensors file image held in memory, as [`read_checkpoint_dir`] validates each
+/// file it maps, and lists its tensor names; `file` names the image in errors. Also the entry
+/// point the fuzz targets and their replay test drive.
+pub fn check_image(bytes: &[u8], file: &Path) -> Result<Vec<String>, FrontendError> {
+    let tensors = parse_header(bytes)
+        .map_err(|problems| FrontendError::Format { file: file.to_path_buf(), message: list_problems(&problems) })?;
+    is_shape_only(bytes);
+    Ok(tensors.into_iter().map(|t| t.name).collect())
+}
+
 /// Whether the (already validated) header's `__metadata__` has [`SHAPE_ONLY_KEY`] = "true".
 fn is_shape_only(bytes: &[u8]) -> bool {
     let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("validated header")) as usize;
@@ -348,6 +360,11 @@ fn parse_header(bytes: &[u8]) -> Result<Vec<HeaderTensor>, Vec<String>> {
         length_bytes
             .ok_or_else(|| vec![format!("truncated: {file_len} bytes, too short for the 8-byte header length")])?,
     );
+    if header_len > MAX_HEADER_BYTES {
+        return Err(vec![format!(
+            "header length {header_len} is more than the {MAX_HEADER_BYTES} bytes a safetensors header may have"
+        )]);
+    }
     let data_start = 8u64.checked_add(header_len).filter(|&end| end <= file_len).ok_or_else(|| {
         vec![format!(
             "header length {header_len} runs past the end of the file ({file_len} bytes): truncated or not safetensors"

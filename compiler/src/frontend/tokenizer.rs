@@ -20,7 +20,7 @@ impl Tokenizer {
 
     /// Reads a Hugging Face `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<Self, FrontendError> {
-        let bytes = std::fs::read(path).map_err(|source| FrontendError::Io { path: path.to_path_buf(), source })?;
+        let bytes = super::read_bounded(path, super::MAX_TOKENIZER_BYTES)?;
         let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| FrontendError::Format {
             file: path.to_path_buf(),
             message: format!("not a tokenizer the tokenizers library can load: {e}"),

@@ -35,7 +35,8 @@ use crate::weights::WeightBytes;
 pub const MAGIC: [u8; 8] = *b"WAFERC\0\x1a";
 /// Bumped on any change to the file layout or to the serialised types.
 pub const FORMAT_VERSION: u32 = 2;
-const PREFIX_LEN: usize = 8 + 4 + 8 + 8 + 8 + 8;
+/// Magic, version, three lengths and the checksum.
+pub const PREFIX_LEN: usize = 8 + 4 + 8 + 8 + 8 + 8;
 
 /// A compiled program with the module it came from.
 #[derive(Clone, Debug)]
@@ -209,7 +210,13 @@ pub fn read(path: &Path) -> Result<Artifact, ArtifactError> {
     // SAFETY: the map is read-only; like every memory-mapped input, the file must not be
     // truncated while mapped (the writer only ever renames a complete file into place).
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ArtifactError::Io { path: at(), source })?;
-    let map = Arc::new(map);
+    read_image(Arc::new(map), path)
+}
+
+/// [`read()`] of an artifact image already mapped (an anonymous map, say); `path` names it in
+/// errors. The fuzz targets' entry point.
+pub fn read_image(map: Arc<memmap2::Mmap>, path: &Path) -> Result<Artifact, ArtifactError> {
+    let at = || path.to_path_buf();
     let found = map.len() as u64;
     if map.len() < MAGIC.len() || map[..MAGIC.len()] != MAGIC {
         return Err(ArtifactError::Foreign { path: at() });
@@ -274,6 +281,14 @@ pub fn read(path: &Path) -> Result<Artifact, ArtifactError> {
         WeightBytes::Absent
     };
     Ok(Artifact { program: header.program, module, tiles, tokenizer_json: header.tokenizer_json })
+}
+
+/// The checksum an artifact's prefix stores for `body`, everything after the prefix (what a
+/// structure-aware fuzzer needs to make a mutated image pass the corruption check).
+pub fn checksum(body: &[u8]) -> u64 {
+    let mut sum = Checksum::new();
+    sum.update(body);
+    sum.finish()
 }
 
 /// A 64-bit checksum over a byte stream fed in arbitrary pieces: four multiply-rotate lanes over

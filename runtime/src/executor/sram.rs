@@ -155,13 +155,22 @@ pub(super) fn load_sram(
             let Some(spec) = module.weights.get(waferc_ir::Handle::new(*weight as usize)) else {
                 return Err(error("the module has no such weight".into()));
             };
-            let expected = spec.ty.dtype.row_bytes(cols.end - cols.start).map(|b| b * (rows.end - rows.start));
-            if expected != Some(range.end - range.start) {
+            // Every range comes from the artifact file: an inverted one is an error, not an underflow.
+            let (Some(row_count), Some(col_count), Some(held)) = (
+                rows.end.checked_sub(rows.start),
+                cols.end.checked_sub(cols.start),
+                range.end.checked_sub(range.start),
+            ) else {
+                return Err(error(format!("inverted range: rows {rows:?}, cols {cols:?}, blob range {range:?}")));
+            };
+            let needed = spec.ty.dtype.row_bytes(col_count).and_then(|b| b.checked_mul(row_count));
+            if needed != Some(held) {
+                let needed = match needed {
+                    Some(bytes) => format!("{bytes} bytes"),
+                    None => format!("whole {}-element blocks", waferc_ir::BLOCK),
+                };
                 return Err(error(format!(
-                    "its blob range {range:?} holds {} bytes, but {} rows of {} {} elements need {expected:?}",
-                    range.end.saturating_sub(range.start),
-                    rows.end - rows.start,
-                    cols.end - cols.start,
+                    "its blob range {range:?} holds {held} bytes, but {row_count} rows of {col_count} {} elements need {needed}",
                     spec.ty.dtype
                 )));
             }

@@ -22,6 +22,13 @@ const MAX_ARRAY_NESTING: u32 = 8;
 /// `MetadataValue`), so the file size alone does not bound memory. The largest real arrays are
 /// token lists and merges, well under a million entries.
 const MAX_ARRAY_LEN: u64 = 1 << 24;
+/// The most metadata entries and tensors a file may declare, and the longest string (key,
+/// value or tensor name). Real files have tens of metadata entries, a few thousand tensors (an
+/// MoE with an entry per expert tensor under twenty thousand) and strings of kilobytes (chat
+/// templates); these bounds stop a file of lies from costing memory in proportion to its size.
+pub(crate) const MAX_METADATA_ENTRIES: u64 = 1 << 16;
+pub(crate) const MAX_TENSORS: u64 = 1 << 20;
+pub(crate) const MAX_STRING_LEN: u64 = 16 << 20;
 
 /// A parsed GGUF file. Tensor data stays in `map`; `TensorInfo::range` locates it.
 pub(crate) struct GgufFile {
@@ -210,7 +217,12 @@ impl GgufFile {
         // SAFETY: the map is read-only; like every mmap-based model loader, we rely on the
         // checkpoint not being truncated or rewritten while the compiler runs.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        parse(Arc::new(map)).map_err(|message| FrontendError::Format { file: path.to_owned(), message })
+        GgufFile::from_map(Arc::new(map), path)
+    }
+
+    /// Parses a GGUF image already mapped; `path` names it in errors.
+    pub fn from_map(map: Arc<Mmap>, path: &Path) -> Result<GgufFile, FrontendError> {
+        parse(map).map_err(|message| FrontendError::Format { file: path.to_owned(), message })
     }
 
     pub fn get(&self, key: &str) -> Option<&MetadataValue> {
@@ -240,6 +252,12 @@ fn parse(map: Arc<Mmap>) -> Result<GgufFile, String> {
     // value; a tensor name (8), its dimension count (4), type (4) and offset (8).
     r.check_count(kv_count, 8 + 4 + 1, "metadata entries")?;
     r.check_count(tensor_count, 8 + 4 + 4 + 8, "tensor entries")?;
+    if kv_count > MAX_METADATA_ENTRIES {
+        return Err(format!("claims {kv_count} metadata entries, more than the {MAX_METADATA_ENTRIES} waferc accepts"));
+    }
+    if tensor_count > MAX_TENSORS {
+        return Err(format!("claims {tensor_count} tensors, more than the {MAX_TENSORS} waferc accepts"));
+    }
 
     let mut metadata = BTreeMap::new();
     for index in 0..kv_count {
@@ -386,6 +404,12 @@ impl<'a> Reader<'a> {
 
     fn string(&mut self) -> Result<String, String> {
         let len = self.u64()?;
+        if len > MAX_STRING_LEN {
+            return Err(format!(
+                "string of {len} bytes at offset {}, longer than the {MAX_STRING_LEN} waferc accepts",
+                self.pos - 8
+            ));
+        }
         let len = usize::try_from(len)
             .ok()
             .filter(|&n| n <= self.remaining())
