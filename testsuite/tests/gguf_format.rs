@@ -251,11 +251,16 @@ fn malformed_headers_give_clean_errors() {
     assert!(format_error_of(&dir, "many-tensors.gguf", &header(3, u64::MAX, 0)).contains("tensor entries"));
     assert!(format_error_of(&dir, "many-kvs.gguf", &header(3, 0, 1 << 40)).contains("metadata entries"));
 
-    // One metadata entry whose key claims to be 2^62 bytes long.
+    // One metadata entry whose key claims to be 2^62 bytes long (over the bound on strings), and
+    // one claiming 1 MiB (under it, but past the end of the file).
     let mut long_key = header(3, 0, 1);
     long_key.extend_from_slice(&(1u64 << 62).to_le_bytes());
     long_key.extend_from_slice(&[0; 32]);
-    assert!(format_error_of(&dir, "long-key.gguf", &long_key).contains("runs past the end"));
+    assert!(format_error_of(&dir, "long-key.gguf", &long_key).contains("longer than the"));
+    let mut past_end = header(3, 0, 1);
+    past_end.extend_from_slice(&(1u64 << 20).to_le_bytes());
+    past_end.extend_from_slice(&[0; 32]);
+    assert!(format_error_of(&dir, "past-end.gguf", &past_end).contains("runs past the end"));
 
     // Array values claiming 2^20 strings (more than the file holds) and 2^60 (more than anyone).
     let array_header = |count: u64| {
