@@ -643,7 +643,9 @@ mod tests {
         let mut routes = make();
         let precedence = module_precedence();
         let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
-        let clash = assign_colours(&mut routes, &params, &order).err().expect("three routes need three colours");
+        let Err(clash) = assign_colours(&mut routes, &params, &order) else {
+            panic!("three routes need three colours")
+        };
         assert_eq!(clash.pe, pe(1, 0));
     }
 
