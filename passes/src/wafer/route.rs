@@ -567,17 +567,7 @@ mod tests {
 
     /// `%1` and `%2` read `%0` side by side; `%3` reads both.
     fn module_precedence() -> Precedence {
-        let module = waferc_ir::text::parse(
-            "module architecture=test vocab_size=8 num_layers=1\n\
-             weight @table : bf16[8, 32]\nweight @a : bf16[32, 32]\nweight @b : bf16[32, 32]\n\
-             weight @head : bf16[8, 32]\n\
-             %0 = embed @table : f32[32]\n\
-             layer 0 {\n  %1 = matvec %0, @a : f32[32]\n  %2 = matvec %0, @b : f32[32]\n  \
-             %3 = add %1, %2 : f32[32]\n  %4 = add %3, %0 : f32[32]\n}\n\
-             %5 = matvec %4, @head : f32[8]\noutput %5\n",
-        )
-        .expect("the test module parses");
-        Precedence::new(&module)
+        Precedence::new(&crate::wafer::precedence::tests::siblings_module())
     }
 
     /// Each route in its instruction's one step: only precedence orders routes.
