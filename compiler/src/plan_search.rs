@@ -16,7 +16,7 @@ use std::time::Instant;
 use serde::Serialize;
 use waferc_ir::wafer::{Plan, WaferProgram};
 use waferc_ir::Module;
-use waferc_passes::wafer::{self as lowering, CompileOptions};
+use waferc_passes::wafer::{self as lowering, CompileOptions, STACKED_TILE_SHARE};
 use waferc_runtime::executor::{ExecOptions, Executor};
 use waferc_targets::Target;
 
@@ -24,10 +24,6 @@ use waferc_targets::Target;
 const LAYERS_PER_REGION: [u16; 2] = [1, 2];
 /// Shares of the wafer (percent) the search tries for the stacked plan.
 const WAFER_PERCENTS: [u8; 3] = [100, 35, 12];
-/// The share of a PE's SRAM the stacked plan gives weight tiles (`passes::wafer::stacked`'s
-/// `TILE_SHARE`): a share of the wafer whose SRAM at this fraction cannot hold the weights is
-/// not tried.
-const TILE_SHARE: f64 = 0.6;
 
 /// One plan the search considered, and what became of it.
 #[derive(Clone, Debug, Serialize)]
@@ -106,7 +102,8 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
                     Plan::Stacked { wafer_percent, .. } => wafer_percent as f64 / 100.0,
                     _ => 1.0,
                 };
-                let room = share * TILE_SHARE * wafer_bytes as f64 * params.wafers as f64;
+                // A share whose SRAM cannot hold the weights at the stacked plan's tile share is not tried.
+                let room = share * STACKED_TILE_SHARE * wafer_bytes as f64 * params.wafers as f64;
                 if matches!(plan, Plan::Stacked { .. }) && weight_bytes as f64 > room {
                     candidate.lost_because = Some(format!(
                         "not tried: {:.1} GB of weights exceed the tile share of its {}% of the wafer ({:.1} GB)",

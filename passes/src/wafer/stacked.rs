@@ -46,7 +46,7 @@ const CHUNK: u64 = BLOCK as u64;
 const F32: u64 = 4;
 /// The share of a PE's usable SRAM the matvec tiles of its unit may take together; the rest
 /// holds vector segments, norm weights and receive buffers.
-const TILE_SHARE: f64 = 0.6;
+pub const TILE_SHARE: f64 = 0.6;
 /// The most 32-element chunks a tile spans: each chunk of a matvec's input is one multicast
 /// down the tile's column, and more than four per column crowd the router's colours.
 const MAX_CHUNKS_PER_TILE: u64 = 4;
@@ -488,15 +488,22 @@ impl Stacked<'_> {
         ((1.0 - TILE_SHARE) * self.placer.params.usable_bytes_per_pe() as f64 / 2.0) as u64
     }
 
-    /// Whether `pe` takes `bytes` more of vectors under [`Stacked::vector_cap`].
-    fn vector_room(&self, pe: Pe, bytes: u64) -> bool {
-        self.vector_bytes.get(&pe).copied().unwrap_or(0) + bytes <= self.vector_cap()
+    /// Takes `bytes` of `pe` for a vector segment if it has them: SRAM room now, room under
+    /// [`Stacked::vector_cap`], and not in `taken`.
+    fn claim_vector(&mut self, pe: Pe, bytes: u64, taken: &HashSet<Pe>) -> bool {
+        let limit = self.placer.params.sram_bytes_per_pe as u64;
+        let used = self.placer.used_bytes(pe).max(self.placer.params.code_reserve_bytes as u64);
+        let vectors = self.vector_bytes.get(&pe).copied().unwrap_or(0);
+        let fits = used + bytes <= limit && vectors + bytes <= self.vector_cap() && !taken.contains(&pe);
+        if fits {
+            *self.vector_bytes.entry(pe).or_default() += bytes;
+        }
+        fits
     }
 
     /// The next PE of the unit's walk with room for `bytes` more, not in `taken` (a PE sends at
     /// most one message per route, so one instruction's segments sit on distinct PEs).
     fn fresh_pe(&mut self, i: usize, unit: usize, bytes: u64, taken: &HashSet<Pe>) -> Result<Pe, WaferError> {
-        let limit = self.placer.params.sram_bytes_per_pe as u64;
         // An expert's vectors stay in its lane, each lane walked from its middle column.
         let (area, lanes) = self.area_of(i, unit);
         let start = (area.w as u64 / 2) * area.h as u64;
@@ -507,10 +514,7 @@ impl Stacked<'_> {
             };
             let pe = area.walk(*cursor);
             *cursor += 1;
-            let used = self.placer.used_bytes(pe).max(self.placer.params.code_reserve_bytes as u64);
-            let vectors = self.vector_bytes.get(&pe).copied().unwrap_or(0);
-            if used + bytes <= limit && vectors + bytes <= self.vector_cap() && !taken.contains(&pe) {
-                *self.vector_bytes.entry(pe).or_default() += bytes;
+            if self.claim_vector(pe, bytes, taken) {
                 return Ok(pe);
             }
         }
@@ -532,16 +536,11 @@ impl Stacked<'_> {
         bytes: u64,
         taken: &HashSet<Pe>,
     ) -> Result<Pe, WaferError> {
-        let limit = self.placer.params.sram_bytes_per_pe as u64;
-        let cap = self.vector_cap();
         let rows = self.region(unit).area.band(band, bands);
         for dx in (0..rows.w as u64).rev() {
             for dy in 0..rows.h as u64 {
                 let pe = rows.at(dx, dy);
-                let used = self.placer.used_bytes(pe).max(self.placer.params.code_reserve_bytes as u64);
-                let banded = self.vector_bytes.get(&pe).copied().unwrap_or(0);
-                if used + bytes <= limit && banded + bytes <= cap && !taken.contains(&pe) {
-                    *self.vector_bytes.entry(pe).or_default() += bytes;
+                if self.claim_vector(pe, bytes, taken) {
                     return Ok(pe);
                 }
             }
@@ -722,10 +721,7 @@ impl Stacked<'_> {
                     // Queries, keys and values sit in their KV head's band of rows (see `attention`).
                     let pe = match (self.attention_head(i, &seg), tiles.get((r * g.col_blocks + c) as usize)) {
                         (Some((kv_heads, head)), _) => self.band_pe(i, unit, head, kv_heads, bytes, &taken)?,
-                        (None, Some(tile)) if !taken.contains(&tile.pe) && self.vector_room(tile.pe, bytes) => {
-                            *self.vector_bytes.entry(tile.pe).or_default() += bytes;
-                            tile.pe
-                        }
+                        (None, Some(tile)) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
                         _ => self.fresh_pe(i, unit, bytes, &taken)?,
                     };
                     taken.insert(pe);
