@@ -29,6 +29,8 @@
 //! size by the timing model. Routes, colours and the schedule are the shared placer's
 //! ([`Placer::finish`]).
 
+mod columns;
+
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
@@ -60,6 +62,10 @@ const MAX_SEGMENT_ELEMENTS: u64 = 512;
 /// The most segments the embedding's result is cut in: each is gathered from its own band of
 /// the table, and all of an instruction's routes need distinct colours where they meet.
 const EMBED_SEGMENTS: u64 = 8;
+
+/// Flops an element of a matvec's input takes in the vector ops before it (a norm, a residual
+/// add, SiLU and a product), for the tiling's cost estimate.
+const VECTOR_FLOPS_PER_ELEMENT: u64 = 8;
 
 /// A rectangle of PEs on one wafer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -329,11 +335,20 @@ fn grid(rows: u64, cols: u64, area: Rect, tile_bytes: &dyn Fn(u64, u64) -> Optio
             let panels = area.w as u64 / col_blocks;
             let rows_per_tile = rows.div_ceil(panels * area.h as u64);
             let depth = 64 - (col_blocks - 1).leading_zeros() as u64;
+            // The input's segments: as fine as a quarter column block on a one-panel grid (its
+            // multicasts never cross, see `columns`), else at most `MAX_SEGMENTS` of them; the
+            // elementwise ops and norms that produce the input run on them, a few flops an
+            // element.
+            let segment = match panels {
+                1 => (run * CHUNK / columns::SEGMENTS_PER_COLUMN).max(CHUNK),
+                _ => vector_cut(cols),
+            };
             let cost = rows_per_tile * run * CHUNK
                 + col_blocks
                 + 2 * depth * rows_per_tile
                 + panels * col_blocks
-                + area.h as u64;
+                + area.h as u64
+                + VECTOR_FLOPS_PER_ELEMENT * segment;
             let g = Grid { rows_per_tile, chunks_per_tile: run, row_blocks: rows.div_ceil(rows_per_tile), col_blocks };
             let fits = tile_bytes(rows_per_tile, (run * CHUNK).min(cols)).is_some_and(|b| b <= budget);
             if fits && best.as_ref().is_none_or(|(c, _)| cost < *c) {
@@ -434,6 +449,7 @@ pub(super) fn place(
         lane_cursors: HashMap::new(),
         layers_per_region: layers_per_region.max(1) as u64,
         vector_bytes: HashMap::new(),
+        unit_of: units.iter().enumerate().flat_map(|(u, unit)| unit.instrs.clone().map(move |_| u)).collect(),
     };
     let limit = (TILE_SHARE * usable as f64) as u64;
     for (u, unit) in units.iter().enumerate() {
@@ -474,6 +490,8 @@ struct Stacked<'a> {
     /// Bytes of vectors placed on fresh PEs (`fresh_pe`, `band_pe`) per PE, kept under
     /// [`Stacked::vector_cap`] so the tiles placed later still fit.
     vector_bytes: HashMap<Pe, u64>,
+    /// The unit of each instruction.
+    unit_of: Vec<usize>,
 }
 
 impl Stacked<'_> {
@@ -634,6 +652,9 @@ impl Stacked<'_> {
         if let Some(layout) = self.placer.host_layout(i, &inside, len, requests) {
             return Ok(layout);
         }
+        if let Some(cut) = self.aligned_cut(i, len) {
+            return self.aligned_layout(i, unit, cut, requests);
+        }
         self.fresh_layout(i, unit, &super::size::segments(len, cut), requests)
     }
 
@@ -653,6 +674,35 @@ impl Stacked<'_> {
         (area.band(expert as u64 % lanes, lanes), lanes)
     }
 
+    /// Matvec `i`'s tile area (the unit's, or its expert's lane) and its tiling there. Each
+    /// matvec's tiles get SRAM in proportion to its weight's share of the unit's (times the lanes
+    /// it is squeezed into), so every PE's tiles fit together.
+    fn matvec_grid(&mut self, i: usize, unit: usize) -> Result<(Rect, Grid), WaferError> {
+        let module = self.placer.module;
+        let Op::MatVec { weight, bias, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
+            return Err(unsupported(module, i, "internal: a tile grid for an instruction that is not a matvec".into()));
+        };
+        let w = &module.weights[*weight];
+        let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
+        let (area, lanes) = self.area_of(i, unit);
+        let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
+        let tile = |r, width| super::size::tile_bytes(w.ty.dtype, bias_dtype, r, width);
+        let share = weight_bytes(module, *weight) as f64 / self.unit_weight_bytes[unit].max(1) as f64;
+        let slack = self.unit_slack[unit] as f64;
+        let budget = smallest_tile(rows, cols, area, &tile) + (share * lanes as f64 * slack) as u64;
+        let g = grid(rows, cols, area, &tile, budget).ok_or_else(|| {
+            unsupported(
+                module,
+                i,
+                format!(
+                    "no tile of weight {} ({}) over a {}x{} area fits its {budget}-byte share of a PE",
+                    w.name, w.ty, area.w, area.h
+                ),
+            )
+        })?;
+        Ok((area, g))
+    }
+
     fn place_instr(&mut self, i: usize, unit: usize) -> Result<InstrPlacement, WaferError> {
         let module = self.placer.module;
         let ir = &module.body[waferc_ir::Handle::new(i)];
@@ -664,25 +714,7 @@ impl Stacked<'_> {
         let (result, work) = match &ir.op {
             Op::MatVec { weight, bias, .. } => {
                 let (rows, cols) = (module.weights[*weight].ty.shape[0], module.weights[*weight].ty.shape[1]);
-                let (area, lanes) = self.area_of(i, unit);
-                // Each matvec's tiles get SRAM in proportion to its weight's share of the unit's
-                // (times the lanes it is squeezed into), so every PE's tiles fit together.
-                let w = &module.weights[*weight];
-                let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
-                let tile = |r, width| super::size::tile_bytes(w.ty.dtype, bias_dtype, r, width);
-                let share = weight_bytes(module, *weight) as f64 / self.unit_weight_bytes[unit].max(1) as f64;
-                let slack = self.unit_slack[unit] as f64;
-                let budget = smallest_tile(rows, cols, area, &tile) + (share * lanes as f64 * slack) as u64;
-                let g = grid(rows, cols, area, &tile, budget).ok_or_else(|| {
-                    unsupported(
-                        module,
-                        i,
-                        format!(
-                            "no tile of weight {} ({}) over a {}x{} area fits its {budget}-byte share of a PE",
-                            w.name, w.ty, area.w, area.h
-                        ),
-                    )
-                })?;
+                let (area, g) = self.matvec_grid(i, unit)?;
                 let width_of =
                     |c: u64| (c * g.chunks_per_tile * CHUNK)..((c + 1) * g.chunks_per_tile * CHUNK).min(cols);
                 let mut tiles = Vec::with_capacity((g.row_blocks * g.col_blocks) as usize);
@@ -708,6 +740,27 @@ impl Stacked<'_> {
                 // Each segment sits in the middle tile row of its rows, in a column of its own
                 // (segments spread over the panel's columns), not all on the row roots.
                 // The layers of a group interleave their columns.
+                // A result that feeds one-panel matvecs only is cut by their column blocks, each
+                // segment in its block's column (`columns`), in the row of its rows' tiles.
+                if let Some(cut) = self.aligned_cut(i, rows) {
+                    for (seg, dx) in cut {
+                        let row = ((seg.start + seg.end - 1) / 2) / g.rows_per_tile % area.h as u64;
+                        let bytes = (seg.end - seg.start) * F32;
+                        let pe = self.column_pe(i, unit, dx, row, bytes, &taken)?;
+                        taken.insert(pe);
+                        self.placer.fill(pe, instr, vec![(RegionKind::Output { elements: seg.clone() }, bytes)])?;
+                        layout.segments.push(Segment { pe, elements: seg });
+                    }
+                    let placement = MatVecPlacement::unrouted(
+                        rows,
+                        cols,
+                        g.row_blocks as u32,
+                        g.col_blocks as u32,
+                        tiles,
+                        bias.map(|b| b.index() as u32),
+                    );
+                    return Ok(self.instr_placement(i, ResultLayout::Vector(layout), Work::MatVec(placement)));
+                }
                 let segments = super::size::segments(rows, self.segment_cut(i, rows));
                 let count = segments.len() as u64;
                 let (k, local) = match ir.layer {
@@ -790,8 +843,13 @@ impl Stacked<'_> {
             }
             Op::Slice { len, .. } => (self.placer.slice_layout(i, *len as u64)?, Work::Slice),
         };
-        Ok(InstrPlacement {
-            instr,
+        Ok(self.instr_placement(i, result, work))
+    }
+
+    fn instr_placement(&self, i: usize, result: ResultLayout, work: Work) -> InstrPlacement {
+        let ir = &self.placer.module.body[waferc_ir::Handle::new(i)];
+        InstrPlacement {
+            instr: i as u32,
             op: ir.op.name().to_string(),
             layer: ir.layer,
             expert: self.placer.analysis.expert[i],
@@ -799,7 +857,7 @@ impl Stacked<'_> {
             operand_routes: Vec::new(),
             deliveries: Vec::new(),
             work,
-        })
+        }
     }
 
     /// The result cut of a matvec's `len` rows: [`vector_cut`], or a head when rope reads it and

@@ -1,0 +1,193 @@
+//! Column-aligned vectors: the MeshGEMV discipline inside the stacked plan.
+//!
+//! A matvec whose tile grid is one panel wide needs its input's column block `c` on PE column
+//! `c` of its area and nowhere else. A vector segment that sits in that column reaches its tiles
+//! by one straight multicast along the column, which meets no multicast of another column's
+//! segments. So a vector that feeds such matvecs (directly, or through the elementwise ops and
+//! norms that run in place on it) can be cut as finely as the column blocks, and a few segments
+//! finer per column, without its multicasts crossing: the elementwise ops and norms on it then
+//! take a few dozen elements per PE instead of hundreds. Across two units (the residual stream
+//! at a layer's end) the segments keep their column, so they cross to the next region on
+//! parallel paths instead of queueing on one link.
+
+use std::collections::{HashSet, VecDeque};
+use std::ops::Range;
+
+use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, Segment, VectorLayout};
+use waferc_ir::Op;
+
+use super::{Stacked, CHUNK, F32};
+use crate::wafer::place::Request;
+use crate::wafer::place::unsupported;
+use crate::wafer::WaferError;
+
+/// The most segments of one vector that share a PE column: each multicasts along the whole
+/// column, so they take a colour each there.
+pub(super) const SEGMENTS_PER_COLUMN: u64 = 4;
+/// How many values a search for a vector's consumers looks through before it gives up.
+const SEARCH_LIMIT: usize = 64;
+
+/// A one-panel matvec reading elements `base..base + cols` of a vector as its input, in column
+/// blocks `width` elements wide.
+#[derive(Clone, Copy, Debug)]
+struct Consumer {
+    base: u64,
+    cols: u64,
+    width: u64,
+}
+
+impl Stacked<'_> {
+    /// The matvecs that read instruction `i`'s result, looking through the elementwise ops and
+    /// norms that run in place on it (in `i`'s unit and the next), each with the elements it
+    /// reads. `None` when something else reads it too (rope, attention, an expert, a router's
+    /// top-k, a matvec of several panels): then the vector keeps the plan's general layout.
+    fn consumers(&mut self, i: usize) -> Option<Vec<Consumer>> {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        let unit = self.unit_of[i];
+        let mut found = Vec::new();
+        // (value, where its element 0 lies in `i`'s result)
+        let mut frontier = VecDeque::from([(i, 0u64)]);
+        let mut seen = HashSet::new();
+        while let Some((value, base)) = frontier.pop_front() {
+            if !seen.insert((value, base)) {
+                continue;
+            }
+            if seen.len() > SEARCH_LIMIT {
+                return None;
+            }
+            for &reader in &analysis.readers[value] {
+                let r = reader as usize;
+                if self.unit_of[r] > unit + 1 {
+                    continue;
+                }
+                let op = &module.body[waferc_ir::Handle::new(r)].op;
+                let at = |operand: waferc_ir::Handle<waferc_ir::Instr>| {
+                    (analysis.source[operand.index()] as usize == value)
+                        .then(|| base + analysis.offset[operand.index()])
+                };
+                match op {
+                    Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } | Op::RmsNorm { .. } => {
+                        for operand in op.operands() {
+                            frontier.extend(at(operand).map(|b| (r, b)));
+                        }
+                    }
+                    Op::MatVec { x, .. } if analysis.expert[r].is_none() => {
+                        let Some(b) = at(*x) else { return None };
+                        let (area, g) = self.matvec_grid(r, self.unit_of[r]).ok()?;
+                        if area.w as u64 / g.col_blocks != 1 {
+                            return None;
+                        }
+                        let cols = module.weights[match op {
+                            Op::MatVec { weight, .. } => *weight,
+                            _ => unreachable!(),
+                        }]
+                        .ty
+                        .shape[1];
+                        found.push(Consumer { base: b, cols, width: g.chunks_per_tile * CHUNK });
+                    }
+                    _ => return None,
+                }
+            }
+        }
+        Some(found)
+    }
+
+    /// Instruction `i`'s `len`-element result cut to suit the one-panel matvecs that read it:
+    /// segments of a column block, or a [`SEGMENTS_PER_COLUMN`]th of one (at least a chunk),
+    /// each with its column block's index (its PE column in the area). The first consumer (in
+    /// program order, nearest first) that reads an element decides its segment. `None` when the
+    /// result does not feed only such matvecs, or some element feeds none.
+    pub(super) fn aligned_cut(&mut self, i: usize, len: u64) -> Option<Vec<(Range<u64>, u64)>> {
+        let consumers = self.consumers(i)?;
+        let mut cut = Vec::new();
+        let mut at = 0;
+        while at < len {
+            let c = consumers.iter().find(|c| c.base <= at && at < c.base + c.cols)?;
+            let per_column = SEGMENTS_PER_COLUMN.min(c.width / CHUNK).max(1);
+            let piece = c.width / per_column;
+            let offset = at - c.base;
+            let end = (c.base + (offset / piece + 1) * piece).min(c.base + c.cols).min(len);
+            cut.push((at..end, offset / c.width));
+            at = end;
+        }
+        Some(cut)
+    }
+
+    /// A PE in column `dx` of the unit's area with room for `bytes` more, not in `taken`: row
+    /// `row` (clamped into the area) if it has room, else the nearest row of the column that
+    /// has.
+    pub(super) fn column_pe(
+        &mut self,
+        i: usize,
+        unit: usize,
+        dx: u64,
+        row: u64,
+        bytes: u64,
+        taken: &HashSet<Pe>,
+    ) -> Result<Pe, WaferError> {
+        let area = self.region(unit).area;
+        let (dx, h) = (dx % area.w as u64, area.h as u64);
+        let row = row.min(h - 1);
+        for step in 0..2 * h {
+            let dy = if step % 2 == 0 { row + step / 2 } else { row.wrapping_sub(step / 2 + 1) };
+            if dy >= h {
+                continue;
+            }
+            let pe = area.at(dx, dy);
+            if self.claim_vector(pe, bytes, taken) {
+                return Ok(pe);
+            }
+        }
+        Err(unsupported(
+            self.placer.module,
+            i,
+            format!("no PE of column {dx} of its {}x{} area has {bytes} bytes free", area.w, area.h),
+        ))
+    }
+
+    /// Fresh segments for `cut` (from [`Stacked::aligned_cut`]), each in its column: in the row
+    /// its operand's data comes from when that row crosses the area (a region beside this one:
+    /// the data moves straight along rows), else spread down the area's rows (a region above or
+    /// below: it moves straight down the columns).
+    pub(super) fn aligned_layout(
+        &mut self,
+        i: usize,
+        unit: usize,
+        cut: Vec<(Range<u64>, u64)>,
+        extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
+    ) -> Result<VectorLayout, WaferError> {
+        let area = self.region(unit).area;
+        let count = cut.len().max(1) as u64;
+        let mut layout = VectorLayout::default();
+        let mut taken = HashSet::new();
+        for (j, (seg, dx)) in cut.into_iter().enumerate() {
+            let row = match self.operand_pe(i, seg.start) {
+                Some(pe) if pe.wafer == area.wafer && (area.y..area.y + area.h).contains(&pe.y) => {
+                    (pe.y - area.y) as u64
+                }
+                _ => j as u64 * area.h as u64 / count,
+            };
+            let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
+            requests.extend(extra(&seg));
+            let bytes = requests.iter().map(|(_, b)| b).sum();
+            let pe = self.column_pe(i, unit, dx, row, bytes, &taken)?;
+            taken.insert(pe);
+            self.placer.fill(pe, i as u32, requests)?;
+            layout.segments.push(Segment { pe, elements: seg });
+        }
+        Ok(layout)
+    }
+
+    /// The PE holding element `element` of instruction `i`'s first vector operand.
+    fn operand_pe(&self, i: usize, element: u64) -> Option<Pe> {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        module.body[waferc_ir::Handle::new(i)].op.operands().into_iter().find_map(|operand| {
+            let source = analysis.source[operand.index()] as usize;
+            let at = element + analysis.offset[operand.index()];
+            match &self.placer.placements.get(source)?.result {
+                ResultLayout::Vector(layout) => layout.overlapping(at..at + 1).next().map(|(s, _)| s.pe),
+                ResultLayout::Routing { .. } => None,
+            }
+        })
+    }
+}
