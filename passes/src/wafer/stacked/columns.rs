@@ -17,8 +17,8 @@ use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, Segment, VectorLayout};
 use waferc_ir::Op;
 
 use super::{Stacked, CHUNK, F32};
-use crate::wafer::place::Request;
 use crate::wafer::place::unsupported;
+use crate::wafer::place::Request;
 use crate::wafer::WaferError;
 
 /// The most segments of one vector that share a PE column: each multicasts along the whole

@@ -544,19 +544,30 @@ impl Stacked<'_> {
     }
 
     /// A PE in band `band` of `bands` of the unit's area with room for `bytes` more, not in
-    /// `taken`: the band's rows walked from the area's east edge (beside the KV strip) westward.
+    /// `taken`: the band's columns walked westward from `west` columns west of the area's east
+    /// edge (beside the KV strip), each from the band row nearest area row `row`.
+    #[allow(clippy::too_many_arguments)]
     fn band_pe(
         &mut self,
         i: usize,
         unit: usize,
-        band: u64,
-        bands: u64,
+        (band, bands): (u64, u64),
         bytes: u64,
         taken: &HashSet<Pe>,
+        west: u64,
+        row: u64,
     ) -> Result<Pe, WaferError> {
-        let rows = self.region(unit).area.band(band, bands);
-        for dx in (0..rows.w as u64).rev() {
-            for dy in 0..rows.h as u64 {
+        let area = self.region(unit).area;
+        let rows = area.band(band, bands);
+        let (w, h) = (rows.w as u64, rows.h as u64);
+        let near = (row + area.y as u64).saturating_sub(rows.y as u64).min(h - 1);
+        for step in 0..w {
+            let dx = (2 * w - 1 - west.min(w - 1) - step) % w;
+            for k in 0..2 * h {
+                let dy = if k % 2 == 0 { near + k / 2 } else { near.wrapping_sub(k / 2 + 1) };
+                if dy >= h {
+                    continue;
+                }
                 let pe = rows.at(dx, dy);
                 if self.claim_vector(pe, bytes, taken) {
                     return Ok(pe);
@@ -767,13 +778,22 @@ impl Stacked<'_> {
                     Some(l) => (self.layers_per_region, l as u64 % self.layers_per_region),
                     None => (1, 0),
                 };
+                // Per KV head band, the segments placed in it so far.
+                let mut in_band: HashMap<u64, u64> = HashMap::new();
                 for (j, seg) in segments.into_iter().enumerate() {
                     let r = ((seg.start + seg.end - 1) / 2) / g.rows_per_tile;
                     let c = ((j as u64 * k + local) * g.col_blocks / (count * k).max(1)) % g.col_blocks;
                     let bytes = (seg.end - seg.start) * F32;
-                    // Queries, keys and values sit in their KV head's band of rows (see `attention`).
+                    // Queries, keys and values sit in their KV head's band of rows (see
+                    // `attention`), each in a column of its own and as near its rows' tiles as
+                    // the band allows, so their collects run side by side.
                     let pe = match (self.attention_head(i, &seg), tiles.get((r * g.col_blocks + c) as usize)) {
-                        (Some((kv_heads, head)), _) => self.band_pe(i, unit, head, kv_heads, bytes, &taken)?,
+                        (Some((kv_heads, head)), _) => {
+                            let slot = in_band.entry(head).or_default();
+                            *slot += 1;
+                            let row = r % area.h as u64;
+                            self.band_pe(i, unit, (head, kv_heads), bytes, &taken, *slot - 1, row)?
+                        }
                         (None, Some(tile)) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
                         _ => self.fresh_pe(i, unit, bytes, &taken)?,
                     };
@@ -860,8 +880,8 @@ impl Stacked<'_> {
         }
     }
 
-    /// The result cut of a matvec's `len` rows: [`vector_cut`], or a head when rope reads it and
-    /// heads are longer.
+    /// The result cut of a matvec's `len` rows: a head when rope reads it (rope and attention
+    /// then run on single heads), else [`vector_cut`].
     fn segment_cut(&self, i: usize, len: u64) -> u64 {
         let module = self.placer.module;
         self.placer.analysis.readers[i]
@@ -870,7 +890,8 @@ impl Stacked<'_> {
                 Op::Rope { head_dim, .. } => Some(*head_dim as u64),
                 _ => None,
             })
-            .fold(vector_cut(len), u64::max)
+            .fold(None, |cut: Option<u64>, dim| Some(cut.map_or(dim, |c| c.max(dim))))
+            .unwrap_or_else(|| vector_cut(len))
     }
 
     fn attention(
@@ -919,7 +940,7 @@ impl Stacked<'_> {
         for h in 0..kv.kv_heads {
             let elements = h * piece..((h + 1) * piece).min(len);
             let bytes = (elements.end - elements.start) * F32;
-            let pe = self.band_pe(i, unit, h, kv.kv_heads, bytes, &taken)?;
+            let pe = self.band_pe(i, unit, (h, kv.kv_heads), bytes, &taken, 0, 0)?;
             taken.insert(pe);
             self.placer.fill(pe, i as u32, vec![(RegionKind::Output { elements: elements.clone() }, bytes)])?;
             layout.segments.push(Segment { pe, elements });
