@@ -128,7 +128,8 @@ fn row_then_columns(source: Pe, dests: &[Pe], runs: &mut Vec<Run>) {
 }
 
 /// An in-tree from `sources` to `destination`: per shelf of each wafer, along the source
-/// columns to the row of the source nearest the destination, along that row to it, then on to
+/// columns to the row of the source nearest the destination and along that row to it (sources
+/// all in one column: along their rows, then its column), then on to
 /// the destination (through the gateways from another wafer). Each run's `messages` counts the
 /// sources that feed it.
 pub(super) fn gather(sources: &[Pe], destination: Pe, shelf: u16) -> Vec<Run> {
@@ -145,7 +146,10 @@ pub(super) fn gather(sources: &[Pe], destination: Pe, shelf: u16) -> Vec<Run> {
         } else {
             *srcs.iter().min_by_key(|s| (s.distance(target), **s)).expect("groups are non-empty")
         };
-        columns_then_row(srcs, exit, &mut runs);
+        // Three or more sources in one column (a tile grid's row roots) send along their own
+        // rows first, side by side, rather than queueing down the column they share.
+        let one_column = srcs.len() > 2 && srcs.iter().all(|s| s.x == srcs[0].x);
+        lines_then_cross(srcs, exit, one_column, &mut runs);
         xy(exit, target, count, &mut runs);
         if *wafer != destination.wafer {
             wafer_hops(*wafer, destination.wafer, count, &mut runs);
@@ -159,35 +163,44 @@ fn messages(count: usize) -> u16 {
     u16::try_from(count).unwrap_or(u16::MAX)
 }
 
-/// Along each source column to the destination's row, then along that row.
-fn columns_then_row(sources: &[Pe], dest: Pe, runs: &mut Vec<Run>) {
-    // Per column: the northmost and southmost source and how many sources lie on each side.
-    let mut columns: BTreeMap<u16, [(u16, usize); 2]> = BTreeMap::new();
-    let mut on_column = BTreeMap::<u16, usize>::new();
+/// Along each source line to the destination's line across, then along that to the
+/// destination: columns, then the destination's row; or with `rows_first`, rows, then the
+/// destination's column.
+fn lines_then_cross(sources: &[Pe], dest: Pe, rows_first: bool, runs: &mut Vec<Run>) {
+    // A PE as (its line, where it lies along the line), and back.
+    let split = |p: Pe| if rows_first { (p.y, p.x) } else { (p.x, p.y) };
+    let join = |line: u16, along: u16| match rows_first {
+        true => Pe::new(dest.wafer, along, line),
+        false => Pe::new(dest.wafer, line, along),
+    };
+    let (dest_line, dest_along) = split(dest);
+    // Per line: the farthest source on each side of the crossing line and how many lie there.
+    let mut lines: BTreeMap<u16, [(u16, usize); 2]> = BTreeMap::new();
+    let mut on_line = BTreeMap::<u16, usize>::new();
     for s in sources {
-        *on_column.entry(s.x).or_default() += 1;
-        let sides = columns.entry(s.x).or_insert([(dest.y, 0), (dest.y, 0)]);
-        if s.y < dest.y {
-            sides[0] = (sides[0].0.min(s.y), sides[0].1 + 1);
-        } else if s.y > dest.y {
-            sides[1] = (sides[1].0.max(s.y), sides[1].1 + 1);
+        let (line, along) = split(*s);
+        *on_line.entry(line).or_default() += 1;
+        let sides = lines.entry(line).or_insert([(dest_along, 0), (dest_along, 0)]);
+        if along < dest_along {
+            sides[0] = (sides[0].0.min(along), sides[0].1 + 1);
+        } else if along > dest_along {
+            sides[1] = (sides[1].0.max(along), sides[1].1 + 1);
         }
     }
-    let at = |x: u16, y: u16| Pe::new(dest.wafer, x, y);
-    for (&x, sides) in &columns {
-        for &(y, count) in sides {
+    for (&line, sides) in &lines {
+        for &(along, count) in sides {
             if count > 0 {
-                runs.push(run(at(x, y), at(x, dest.y), messages(count)));
+                runs.push(run(join(line, along), join(line, dest_along), messages(count)));
             }
         }
     }
-    let west: usize = on_column.range(..dest.x).map(|(_, c)| c).sum();
-    let east: usize = on_column.range(dest.x + 1..).map(|(_, c)| c).sum();
-    if let Some((&x, _)) = on_column.first_key_value().filter(|(x, _)| **x < dest.x) {
-        runs.push(run(at(x, dest.y), dest, messages(west)));
+    let before: usize = on_line.range(..dest_line).map(|(_, c)| c).sum();
+    let after: usize = on_line.range(dest_line + 1..).map(|(_, c)| c).sum();
+    if let Some((&line, _)) = on_line.first_key_value().filter(|(line, _)| **line < dest_line) {
+        runs.push(run(join(line, dest_along), dest, messages(before)));
     }
-    if let Some((&x, _)) = on_column.last_key_value().filter(|(x, _)| **x > dest.x) {
-        runs.push(run(at(x, dest.y), dest, messages(east)));
+    if let Some((&line, _)) = on_line.last_key_value().filter(|(line, _)| **line > dest_line) {
+        runs.push(run(join(line, dest_along), dest, messages(after)));
     }
 }
 

@@ -562,7 +562,7 @@ impl Stacked<'_> {
         let (w, h) = (rows.w as u64, rows.h as u64);
         let near = (row + area.y as u64).saturating_sub(rows.y as u64).min(h - 1);
         for step in 0..w {
-            let dx = (2 * w - 1 - west.min(w - 1) - step) % w;
+            let dx = w - 1 - (west + step) % w;
             for k in 0..2 * h {
                 let dy = if k % 2 == 0 { near + k / 2 } else { near.wrapping_sub(k / 2 + 1) };
                 if dy >= h {
@@ -789,10 +789,11 @@ impl Stacked<'_> {
                     // the band allows, so their collects run side by side.
                     let pe = match (self.attention_head(i, &seg), tiles.get((r * g.col_blocks + c) as usize)) {
                         (Some((kv_heads, head)), _) => {
+                            // Slots interleave the bands, so no two segments share a column.
                             let slot = in_band.entry(head).or_default();
                             *slot += 1;
-                            let row = r % area.h as u64;
-                            self.band_pe(i, unit, (head, kv_heads), bytes, &taken, *slot - 1, row)?
+                            let (west, row) = ((*slot - 1) * kv_heads + head, r % area.h as u64);
+                            self.band_pe(i, unit, (head, kv_heads), bytes, &taken, west, row)?
                         }
                         (None, Some(tile)) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
                         _ => self.fresh_pe(i, unit, bytes, &taken)?,
