@@ -21,7 +21,7 @@ use waferc_runtime::executor::{ExecOptions, Executor};
 use waferc_targets::Target;
 
 /// Group sizes (layers per region) the search tries for the stacked plan.
-const LAYERS_PER_REGION: [u16; 2] = [1, 2];
+const LAYERS_PER_REGION: [u16; 3] = [1, 2, 4];
 /// Shares of the wafer (percent) the search tries for the stacked plan.
 const WAFER_PERCENTS: [u8; 3] = [100, 35, 12];
 
