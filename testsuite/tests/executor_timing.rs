@@ -5,7 +5,7 @@
 mod executor_common;
 
 use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
-use waferc_ir::wafer::{distance_bound_cycles, Plan};
+use waferc_ir::wafer::{distance_bound_cycles, distance_bound_ends, LayerProfile, Plan, RoutingProfile};
 use waferc_passes::wafer::CompileOptions;
 use waferc_runtime::executor::{ExecOptions, Executor, StepTiming};
 
@@ -213,6 +213,75 @@ fn modeled_cycles_never_undercut_the_distance_bound() {
                 cycles >= bound,
                 "{target} {plan:?} position {position}: modeled {cycles} cycles undercut the distance bound {bound}"
             );
+        }
+    }
+}
+
+/// With hops a thousand times dearer, an MoE step is almost all distance, so any distance the
+/// bound charges that the model does not shows: a chosen expert near the dispatch point starts
+/// as soon as its own PEs have the input and the routing (not when the multicasts reach the
+/// farthest expert), and a combine waits only for its chosen experts. Experts chosen by a skewed
+/// profile's expected picks (which move from position to position) and by the profile-free
+/// default (experts 0..top_k), on every plan kind.
+#[test]
+fn the_distance_bound_holds_for_experts_when_distance_dominates() {
+    let shape = Shape { bytes: false, moe: Some((8, 2)), ..Shape::moe() };
+    let module = build(&shape, 23);
+    let mut profile = RoutingProfile { source: "skewed".into(), layers: Vec::new() };
+    for layer in 0..shape.layers {
+        let mut picks = LayerProfile::new(layer, 8, 2);
+        for t in 0..64u32 {
+            picks.record(&[5, [7, 2, 0][t as usize % 3]]);
+        }
+        profile.layers.push(picks);
+    }
+    let plans = [
+        Plan::Tiled,
+        Plan::MeshGemv { p: 4, group_num: 2 },
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100 },
+    ];
+    for plan in plans {
+        for profile in [None, Some(profile.clone())] {
+            let options =
+                CompileOptions { max_context: 64, plan, profile: profile.clone(), ..CompileOptions::default() };
+            let mut program = compile_with(&module, "grid:48x48", options);
+            program.target.hop_latency_cycles *= 1000;
+            program.target.inter_wafer_latency_cycles *= 1000;
+            let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+            let mut executor = Executor::new(&program, &module, None, options).unwrap();
+            for position in 0..6u32 {
+                let timing = executor.step(1).unwrap().timing;
+                let cycles = timing.cycles;
+                let chosen = |layer: u32, expert: u32| match profile.as_ref().and_then(|p| p.layer(layer)) {
+                    Some(picks) => picks.expected_picks(position).contains(&expert),
+                    None => expert < 2,
+                };
+                // Instruction by instruction: none ends, modeled, before its distance floor.
+                let ends = distance_bound_ends(&program, &module, position, chosen);
+                let mut modeled_end = vec![None::<u64>; ends.len()];
+                for span in &timing.spans {
+                    let end = modeled_end[span.instr as usize].get_or_insert(0);
+                    *end = (*end).max(span.start_cycle + span.duration_cycles);
+                }
+                for (instr, (&floor, modeled)) in ends.iter().zip(&modeled_end).enumerate() {
+                    let op = &program.instrs[instr].op;
+                    assert!(
+                        modeled.is_none_or(|m| m >= floor),
+                        "{plan:?} profile {} position {position}: {op} {instr} ends at {modeled:?}, before its distance floor {floor}",
+                        profile.is_some()
+                    );
+                }
+                let bound = distance_bound_cycles(&program, &module, position, chosen);
+                assert!(
+                    cycles >= bound,
+                    "{plan:?} profile {} position {position}: modeled {cycles} cycles undercut the distance bound {bound}",
+                    profile.is_some()
+                );
+                assert!(
+                    bound * 4 > cycles,
+                    "{plan:?}: distance should dominate here, yet the bound is {bound} of {cycles} cycles"
+                );
+            }
         }
     }
 }

@@ -458,7 +458,8 @@ fn expert_placement(program: &WaferProgram, args: &CompileArgs) -> Option<String
             format!("experts placed in index order (--expert-order index); routing profile from {} stored", profile.source)
         }
         (Some(profile), ExpertOrderArg::Profile) => format!(
-            "experts placed by the routing profile from {} ({} MoE layers): hottest beside the combine, co-picked experts adjacent",
+            "experts placed by the routing profile from {} ({} MoE layers): hottest beside the combine, co-picked experts adjacent; \
+             hot experts are not replicated (no plan places replicas yet: each expert has one copy)",
             profile.source,
             profile.layers.len()
         ),

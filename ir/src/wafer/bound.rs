@@ -14,11 +14,16 @@
 //!
 //! What runs depends on the step, as in the executor: an attention KV block holding no position
 //! yet (all its positions beyond the step's) sends nothing, so a reduction over the blocks spans
-//! only the blocks holding positions; an unchosen expert's instructions take no time.
+//! only the blocks holding positions; an unchosen expert's instructions take no time, and an MoE
+//! combine's gather spans only the chosen experts' senders. A chosen expert starts when its own
+//! PEs have the layer's input and the routing, which for an expert near the dispatch point is
+//! before the multicasts reach their farthest PE: its `expert_dispatch` ends its inputs' *leads*
+//! ([`super::arrival`]) before they do, the same leads the timing model subtracts.
 
 use std::collections::HashMap;
 
-use super::{Pe, Route, RouteId, RouteKind, WaferProgram, Work};
+use super::arrival::{dispatch_leads, multicast_depths};
+use super::{Pe, ResultLayout, Route, RouteId, RouteKind, WaferProgram, Work};
 use crate::module::Module;
 use crate::op::Op;
 
@@ -31,21 +36,42 @@ pub fn distance_bound_cycles(
     position: u32,
     expert_runs: impl Fn(u32, u32) -> bool,
 ) -> u64 {
-    let active = active_attention_sources(program, position);
+    distance_bound_ends(program, module, position, expert_runs).into_iter().max().unwrap_or(0).max(1)
+}
+
+/// Per instruction (by value index), the earliest cycle at which it can end by distance alone:
+/// the chain [`distance_bound_cycles`] takes the longest of. An instruction the step does not run
+/// (an unchosen expert's) ends when its operands do.
+pub fn distance_bound_ends(
+    program: &WaferProgram,
+    module: &Module,
+    position: u32,
+    expert_runs: impl Fn(u32, u32) -> bool,
+) -> Vec<u64> {
+    let mut senders = active_attention_sources(program, position);
+    senders.extend(chosen_expert_senders(program, module, &expert_runs));
+    let leads = dispatch_leads(program, module);
     let mut own = vec![0u64; program.instrs.len()];
     for step in &program.schedule {
         let span = step
             .routes
             .iter()
             .filter_map(|&id| program.routes.get(id as usize))
-            .map(|route| route_span(program, route, active.get(&route.id).copied()))
+            .map(|route| route_span(program, route, senders.get(&route.id)))
             .max();
         own[step.instr as usize] += span.unwrap_or(0);
     }
     let mut end = vec![0u64; program.instrs.len()];
     for (handle, instr) in module.body.iter() {
         let i = handle.index();
-        let start = instr.op.operands().iter().map(|v| end[v.index()]).max().unwrap_or(0);
+        let start = match &instr.op {
+            // The expert's own PEs have its inputs their leads before the multicasts end.
+            Op::ExpertDispatch { x, routing, .. } => {
+                let (x_lead, routing_lead) = leads.get(&(i as u32)).copied().unwrap_or((0, 0));
+                end[x.index()].saturating_sub(x_lead).max(end[routing.index()].saturating_sub(routing_lead))
+            }
+            op => op.operands().iter().map(|v| end[v.index()]).max().unwrap_or(0),
+        };
         let runs = match (&instr.op, program.instrs.get(i)) {
             (Op::ExpertDispatch { .. }, _) => true,
             (_, Some(placement)) => match (placement.layer, placement.expert) {
@@ -56,62 +82,83 @@ pub fn distance_bound_cycles(
         };
         end[i] = start + if runs { own.get(i).copied().unwrap_or(0) } else { 0 };
     }
-    end.iter().copied().max().unwrap_or(0).max(1)
+    end
+}
+
+/// Which sources of a route send in a step, where not all do.
+enum Senders {
+    /// The first `n` (attention's reductions over KV blocks, in position order).
+    Leading(usize),
+    /// These PEs (an MoE combine's gathers: the chosen experts' result segments).
+    Only(Vec<Pe>),
 }
 
 /// Attention's reductions over KV blocks at `position`: how many leading sources (blocks, in
 /// position order) hold a position and so send.
-fn active_attention_sources(program: &WaferProgram, position: u32) -> HashMap<RouteId, usize> {
+fn active_attention_sources(program: &WaferProgram, position: u32) -> HashMap<RouteId, Senders> {
     let mut active = HashMap::new();
     for placement in &program.instrs {
         let Work::Attention(attention) = &placement.work else { continue };
         for head in &attention.kv_heads_placed {
             let holding = head.blocks.iter().take_while(|b| b.positions.start <= position).count().max(1);
             for id in [head.max_reduce, head.sum_reduce, head.out_reduce].into_iter().flatten() {
-                active.insert(id, holding);
+                active.insert(id, Senders::Leading(holding));
             }
         }
     }
     active
 }
 
-/// Cycles from a route's sources to its farthest destination, distance only; a reduction counts
-/// only its first `active` sources when given.
-fn route_span(program: &WaferProgram, route: &Route, active: Option<usize>) -> u64 {
-    let params = &program.target;
-    let hop = params.hop_latency_cycles as u64;
+/// Each MoE combine's gathers: the PEs holding the chosen experts' result elements that the
+/// gather's segment covers (unchosen experts send nothing).
+fn chosen_expert_senders(
+    program: &WaferProgram,
+    module: &Module,
+    expert_runs: &impl Fn(u32, u32) -> bool,
+) -> HashMap<RouteId, Senders> {
+    let mut senders = HashMap::new();
+    for (handle, instr) in module.body.iter() {
+        let (Op::ExpertCombine { experts, .. }, Some(layer)) = (&instr.op, instr.layer) else { continue };
+        let Some(Work::Combine { collects, .. }) = program.instrs.get(handle.index()).map(|p| &p.work) else {
+            continue;
+        };
+        for &id in collects {
+            let Some(RouteKind::Collect { elements }) = program.routes.get(id as usize).map(|r| &r.kind) else {
+                continue;
+            };
+            let mut pes = Vec::new();
+            for (expert, value) in experts.iter().enumerate() {
+                let Some(ResultLayout::Vector(layout)) = program.instrs.get(value.index()).map(|p| &p.result) else {
+                    continue;
+                };
+                if expert_runs(layer, expert as u32) {
+                    pes.extend(layout.overlapping(elements.clone()).map(|(segment, _)| segment.pe));
+                }
+            }
+            senders.insert(id, Senders::Only(pes));
+        }
+    }
+    senders
+}
+
+/// Cycles from a route's sources to its farthest destination, distance only; a reduction or a
+/// gather counts only its sending sources when given.
+fn route_span(program: &WaferProgram, route: &Route, senders: Option<&Senders>) -> u64 {
     match route.kind {
         // Many sources into one destination: the farthest sending source's distance.
         RouteKind::Reduce { .. } | RouteKind::Collect { .. } => {
             let Some(&destination) = route.destinations.first() else { return 0 };
-            let sending = active.unwrap_or(route.sources.len());
-            route
-                .sources
-                .iter()
-                .take(sending)
-                .map(|&source| pe_distance(program, source, destination))
-                .max()
-                .unwrap_or(0)
+            let distance = |&source: &Pe| pe_distance(program, source, destination);
+            match senders {
+                Some(Senders::Only(pes)) => pes.iter().map(distance).max(),
+                Some(Senders::Leading(n)) => route.sources.iter().take(*n).map(distance).max(),
+                None => route.sources.iter().map(distance).max(),
+            }
+            .unwrap_or(0)
         }
         // One source, a multicast: depth along the path to the farthest PE reached.
         RouteKind::Operand { .. } | RouteKind::Statistic { .. } | RouteKind::Routing => {
-            let mut depth: HashMap<Pe, u64> = route.sources.iter().map(|&pe| (pe, 0)).collect();
-            let mut farthest = 0;
-            for run in &route.path {
-                let start = depth.get(&run.from).copied().unwrap_or(0);
-                if run.is_inter_wafer() {
-                    let reached = start + params.inter_wafer_latency_cycles;
-                    depth.entry(run.to).or_insert(reached);
-                    farthest = farthest.max(reached);
-                } else {
-                    for (k, pe) in run.pes().into_iter().enumerate().skip(1) {
-                        let reached = start + k as u64 * hop;
-                        depth.entry(pe).or_insert(reached);
-                        farthest = farthest.max(reached);
-                    }
-                }
-            }
-            farthest
+            multicast_depths(&program.target, route).0
         }
     }
 }

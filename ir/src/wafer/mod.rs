@@ -37,11 +37,12 @@
 //! ([`reduce_tree`]). Rows of a matvec, heads of attention and elements of elementwise ops are
 //! independent outputs and are cut anywhere.
 
+pub mod arrival;
 pub mod artifact;
 mod bound;
 pub mod profile;
 
-pub use bound::distance_bound_cycles;
+pub use bound::{distance_bound_cycles, distance_bound_ends};
 pub use profile::{LayerProfile, RoutingProfile};
 
 use std::fmt;

@@ -29,7 +29,6 @@
 //! [`Step`]: waferc_ir::wafer::Step
 //! [`reduce_tree`]: waferc_ir::wafer::reduce_tree
 
-mod arrival;
 mod error;
 mod fabric;
 mod ops;
@@ -42,7 +41,7 @@ mod validate;
 use std::collections::HashMap;
 use std::ops::Range;
 
-use waferc_ir::wafer::{InstrIndex, Pe, ResultLayout, RouteId, RouteKind, WaferProgram, Work};
+use waferc_ir::wafer::{InstrIndex, Pe, RouteId, RouteKind, WaferProgram, Work};
 use waferc_ir::{Module, Op};
 
 use crate::kernels::{self, Routing};
@@ -149,7 +148,7 @@ pub struct Executor<'p> {
     alias_offset: Vec<u64>,
     gates: Vec<Option<Gate>>,
     /// Per `expert_dispatch`: how early its expert receives the input and the routing, before
-    /// their multicasts end (`arrival`).
+    /// their multicasts end (`waferc_ir::wafer::arrival`).
     dispatch_leads: HashMap<InstrIndex, (u64, u64)>,
     /// The PEs that compute each instruction (tiles, segments, KV blocks, the router).
     instr_pes: Vec<Vec<Pe>>,
@@ -265,8 +264,8 @@ impl<'p> Executor<'p> {
                 _ => None,
             })
             .collect();
-        let instr_pes: Vec<Vec<Pe>> = program.instrs.iter().map(compute_pes).collect();
-        let dispatch_leads = arrival::dispatch_leads(program, &alias, &instr_pes);
+        let instr_pes: Vec<Vec<Pe>> = program.instrs.iter().map(|p| p.compute_pes()).collect();
+        let dispatch_leads = waferc_ir::wafer::arrival::dispatch_leads(program, module);
         let destinations = program
             .routes
             .iter()
@@ -549,24 +548,6 @@ pub(crate) fn site_of(program: &WaferProgram, instr: InstrIndex) -> InstrSite {
         Some(p) => InstrSite { value: instr, op: p.op.clone(), layer: p.layer, expert: p.expert },
         None => InstrSite { value: instr, op: "?".into(), layer: None, expert: None },
     }
-}
-
-/// The PEs that compute an instruction.
-fn compute_pes(placement: &waferc_ir::wafer::InstrPlacement) -> Vec<Pe> {
-    let mut pes: Vec<Pe> = match &placement.result {
-        ResultLayout::Vector(layout) => layout.segments.iter().map(|s| s.pe).collect(),
-        ResultLayout::Routing { pe } => vec![*pe],
-    };
-    match &placement.work {
-        Work::Embed { blocks, .. } => pes.extend(blocks.iter().map(|b| b.pe)),
-        Work::MatVec(p) => pes.extend(p.tiles.iter().map(|t| t.pe)),
-        Work::Attention(p) => pes.extend(p.kv_heads_placed.iter().flat_map(|kh| kh.blocks.iter().map(|b| b.pe))),
-        Work::Dispatch { .. } | Work::Slice => pes.clear(),
-        Work::Elementwise | Work::RmsNorm(_) | Work::Router { .. } | Work::Combine { .. } => {}
-    }
-    pes.sort_unstable();
-    pes.dedup();
-    pes
 }
 
 /// Elements in a range of element indices.

@@ -35,7 +35,8 @@
 //!
 //! A route's time is its latency plus its serialisation. Latency: the hops from a source to the
 //! farthest PE its runs reach, times `hop_latency_cycles` (an inter-wafer run counts
-//! `inter_wafer_latency_cycles`). Serialisation: the busiest link of the route carries `messages x
+//! `inter_wafer_latency_cycles`); a gather's messages are distinct, so its latency is at least
+//! its longest source's path along the runs to the destination. Serialisation: the busiest link of the route carries `messages x
 //! message_bytes`, at `link_bytes_per_cycle` (or `inter_wafer_bytes_per_cycle`), wormhole-style, so
 //! it adds to the latency once rather than per hop; a multicast's message crosses each link once
 //! (the routers replicate it where the tree branches), a reduction's and a gather's messages add
@@ -72,7 +73,7 @@
 //! another. An instruction starts when all its operands' instructions have finished (their
 //! `Deliver` steps done; an expert's also waits for the router's decision, and starts when its
 //! own PEs have received both multicasts, which for an expert near the dispatch point is before
-//! the multicasts reach their farthest PE: `arrival`) **and** when its PEs are free:
+//! the multicasts reach their farthest PE: `ir::wafer::arrival`) **and** when its PEs are free:
 //! instructions on disjoint PEs whose inputs are ready overlap (the q, k and v projections; the
 //! chosen experts), instructions sharing PEs run one after the other, and overlapping
 //! instructions contend for links as above. The decode step's cycles are the end of its last
@@ -596,7 +597,51 @@ fn route_cost(
         }
         serial = serial.max(serialise(params, run.from, run.to, bytes * run.messages as u64));
     }
+    if let RouteKind::Collect { .. } = route.kind {
+        // The depths above are a multicast's (the earliest arrival at each PE); a gather's
+        // messages are distinct, so the last one arrives after the longest source's path.
+        latency = latency.max(gather_latency(params, route));
+    }
     Ok((RouteCost { latency, serial, bytes_per_cycle }, ReduceShape::default()))
+}
+
+/// A gather's (an in-tree's) latency: the longest path from a source along the runs to the
+/// destination (each PE forwards along the first run leaving it), memoised per PE.
+fn gather_latency(params: &TargetParams, route: &Route) -> u64 {
+    let mut next: HashMap<Pe, (Pe, u64)> = HashMap::new();
+    for run in &route.path {
+        if run.is_inter_wafer() {
+            next.entry(run.from).or_insert((run.to, params.inter_wafer_latency_cycles));
+        } else {
+            for (from, to) in run.hops() {
+                next.entry(from).or_insert((to, params.hop_latency_cycles as u64));
+            }
+        }
+    }
+    let mut to_end: HashMap<Pe, u64> = route.destinations.iter().map(|&pe| (pe, 0)).collect();
+    let mut longest = 0;
+    for &source in &route.sources {
+        // Follow the tree until a PE whose remaining latency is known (or the path ends), then
+        // fill in the PEs passed on the way back.
+        let mut chain = Vec::new();
+        let mut at = source;
+        let mut known = 0;
+        while chain.len() <= next.len() {
+            if let Some(&rest) = to_end.get(&at) {
+                known = rest;
+                break;
+            }
+            let Some(&(to, cycles)) = next.get(&at) else { break };
+            chain.push((at, cycles));
+            at = to;
+        }
+        for (pe, cycles) in chain.into_iter().rev() {
+            known += cycles;
+            to_end.entry(pe).or_insert(known);
+        }
+        longest = longest.max(to_end.get(&source).copied().unwrap_or(known));
+    }
+    longest
 }
 
 /// Where an instruction ran on the timeline.
@@ -794,7 +839,7 @@ impl Timeline {
             .filter(|&i| !self.instrs[i].spans.is_empty() && self.instrs[i].end == cycles)
             .max_by_key(|&i| self.instrs[i].order);
         // Where the instruction after this one on the path started: an expert may start before
-        // its inputs' multicasts end (`arrival`), so only the part of a span before it counts.
+        // its inputs' multicasts end (`ir::wafer::arrival`), so only the part of a span before it counts.
         let mut until = cycles;
         while let Some(i) = at {
             let placed = &self.instrs[i];

@@ -1,0 +1,100 @@
+//! When an MoE expert's inputs reach it. The layer's normed input and the router's decision
+//! are multicast to every expert's PEs; a multicast's cost is its latency to the farthest PE it
+//! reaches, but an expert near the source has its copy earlier. Per `expert_dispatch`, the
+//! *lead* of each input is how many cycles before the multicast's end its farthest PE of that
+//! expert receives it (the route's latency minus that PE's depth along the route's path), so a
+//! chosen expert starts when its own inputs have arrived: placement nearer the dispatch point
+//! shows in the modeled time. The timing model (`runtime::executor`) and the distance bound
+//! ([`super::distance_bound_cycles`]) take the leads from here, so the bound subtracts exactly
+//! what the model does.
+
+use std::collections::HashMap;
+
+use super::{InstrIndex, InstrPlacement, Pe, ResultLayout, Route, RouteId, TargetParams, WaferProgram, Work};
+use crate::module::Module;
+use crate::op::Op;
+
+/// Per `expert_dispatch` instruction: `(lead of x, lead of the routing)` in cycles.
+pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrIndex, (u64, u64)> {
+    // The instruction whose deliveries carry each value (`expert_dispatch` and `slice` alias
+    // their `x`).
+    let mut alias: Vec<usize> = Vec::with_capacity(module.body.len());
+    for (handle, instr) in module.body.iter() {
+        alias.push(match &instr.op {
+            Op::ExpertDispatch { x, .. } | Op::Slice { x, .. } => alias[x.index()],
+            _ => handle.index(),
+        });
+    }
+    // The PEs of each (layer, expert).
+    let mut expert_pes: HashMap<(Option<u32>, u32), Vec<Pe>> = HashMap::new();
+    for placement in &program.instrs {
+        if let Some(expert) = placement.expert {
+            expert_pes.entry((placement.layer, expert)).or_default().extend(placement.compute_pes());
+        }
+    }
+    let mut depths: HashMap<RouteId, (u64, HashMap<Pe, u64>)> = HashMap::new();
+    let mut lead = |id: RouteId, pes: &[Pe]| -> Option<u64> {
+        let route = program.routes.get(id as usize)?;
+        let (full, depth) = depths.entry(id).or_insert_with(|| multicast_depths(&program.target, route));
+        let farthest = pes.iter().filter_map(|pe| depth.get(pe)).max()?;
+        Some(full.saturating_sub(*farthest))
+    };
+    let mut leads = HashMap::new();
+    for placement in &program.instrs {
+        let (Work::Dispatch { routing }, Some(expert)) = (&placement.work, placement.expert) else {
+            continue;
+        };
+        let Some(pes) = expert_pes.get(&(placement.layer, expert)) else { continue };
+        let Some(&x) = alias.get(placement.instr as usize) else { continue };
+        let Some(producer) = program.instrs.get(x) else { continue };
+        let x_lead = producer.deliveries.iter().filter_map(|&id| lead(id, pes)).min().unwrap_or(0);
+        let routing_lead = lead(*routing, pes).unwrap_or(0);
+        leads.insert(placement.instr, (x_lead, routing_lead));
+    }
+    leads
+}
+
+/// The cycles at which a multicast's message reaches each PE its path passes (from its sources,
+/// hop by hop; an inter-wafer run costs the inter-wafer latency), and the largest of them. The
+/// same walk as the timing model's route latency.
+pub fn multicast_depths(params: &TargetParams, route: &Route) -> (u64, HashMap<Pe, u64>) {
+    let mut depth: HashMap<Pe, u64> = route.sources.iter().map(|&pe| (pe, 0)).collect();
+    let mut full = 0;
+    for run in &route.path {
+        let Some(&start) = depth.get(&run.from) else { continue };
+        if run.is_inter_wafer() {
+            let end = start + params.inter_wafer_latency_cycles;
+            depth.entry(run.to).and_modify(|d| *d = (*d).min(end)).or_insert(end);
+            full = full.max(end);
+        } else {
+            for (k, pe) in run.pes().into_iter().enumerate().skip(1) {
+                let end = start + k as u64 * params.hop_latency_cycles as u64;
+                depth.entry(pe).and_modify(|d| *d = (*d).min(end)).or_insert(end);
+                full = full.max(end);
+            }
+        }
+    }
+    (full, depth)
+}
+
+impl InstrPlacement {
+    /// The PEs that compute this instruction (its result segments, and its tiles, table blocks
+    /// or KV blocks), sorted, deduplicated; none for `expert_dispatch` and `slice`, which only
+    /// alias their input.
+    pub fn compute_pes(&self) -> Vec<Pe> {
+        let mut pes: Vec<Pe> = match &self.result {
+            ResultLayout::Vector(layout) => layout.segments.iter().map(|s| s.pe).collect(),
+            ResultLayout::Routing { pe } => vec![*pe],
+        };
+        match &self.work {
+            Work::Embed { blocks, .. } => pes.extend(blocks.iter().map(|b| b.pe)),
+            Work::MatVec(p) => pes.extend(p.tiles.iter().map(|t| t.pe)),
+            Work::Attention(p) => pes.extend(p.kv_heads_placed.iter().flat_map(|kh| kh.blocks.iter().map(|b| b.pe))),
+            Work::Dispatch { .. } | Work::Slice => pes.clear(),
+            Work::Elementwise | Work::RmsNorm(_) | Work::Router { .. } | Work::Combine { .. } => {}
+        }
+        pes.sort_unstable();
+        pes.dedup();
+        pes
+    }
+}
