@@ -15,12 +15,15 @@
 //! holding it (or is already there); every route is used by exactly one schedule step, after the
 //! steps that produce what it carries.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 
 use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work};
 use waferc_ir::{Handle, Module, Op};
+// Fx hashing: the checker hashes millions of (value, PE) and route keys, and nothing it reports
+// depends on a map's iteration order.
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 /// One problem the checker found. Each names what it can of the PE, route, instruction and layer.
 #[derive(Clone, Debug, PartialEq)]
@@ -98,7 +101,7 @@ struct Reads<'a> {
 
 impl<'a> Reads<'a> {
     fn new(module: &'a Module) -> Self {
-        Reads { module, known: HashMap::new() }
+        Reads { module, known: HashMap::default() }
     }
 
     /// Whether `reader` depends on `source` (`source < reader`).
@@ -106,7 +109,7 @@ impl<'a> Reads<'a> {
         if let Some(&known) = self.known.get(&(reader, source)) {
             return known;
         }
-        let mut seen = HashSet::new();
+        let mut seen = HashSet::default();
         let mut stack = vec![reader];
         let mut found = false;
         while let Some(v) = stack.pop() {
@@ -330,7 +333,7 @@ impl<'a> Checker<'a> {
                     format!("{} tiles for a {} x {} grid", mv.tiles.len(), mv.row_blocks, mv.col_blocks),
                 );
             }
-            let mut seen = HashSet::new();
+            let mut seen = HashSet::default();
             for t in &mv.tiles {
                 let region = self.program.pe(t.pe).and_then(|img| img.regions.get(t.region as usize));
                 let ok = match region {
@@ -536,7 +539,7 @@ impl<'a> Checker<'a> {
 
     fn routes_by_id(&mut self) -> HashMap<u32, &'a Route> {
         let program = self.program;
-        let mut by_id = HashMap::with_capacity(program.routes.len());
+        let mut by_id = HashMap::with_capacity_and_hasher(program.routes.len(), Default::default());
         for (index, r) in program.routes.iter().enumerate() {
             if r.id as usize != index {
                 self.report(None, Some(r.id), Some(r.instr), format!("route {} is stored at index {index}", r.id));
@@ -639,7 +642,7 @@ impl<'a> Checker<'a> {
             ((pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize) * colours + colour as usize
         };
         // The schedule step sending each route: one instruction's steps run one after another.
-        let mut step_of: HashMap<u32, usize> = HashMap::new();
+        let mut step_of: HashMap<u32, usize> = HashMap::default();
         for (s, step) in self.program.schedule.iter().enumerate() {
             for id in &step.routes {
                 step_of.entry(*id).or_insert(s);
@@ -720,8 +723,8 @@ impl<'a> Checker<'a> {
             }
         };
         // (value, destination PE) -> element ranges arriving, with their routes.
-        let mut arriving: Arrivals = HashMap::with_capacity(routes.len());
-        for r in routes.values() {
+        let mut arriving: Arrivals = HashMap::with_capacity_and_hasher(routes.len(), Default::default());
+        for r in &self.program.routes {
             if let RouteKind::Operand { value, elements } = &r.kind {
                 let src_ok = self.program.pe(r.sources[0]).is_some_and(|img| {
                     img.regions.iter().any(|g| g.instr == Some(*value) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
@@ -863,8 +866,8 @@ impl<'a> Checker<'a> {
 
     /// Every route in exactly one step; steps in program order; deliveries before their readers.
     fn schedule(&mut self, routes: &HashMap<u32, &Route>) {
-        let mut used: HashMap<u32, usize> = HashMap::new();
-        let mut first_step: HashMap<u32, usize> = HashMap::new();
+        let mut used: HashMap<u32, usize> = HashMap::default();
+        let mut first_step: HashMap<u32, usize> = HashMap::default();
         let mut last_instr = 0;
         for (s, step) in self.program.schedule.iter().enumerate() {
             if step.instr < last_instr {
@@ -892,7 +895,7 @@ impl<'a> Checker<'a> {
         }
         // The instructions listing each operand route (an index, not a scan per route: programs
         // have hundreds of thousands of routes).
-        let mut readers: HashMap<u32, Vec<u32>> = HashMap::new();
+        let mut readers: HashMap<u32, Vec<u32>> = HashMap::default();
         for p in &self.program.instrs {
             for id in &p.operand_routes {
                 readers.entry(*id).or_default().push(p.instr);
