@@ -6,7 +6,7 @@
 //! chosen expert starts when its own inputs have arrived: placement nearer the dispatch point
 //! shows in the modeled time.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use waferc_ir::wafer::{InstrIndex, Pe, Route, RouteId, TargetParams, WaferProgram, Work};
 
@@ -17,20 +17,20 @@ pub(super) fn dispatch_leads(
     instr_pes: &[Vec<Pe>],
 ) -> HashMap<InstrIndex, (u64, u64)> {
     // The PEs of each (layer, expert).
-    let mut expert_pes: HashMap<(Option<u32>, u32), Vec<Pe>> = HashMap::new();
+    let mut expert_pes: HashMap<(Option<u32>, u32), Vec<Pe>> = HashMap::default();
     for (placement, pes) in program.instrs.iter().zip(instr_pes) {
         if let Some(expert) = placement.expert {
             expert_pes.entry((placement.layer, expert)).or_default().extend(pes);
         }
     }
-    let mut depths: HashMap<RouteId, (u64, HashMap<Pe, u64>)> = HashMap::new();
+    let mut depths: HashMap<RouteId, (u64, HashMap<Pe, u64>)> = HashMap::default();
     let mut lead = |id: RouteId, pes: &[Pe]| -> Option<u64> {
         let (full, depth) =
             depths.entry(id).or_insert_with(|| path_depths(&program.target, &program.routes[id as usize]));
         let farthest = pes.iter().filter_map(|pe| depth.get(pe)).max()?;
         Some(full.saturating_sub(*farthest))
     };
-    let mut leads = HashMap::new();
+    let mut leads = HashMap::default();
     for placement in &program.instrs {
         let (Work::Dispatch { routing }, Some(expert)) = (&placement.work, placement.expert) else {
             continue;

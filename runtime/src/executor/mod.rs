@@ -39,7 +39,7 @@ mod sram;
 pub mod timing;
 mod validate;
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
 use waferc_ir::wafer::{InstrIndex, Pe, ResultLayout, RouteId, RouteKind, WaferProgram, Work};
@@ -243,7 +243,7 @@ impl<'p> Executor<'p> {
             }
         }
 
-        let mut attention_collects: HashMap<InstrIndex, Vec<RouteId>> = HashMap::new();
+        let mut attention_collects: HashMap<InstrIndex, Vec<RouteId>> = HashMap::default();
         for route in &program.routes {
             let is_attention = program.instrs.get(route.instr as usize).is_some_and(|p| p.op == "attention");
             if let (true, RouteKind::Collect { .. }) = (is_attention, &route.kind) {
@@ -290,12 +290,12 @@ impl<'p> Executor<'p> {
             instr_pes,
             attention_collects,
             rope_frequencies,
-            kv: HashMap::new(),
+            kv: HashMap::default(),
             destinations,
             costs,
             sequence: 0,
             position: 0,
-            parked: HashMap::new(),
+            parked: HashMap::default(),
             history: Vec::new(),
             last_timing: None,
             last_values: None,
@@ -394,7 +394,7 @@ impl<'p> Executor<'p> {
     fn run_step(&mut self, token: u32) -> Result<StepResult, ExecError> {
         let mut state = StepState {
             held: vec![Held::Pending; self.module.body.len()],
-            messages: HashMap::new(),
+            messages: HashMap::default(),
             token,
             timeline: timing::Timeline::new(self.program, &self.costs),
         };

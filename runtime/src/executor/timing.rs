@@ -107,7 +107,9 @@
 //! reduction counted over all its blocks, times `T`). It is a lower estimate of a real pipeline
 //! (perfect streaming, no bubbles between micro-batches) and needs `T <= max_context`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
 use serde::Serialize;
@@ -632,12 +634,12 @@ impl Timeline {
         Timeline {
             instrs: vec![Placed::default(); program.instrs.len()],
             placed: 0,
-            pe_free: HashMap::new(),
+            pe_free: HashMap::default(),
             link_busy: vec![0; costs.links.len()],
             route_links: Vec::new(),
             spans: Vec::with_capacity(program.schedule.len()),
-            pe_cycles: HashMap::new(),
-            pe_attention_cycles: HashMap::new(),
+            pe_cycles: HashMap::default(),
+            pe_attention_cycles: HashMap::default(),
             active_routes: Vec::new(),
         }
     }
@@ -890,7 +892,7 @@ impl<'a> Prefill<'a> {
         let params = &program.target;
         let later = (tokens - 1) as u64;
         // Attention per PE over the prompt's tokens, and over the first token alone.
-        let mut attention: HashMap<Pe, (f64, f64)> = HashMap::new();
+        let mut attention: HashMap<Pe, (f64, f64)> = HashMap::default();
         for placement in &program.instrs {
             let Work::Attention(p) = &placement.work else { continue };
             let group = (p.heads / p.kv_heads.max(1)) as u64;
