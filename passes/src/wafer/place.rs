@@ -1,6 +1,6 @@
 //! Placement (PEs and SRAM images), routes and the schedule, from the sizes.
 
-use std::collections::HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use std::ops::Range;
 
 use waferc_ir::wafer::{
@@ -200,7 +200,7 @@ impl<'a> Placer<'a> {
             let route = &self.routes[clash.route];
             let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
             // Name the routes that took the colours: every route sharing a PE with the failed one.
-            let mut mine = std::collections::HashSet::new();
+            let mut mine = FxHashSet::default();
             route::for_each_pe(&self.routes[clash.route], |pe| {
                 mine.insert(pe);
             });
@@ -272,7 +272,7 @@ impl<'a> Placer<'a> {
             cells,
             images: Vec::new(),
             placements: Vec::with_capacity(module.body.len()),
-            image_of: HashMap::new(),
+            image_of: HashMap::default(),
             routes: Vec::new(),
             route_band,
             host_slices: false,
