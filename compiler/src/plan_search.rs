@@ -78,10 +78,12 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
     }
     // One candidate at a time, each program dropped as soon as a faster one is timed: memory
     // holds at most the best program so far and the one being lowered (a lowered 8B program
-    // is about a gigabyte; lowering candidates side by side on threads held several).
-    let mut records: Vec<Record> = Vec::with_capacity(plans.len());
+    // is about a gigabyte; lowering candidates side by side on threads held several). The
+    // last candidates go first: the stacked plan's larger groups are the largest lowerings,
+    // best done while no program is held yet. The order changes nothing else.
+    let mut records: Vec<Option<Record>> = (0..plans.len()).map(|_| None).collect();
     let mut best: Option<Lowered> = None;
-    for (index, &plan) in plans.iter().enumerate() {
+    for (index, &plan) in plans.iter().enumerate().rev() {
         let start = Instant::now();
         let mut candidate = Candidate {
             plan: plan.to_string(),
@@ -112,8 +114,8 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
                     candidate.cycles_per_token = Some(cycles);
                     candidate.modeled_tok_s = Some(params.clock_hz / cycles.max(1) as f64);
                     candidate.pes_used = Some(program.pes.len());
-                    // Strictly fewer cycles: a tie goes to the earlier candidate.
-                    if best.as_ref().is_none_or(|b| cycles < b.cycles) {
+                    // A tie goes to the earlier candidate.
+                    if best.as_ref().is_none_or(|b| (cycles, index) < (b.cycles, b.index)) {
                         best = Some(Lowered { index, cycles, program });
                     }
                 }
@@ -124,8 +126,9 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
             }
         }
         candidate.seconds = start.elapsed().as_secs_f64();
-        records.push((candidate, error));
+        records[index] = Some((candidate, error));
     }
+    let mut records: Vec<Record> = records.into_iter().map(|r| r.expect("every plan ran")).collect();
     let Some(mut best) = best else {
         let first = records.iter_mut().find_map(|(_, e)| e.take());
         return Err(first.unwrap_or_else(|| anyhow::anyhow!("no candidate plan fits {}", target.name)));
