@@ -613,12 +613,52 @@ struct Placed {
     order: usize,
 }
 
+/// When each PE is free, and the instruction that occupied it last: by dense grid index (every
+/// instruction looks up each of its PEs), a map for a PE off the grid. A PE never occupied is
+/// free from cycle 0.
+struct PeFree {
+    cols: usize,
+    rows: usize,
+    wafers: usize,
+    dense: Vec<(u64, InstrIndex)>,
+    outside: HashMap<Pe, (u64, InstrIndex)>,
+}
+
+impl PeFree {
+    fn new(program: &WaferProgram) -> Self {
+        let t = &program.target;
+        let (cols, rows, wafers) = (t.grid_cols as usize, t.grid_rows as usize, t.wafers as usize);
+        PeFree { cols, rows, wafers, dense: vec![(0, 0); cols * rows * wafers], outside: HashMap::default() }
+    }
+
+    fn index(&self, pe: Pe) -> Option<usize> {
+        let (x, y, w) = (pe.x as usize, pe.y as usize, pe.wafer as usize);
+        (x < self.cols && y < self.rows && w < self.wafers).then_some((w * self.rows + y) * self.cols + x)
+    }
+
+    fn get(&self, pe: Pe) -> Option<(u64, InstrIndex)> {
+        match self.index(pe) {
+            Some(i) => Some(self.dense[i]),
+            None => self.outside.get(&pe).copied(),
+        }
+    }
+
+    fn set(&mut self, pe: Pe, free: (u64, InstrIndex)) {
+        match self.index(pe) {
+            Some(i) => self.dense[i] = free,
+            None => {
+                self.outside.insert(pe, free);
+            }
+        }
+    }
+}
+
 /// The decode step's schedule as it runs: when each instruction ends, when each PE and link is
 /// free.
 pub(crate) struct Timeline {
     instrs: Vec<Placed>,
     placed: usize,
-    pe_free: HashMap<Pe, (u64, InstrIndex)>,
+    pe_free: PeFree,
     /// Per link (dense [`LinkIndex`]), the cycle it is free from.
     link_busy: Vec<u64>,
     /// Scratch: the links one route uses, with their bytes.
@@ -634,7 +674,7 @@ impl Timeline {
         Timeline {
             instrs: vec![Placed::default(); program.instrs.len()],
             placed: 0,
-            pe_free: HashMap::default(),
+            pe_free: PeFree::new(program),
             link_busy: vec![0; costs.links.len()],
             route_links: Vec::new(),
             spans: Vec::with_capacity(program.schedule.len()),
@@ -734,7 +774,7 @@ impl Timeline {
         let (mut at, mut cause) = ready;
         if worked {
             for pe in pes {
-                if let Some(&(free, by)) = self.pe_free.get(pe) {
+                if let Some((free, by)) = self.pe_free.get(*pe) {
                     if free > at {
                         (at, cause) = (free, Some(by));
                     }
@@ -783,7 +823,7 @@ impl Timeline {
         self.placed += 1;
         if worked {
             for &pe in pes {
-                self.pe_free.insert(pe, (at, run.instr));
+                self.pe_free.set(pe, (at, run.instr));
             }
         }
     }
