@@ -89,6 +89,17 @@ pub(super) fn shelf_height(grid_rows: u64) -> u64 {
     (1..=grid_rows.min(8)).rev().find(|h| grid_rows.is_multiple_of(*h)).unwrap_or(1)
 }
 
+/// Makes room for `extra` more regions in a PE's list, growing it by half rather than doubling:
+/// hundreds of thousands of lists grow side by side, and their spare capacity is most of what
+/// lowering the stacked plan holds at its peak (the lists shrink to fit once placement ends).
+fn make_room(regions: &mut Vec<Region>, extra: usize) {
+    let needed = regions.len() + extra;
+    if needed > regions.capacity() {
+        let grown = needed.max(regions.capacity() + regions.capacity() / 2);
+        regions.reserve_exact(grown - regions.len());
+    }
+}
+
 /// Index in the placer's images of each PE's image: a dense grid index (the placer looks PEs up
 /// millions of times), a map for a PE off the grid.
 struct ImageIndex {
@@ -218,16 +229,17 @@ impl<'a> Placer<'a> {
     pub(super) fn finish(mut self) -> Result<WaferProgram, WaferError> {
         let module = self.module;
         let params = self.params;
+        // The images are complete (routing adds none): give back their regions' spare capacity
+        // (up to half of each list, grown by doubling) before the routes are built, so the
+        // routes and the colouring reuse that memory instead of raising the peak.
+        for image in &mut self.images {
+            image.regions.shrink_to_fit();
+        }
         for i in 0..module.body.len() {
             self.route_instr(i)?;
         }
         for i in 0..module.body.len() {
             self.deliver(i);
-        }
-        // The images are complete: give back their regions' spare capacity before colouring,
-        // the largest allocation of lowering, so it can reuse that memory.
-        for image in &mut self.images {
-            image.regions.shrink_to_fit();
         }
         let precedence = super::precedence::Precedence::new(module);
         let schedule = self.schedule();
@@ -361,6 +373,7 @@ impl<'a> Placer<'a> {
             }
         };
         let regions = &mut self.images[index].regions;
+        make_room(regions, requests.len());
         let first = regions.len() as u32;
         let mut offset = regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
         for (kind, bytes) in requests {
@@ -447,6 +460,7 @@ impl<'a> Placer<'a> {
                     for (pe, elements, wanted) in plan {
                         let image = &mut self.images[self.image_of.get(pe).expect("a host segment's PE has an image")];
                         let mut offset = image.regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
+                        make_room(&mut image.regions, wanted.len());
                         for (kind, bytes) in wanted {
                             image.regions.push(Region {
                                 offset: offset as u32,
