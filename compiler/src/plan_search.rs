@@ -5,12 +5,10 @@
 //! The candidates are the default tiled plan and the stacked plan at a few group sizes and wafer
 //! shares (a small model's layers run faster on small regions, whose collectives are short; a
 //! large one needs the whole wafer's SRAM). A candidate whose weights cannot fit the PEs it may
-//! use is skipped without lowering. The search is deterministic: candidates are evaluated on
-//! worker threads, but the winner is the one with the fewest modeled cycles, ties going to the
-//! earlier candidate, whatever the thread count.
+//! use is skipped without lowering. The search is deterministic: candidates are evaluated one
+//! after another (so memory holds at most two lowered programs), and the winner is the one with
+//! the fewest modeled cycles, ties going to the earlier candidate.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -78,64 +76,60 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
         cycles: u64,
         program: WaferProgram,
     }
-    let next = AtomicUsize::new(0);
-    let records: Mutex<Vec<Option<Record>>> = Mutex::new((0..plans.len()).map(|_| None).collect());
-    let best: Mutex<Option<Lowered>> = Mutex::new(None);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(plans.len()).max(1);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                let index = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&plan) = plans.get(index) else { break };
-                let start = Instant::now();
-                let mut candidate = Candidate {
-                    plan: plan.to_string(),
-                    cycles_per_token: None,
-                    modeled_tok_s: None,
-                    pes_used: None,
-                    seconds: 0.0,
-                    chosen: false,
-                    lost_because: None,
-                };
-                let mut error = None;
-                let share = match plan {
-                    Plan::Stacked { wafer_percent, .. } => wafer_percent as f64 / 100.0,
-                    _ => 1.0,
-                };
-                // A share whose SRAM cannot hold the weights at the stacked plan's tile share is not tried.
-                let room = share * STACKED_TILE_SHARE * wafer_bytes as f64 * params.wafers as f64;
-                if matches!(plan, Plan::Stacked { .. }) && weight_bytes as f64 > room {
-                    candidate.lost_because = Some(format!(
-                        "not tried: {:.1} GB of weights exceed the tile share of its {}% of the wafer ({:.1} GB)",
-                        weight_bytes as f64 / 1e9,
-                        (share * 100.0).round(),
-                        room / 1e9
-                    ));
-                } else {
-                    match evaluate(module, target, base, plan) {
-                        Ok((program, cycles)) => {
-                            candidate.cycles_per_token = Some(cycles);
-                            candidate.modeled_tok_s = Some(params.clock_hz / cycles.max(1) as f64);
-                            candidate.pes_used = Some(program.pes.len());
-                            let mut best = best.lock().expect("no thread panics holding the lock");
-                            if best.as_ref().is_none_or(|b| (cycles, index) < (b.cycles, b.index)) {
-                                *best = Some(Lowered { index, cycles, program });
-                            }
-                        }
-                        Err(e) => {
-                            candidate.lost_because = Some(format!("did not lower: {e:#}"));
-                            error = Some(e);
-                        }
+    // One candidate at a time, each program dropped as soon as a faster one is timed: memory
+    // holds at most the best program so far and the one being lowered (a lowered 8B program
+    // is about a gigabyte; lowering candidates side by side on threads held several). The
+    // last candidates go first: the stacked plan's larger groups are the largest lowerings,
+    // best done while no program is held yet. The order changes nothing else.
+    let mut records: Vec<Option<Record>> = (0..plans.len()).map(|_| None).collect();
+    let mut best: Option<Lowered> = None;
+    for (index, &plan) in plans.iter().enumerate().rev() {
+        let start = Instant::now();
+        let mut candidate = Candidate {
+            plan: plan.to_string(),
+            cycles_per_token: None,
+            modeled_tok_s: None,
+            pes_used: None,
+            seconds: 0.0,
+            chosen: false,
+            lost_because: None,
+        };
+        let mut error = None;
+        let share = match plan {
+            Plan::Stacked { wafer_percent, .. } => wafer_percent as f64 / 100.0,
+            _ => 1.0,
+        };
+        // A share whose SRAM cannot hold the weights at the stacked plan's tile share is not tried.
+        let room = share * STACKED_TILE_SHARE * wafer_bytes as f64 * params.wafers as f64;
+        if matches!(plan, Plan::Stacked { .. }) && weight_bytes as f64 > room {
+            candidate.lost_because = Some(format!(
+                "not tried: {:.1} GB of weights exceed the tile share of its {}% of the wafer ({:.1} GB)",
+                weight_bytes as f64 / 1e9,
+                (share * 100.0).round(),
+                room / 1e9
+            ));
+        } else {
+            match evaluate(module, target, base, plan) {
+                Ok((program, cycles)) => {
+                    candidate.cycles_per_token = Some(cycles);
+                    candidate.modeled_tok_s = Some(params.clock_hz / cycles.max(1) as f64);
+                    candidate.pes_used = Some(program.pes.len());
+                    // A tie goes to the earlier candidate.
+                    if best.as_ref().is_none_or(|b| (cycles, index) < (b.cycles, b.index)) {
+                        best = Some(Lowered { index, cycles, program });
                     }
                 }
-                candidate.seconds = start.elapsed().as_secs_f64();
-                records.lock().expect("no thread panics holding the lock")[index] = Some((candidate, error));
-            });
+                Err(e) => {
+                    candidate.lost_because = Some(format!("did not lower: {e:#}"));
+                    error = Some(e);
+                }
+            }
         }
-    });
-    let mut records: Vec<Record> =
-        records.into_inner().expect("no thread panicked").into_iter().map(|r| r.expect("every plan ran")).collect();
-    let Some(mut best) = best.into_inner().expect("no thread panicked") else {
+        candidate.seconds = start.elapsed().as_secs_f64();
+        records[index] = Some((candidate, error));
+    }
+    let mut records: Vec<Record> = records.into_iter().map(|r| r.expect("every plan ran")).collect();
+    let Some(mut best) = best else {
         let first = records.iter_mut().find_map(|(_, e)| e.take());
         return Err(first.unwrap_or_else(|| anyhow::anyhow!("no candidate plan fits {}", target.name)));
     };

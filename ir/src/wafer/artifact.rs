@@ -77,6 +77,37 @@ impl Artifact {
     }
 }
 
+/// [`Header`] as the writer serialises it: the same fields in the same order (so the same
+/// bytes), borrowing the program instead of cloning it.
+#[derive(Serialize)]
+struct HeaderRef<'a> {
+    program: &'a WaferProgram,
+    module_text: String,
+    ir_weights: Vec<Option<Range<u64>>>,
+    tokenizer_json: &'a Option<String>,
+}
+
+/// A writer that feeds the checksum and counts the bytes on their way to `out`, so the header
+/// is encoded straight into the file instead of into a buffer of its own.
+struct Summed<'a, W: Write> {
+    out: &'a mut W,
+    sum: &'a mut Checksum,
+    written: u64,
+}
+
+impl<W: Write> Write for Summed<'_, W> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        let n = self.out.write(bytes)?;
+        self.sum.update(&bytes[..n]);
+        self.written += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
 /// The serialised part of the file.
 #[derive(Serialize, Deserialize)]
 struct Header {
@@ -124,14 +155,12 @@ pub fn write(path: &Path, artifact: &Artifact) -> Result<(), ArtifactError> {
         }));
     }
     let tile_len = if program.weights_present { program.tile_blob_len } else { 0 };
-    let header = Header {
-        program: program.clone(),
+    let header = HeaderRef {
+        program,
         module_text: crate::text::print(module),
         ir_weights,
-        tokenizer_json: artifact.tokenizer_json.clone(),
+        tokenizer_json: &artifact.tokenizer_json,
     };
-    let header = bincode::serde::encode_to_vec(&header, bincode::config::standard())
-        .map_err(|e| ArtifactError::Header { path: path.to_path_buf(), message: e.to_string() })?;
 
     let temp = temp_path(path);
     let result = (|| {
@@ -139,11 +168,20 @@ pub fn write(path: &Path, artifact: &Artifact) -> Result<(), ArtifactError> {
         let mut out = BufWriter::with_capacity(1 << 20, file);
         out.write_all(&[0u8; PREFIX_LEN]).map_err(io)?;
         let mut sum = Checksum::new();
+        let header_len = {
+            let mut summed = Summed { out: &mut out, sum: &mut sum, written: 0 };
+            // bincode writes field by field: buffer its small writes before they reach the checksum.
+            let mut buffered = BufWriter::with_capacity(1 << 16, &mut summed);
+            bincode::serde::encode_into_std_write(&header, &mut buffered, bincode::config::standard())
+                .map_err(|e| ArtifactError::Header { path: path.to_path_buf(), message: e.to_string() })?;
+            buffered.flush().map_err(io)?;
+            drop(buffered);
+            summed.written
+        };
         let mut emit = |out: &mut BufWriter<File>, bytes: &[u8]| -> Result<(), ArtifactError> {
             sum.update(bytes);
             out.write_all(bytes).map_err(io)
         };
-        emit(&mut out, &header)?;
         if tile_len > 0 {
             let mut written = 0u64;
             for image in &program.pes {
@@ -179,7 +217,7 @@ pub fn write(path: &Path, artifact: &Artifact) -> Result<(), ArtifactError> {
         let mut prefix = Vec::with_capacity(PREFIX_LEN);
         prefix.extend_from_slice(&MAGIC);
         prefix.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        for n in [header.len() as u64, tile_len, ir_len, sum.finish()] {
+        for n in [header_len, tile_len, ir_len, sum.finish()] {
             prefix.extend_from_slice(&n.to_le_bytes());
         }
         out.seek(SeekFrom::Start(0)).map_err(io)?;

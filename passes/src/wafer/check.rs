@@ -15,12 +15,15 @@
 //! holding it (or is already there); every route is used by exactly one schedule step, after the
 //! steps that produce what it carries.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 
-use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work};
+use waferc_ir::wafer::{Pe, PeImage, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work};
 use waferc_ir::{Handle, Module, Op};
+// Fx hashing: the checker hashes millions of (value, PE) and route keys, and nothing it reports
+// depends on a map's iteration order.
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 /// One problem the checker found. Each names what it can of the PE, route, instruction and layer.
 #[derive(Clone, Debug, PartialEq)]
@@ -79,13 +82,55 @@ impl fmt::Display for CheckError {
 
 /// A weight block some PE holds: rows, columns, the PE.
 type Piece = (Range<u64>, Range<u64>, Pe);
-/// Per (value, destination PE): the element ranges operand routes bring there, with the routes.
-type Arrivals = HashMap<(u32, Pe), Vec<(Range<u64>, u32)>>;
 
 struct Checker<'a> {
     program: &'a WaferProgram,
     module: &'a Module,
+    images: &'a Images<'a>,
     problems: Vec<Problem>,
+}
+
+/// Each PE's image by the PE's dense grid index: the checker looks up millions of route
+/// endpoints and tiles, and a binary search over hundreds of thousands of images misses the
+/// cache at every step.
+struct Images<'a> {
+    program: &'a WaferProgram,
+    /// Per dense index, the image's position in `program.pes` (`u32::MAX`: none).
+    at: Vec<u32>,
+}
+
+impl<'a> Images<'a> {
+    fn new(program: &'a WaferProgram) -> Self {
+        let params = &program.target;
+        let mut at = vec![u32::MAX; params.grid_cols as usize * params.grid_rows as usize * params.wafers as usize];
+        for (i, image) in program.pes.iter().enumerate() {
+            if let Some(slot) = Self::dense(program, image.pe).and_then(|d| at.get_mut(d)) {
+                *slot = i as u32;
+            }
+        }
+        Images { program, at }
+    }
+
+    fn dense(program: &WaferProgram, pe: Pe) -> Option<usize> {
+        let params = &program.target;
+        params.contains(pe).then(|| {
+            (pe.wafer as usize * params.grid_rows as usize + pe.y as usize) * params.grid_cols as usize + pe.x as usize
+        })
+    }
+
+    /// Position in `program.pes` of `pe`'s image, if it holds anything (a PE outside the
+    /// target: by binary search).
+    fn position(&self, pe: Pe) -> Option<usize> {
+        match Self::dense(self.program, pe) {
+            Some(d) => self.at.get(d).filter(|&&i| i != u32::MAX).map(|&i| i as usize),
+            None => self.program.pes.binary_search_by(|image| image.pe.cmp(&pe)).ok(),
+        }
+    }
+
+    /// The image of `pe`, if it holds anything.
+    fn get(&self, pe: Pe) -> Option<&'a PeImage> {
+        self.position(pe).map(|i| &self.program.pes[i])
+    }
 }
 
 /// Whether one instruction reads another's result, through any chain of operands: found by a
@@ -98,7 +143,7 @@ struct Reads<'a> {
 
 impl<'a> Reads<'a> {
     fn new(module: &'a Module) -> Self {
-        Reads { module, known: HashMap::new() }
+        Reads { module, known: HashMap::default() }
     }
 
     /// Whether `reader` depends on `source` (`source < reader`).
@@ -106,7 +151,7 @@ impl<'a> Reads<'a> {
         if let Some(&known) = self.known.get(&(reader, source)) {
             return known;
         }
-        let mut seen = HashSet::new();
+        let mut seen = HashSet::default();
         let mut stack = vec![reader];
         let mut found = false;
         while let Some(v) = stack.pop() {
@@ -131,7 +176,8 @@ impl<'a> Reads<'a> {
 
 /// Checks `program` against the `module` it was compiled from.
 pub fn check(program: &WaferProgram, module: &Module) -> Result<(), CheckError> {
-    let mut c = Checker { program, module, problems: Vec::new() };
+    let images = Images::new(program);
+    let mut c = Checker { program, module, images: &images, problems: Vec::new() };
     c.instrs();
     if c.problems.is_empty() {
         c.sram();
@@ -330,9 +376,9 @@ impl<'a> Checker<'a> {
                     format!("{} tiles for a {} x {} grid", mv.tiles.len(), mv.row_blocks, mv.col_blocks),
                 );
             }
-            let mut seen = HashSet::new();
+            let mut seen = HashSet::default();
             for t in &mv.tiles {
-                let region = self.program.pe(t.pe).and_then(|img| img.regions.get(t.region as usize));
+                let region = self.images.get(t.pe).and_then(|img| img.regions.get(t.region as usize));
                 let ok = match region {
                     Some(r) => match &r.kind {
                         RegionKind::Weight { rows, cols, .. } => {
@@ -510,7 +556,7 @@ impl<'a> Checker<'a> {
                             ),
                         );
                     }
-                    let region = self.program.pe(b.pe).and_then(|img| img.regions.get(b.region as usize));
+                    let region = self.images.get(b.pe).and_then(|img| img.regions.get(b.region as usize));
                     let holds = matches!(region.map(|r| &r.kind), Some(RegionKind::KvCache { kv_head, positions }) if *kv_head == head.kv_head && *positions == b.positions);
                     if !holds {
                         self.report(
@@ -536,7 +582,7 @@ impl<'a> Checker<'a> {
 
     fn routes_by_id(&mut self) -> HashMap<u32, &'a Route> {
         let program = self.program;
-        let mut by_id = HashMap::with_capacity(program.routes.len());
+        let mut by_id = HashMap::with_capacity_and_hasher(program.routes.len(), Default::default());
         for (index, r) in program.routes.iter().enumerate() {
             if r.id as usize != index {
                 self.report(None, Some(r.id), Some(r.instr), format!("route {} is stored at index {index}", r.id));
@@ -592,10 +638,11 @@ impl<'a> Checker<'a> {
     /// routing starts at the router's result.
     fn endpoints(&mut self) {
         let program = self.program;
+        let images = self.images;
         let holds_instr =
-            |pe: Pe, instr: u32| program.pe(pe).is_some_and(|img| img.regions.iter().any(|r| r.instr == Some(instr)));
+            |pe: Pe, instr: u32| images.get(pe).is_some_and(|img| img.regions.iter().any(|r| r.instr == Some(instr)));
         let holds_output = |pe: Pe, instr: u32, elements: &Range<u64>| {
-            program.pe(pe).is_some_and(|img| {
+            images.get(pe).is_some_and(|img| {
                 img.regions.iter().any(|r| {
                     r.instr == Some(instr)
                         && matches!(&r.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end)
@@ -639,7 +686,7 @@ impl<'a> Checker<'a> {
             ((pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize) * colours + colour as usize
         };
         // The schedule step sending each route: one instruction's steps run one after another.
-        let mut step_of: HashMap<u32, usize> = HashMap::new();
+        let mut step_of: HashMap<u32, usize> = HashMap::default();
         for (s, step) in self.program.schedule.iter().enumerate() {
             for id in &step.routes {
                 step_of.entry(*id).or_insert(s);
@@ -719,11 +766,12 @@ impl<'a> Checker<'a> {
                 }
             }
         };
-        // (value, destination PE) -> element ranges arriving, with their routes.
-        let mut arriving: Arrivals = HashMap::with_capacity(routes.len());
-        for r in routes.values() {
+        // Per destination PE's image (position in `program.pes`): the values operand routes bring
+        // there, with their element ranges and routes; sorted by value, in route order within one.
+        let mut arriving: Vec<Vec<(u32, Range<u64>, u32)>> = vec![Vec::new(); self.program.pes.len()];
+        for r in &self.program.routes {
             if let RouteKind::Operand { value, elements } = &r.kind {
-                let src_ok = self.program.pe(r.sources[0]).is_some_and(|img| {
+                let src_ok = self.images.get(r.sources[0]).is_some_and(|img| {
                     img.regions.iter().any(|g| g.instr == Some(*value) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
                 });
                 if !src_ok {
@@ -735,9 +783,14 @@ impl<'a> Checker<'a> {
                     );
                 }
                 for d in &r.destinations {
-                    arriving.entry((*value, *d)).or_default().push((elements.clone(), r.id));
+                    if let Some(at) = self.images.position(*d) {
+                        arriving[at].push((*value, elements.clone(), r.id));
+                    }
                 }
             }
+        }
+        for list in &mut arriving {
+            list.sort_by_key(|(value, _, _)| *value);
         }
         let listed: Vec<HashSet<u32>> = self
             .program
@@ -753,7 +806,7 @@ impl<'a> Checker<'a> {
                 set
             })
             .collect();
-        for image in &self.program.pes {
+        for (at, image) in self.program.pes.iter().enumerate() {
             for region in &image.regions {
                 let (RegionKind::Operand { value, elements }, Some(instr)) = (&region.kind, region.instr) else {
                     continue;
@@ -770,10 +823,10 @@ impl<'a> Checker<'a> {
                         _ => None,
                     })
                     .collect();
-                let mut pieces: Vec<(Range<u64>, u32)> = arriving
-                    .get(&(src, image.pe))
-                    .map(|v| v.iter().filter(|(e, _)| overlap(e, elements)).cloned().collect())
-                    .unwrap_or_default();
+                let list = &arriving[at];
+                let of_src = &list[list.partition_point(|a| a.0 < src)..list.partition_point(|a| a.0 <= src)];
+                let mut pieces: Vec<(Range<u64>, u32)> =
+                    of_src.iter().filter(|(_, e, _)| overlap(e, elements)).map(|(_, e, id)| (e.clone(), *id)).collect();
                 held.extend(pieces.iter().map(|(e, _)| e.clone()));
                 held.sort_by_key(|e| e.start);
                 let mut covered = elements.start;
@@ -863,8 +916,8 @@ impl<'a> Checker<'a> {
 
     /// Every route in exactly one step; steps in program order; deliveries before their readers.
     fn schedule(&mut self, routes: &HashMap<u32, &Route>) {
-        let mut used: HashMap<u32, usize> = HashMap::new();
-        let mut first_step: HashMap<u32, usize> = HashMap::new();
+        let mut used: HashMap<u32, usize> = HashMap::default();
+        let mut first_step: HashMap<u32, usize> = HashMap::default();
         let mut last_instr = 0;
         for (s, step) in self.program.schedule.iter().enumerate() {
             if step.instr < last_instr {
@@ -892,7 +945,7 @@ impl<'a> Checker<'a> {
         }
         // The instructions listing each operand route (an index, not a scan per route: programs
         // have hundreds of thousands of routes).
-        let mut readers: HashMap<u32, Vec<u32>> = HashMap::new();
+        let mut readers: HashMap<u32, Vec<u32>> = HashMap::default();
         for p in &self.program.instrs {
             for id in &p.operand_routes {
                 readers.entry(*id).or_default().push(p.instr);

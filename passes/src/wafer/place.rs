@@ -1,6 +1,6 @@
 //! Placement (PEs and SRAM images), routes and the schedule, from the sizes.
 
-use std::collections::HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use std::ops::Range;
 
 use waferc_ir::wafer::{
@@ -89,6 +89,55 @@ pub(super) fn shelf_height(grid_rows: u64) -> u64 {
     (1..=grid_rows.min(8)).rev().find(|h| grid_rows.is_multiple_of(*h)).unwrap_or(1)
 }
 
+/// Makes room for `extra` more regions in a PE's list, growing it by half rather than doubling:
+/// hundreds of thousands of lists grow side by side, and their spare capacity is most of what
+/// lowering the stacked plan holds at its peak (the lists shrink to fit once placement ends).
+fn make_room(regions: &mut Vec<Region>, extra: usize) {
+    let needed = regions.len() + extra;
+    if needed > regions.capacity() {
+        let grown = needed.max(regions.capacity() + regions.capacity() / 2);
+        regions.reserve_exact(grown - regions.len());
+    }
+}
+
+/// Index in the placer's images of each PE's image: a dense grid index (the placer looks PEs up
+/// millions of times), a map for a PE off the grid.
+struct ImageIndex {
+    cols: usize,
+    rows: usize,
+    wafers: usize,
+    dense: Vec<u32>,
+    outside: HashMap<Pe, usize>,
+}
+
+impl ImageIndex {
+    fn new(params: &TargetParams) -> Self {
+        let (cols, rows, wafers) = (params.grid_cols as usize, params.grid_rows as usize, params.wafers as usize);
+        ImageIndex { cols, rows, wafers, dense: vec![u32::MAX; cols * rows * wafers], outside: HashMap::default() }
+    }
+
+    fn dense_index(&self, pe: Pe) -> Option<usize> {
+        let (x, y, w) = (pe.x as usize, pe.y as usize, pe.wafer as usize);
+        (x < self.cols && y < self.rows && w < self.wafers).then_some((w * self.rows + y) * self.cols + x)
+    }
+
+    fn get(&self, pe: Pe) -> Option<usize> {
+        match self.dense_index(pe) {
+            Some(d) => (self.dense[d] != u32::MAX).then_some(self.dense[d] as usize),
+            None => self.outside.get(&pe).copied(),
+        }
+    }
+
+    fn insert(&mut self, pe: Pe, index: usize) {
+        match self.dense_index(pe) {
+            Some(d) => self.dense[d] = index as u32,
+            None => {
+                self.outside.insert(pe, index);
+            }
+        }
+    }
+}
+
 pub(super) struct Placer<'a> {
     pub(super) module: &'a Module,
     pub(super) analysis: &'a Analysis,
@@ -98,7 +147,7 @@ pub(super) struct Placer<'a> {
     images: Vec<PeImage>,
     pub(super) placements: Vec<InstrPlacement>,
     /// Index in `images` of each PE's image.
-    image_of: HashMap<Pe, usize>,
+    image_of: ImageIndex,
     routes: Vec<Route>,
     /// Rows per band that multicasts and gathers keep their trees inside (`route::multicast`).
     pub(super) route_band: u16,
@@ -180,6 +229,12 @@ impl<'a> Placer<'a> {
     pub(super) fn finish(mut self) -> Result<WaferProgram, WaferError> {
         let module = self.module;
         let params = self.params;
+        // The images are complete (routing adds none): give back their regions' spare capacity
+        // (up to half of each list, grown by doubling) before the routes are built, so the
+        // routes and the colouring reuse that memory instead of raising the peak.
+        for image in &mut self.images {
+            image.regions.shrink_to_fit();
+        }
         for i in 0..module.body.len() {
             self.route_instr(i)?;
         }
@@ -200,7 +255,7 @@ impl<'a> Placer<'a> {
             let route = &self.routes[clash.route];
             let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
             // Name the routes that took the colours: every route sharing a PE with the failed one.
-            let mut mine = std::collections::HashSet::new();
+            let mut mine = FxHashSet::default();
             route::for_each_pe(&self.routes[clash.route], |pe| {
                 mine.insert(pe);
             });
@@ -272,7 +327,7 @@ impl<'a> Placer<'a> {
             cells,
             images: Vec::new(),
             placements: Vec::with_capacity(module.body.len()),
-            image_of: HashMap::new(),
+            image_of: ImageIndex::new(params),
             routes: Vec::new(),
             route_band,
             host_slices: false,
@@ -307,8 +362,8 @@ impl<'a> Placer<'a> {
     /// Adds `requests` to `pe`'s image, in order, after what it already holds (a new image starts
     /// with the code reserve). Returns the regions' indices in the image.
     pub(super) fn fill(&mut self, pe: Pe, instr: u32, requests: Vec<Request>) -> Result<Vec<u32>, WaferError> {
-        let index = match self.image_of.get(&pe) {
-            Some(&index) => index,
+        let index = match self.image_of.get(pe) {
+            Some(index) => index,
             None => {
                 let code =
                     Region { offset: 0, bytes: self.params.code_reserve_bytes, instr: None, kind: RegionKind::Code };
@@ -318,6 +373,7 @@ impl<'a> Placer<'a> {
             }
         };
         let regions = &mut self.images[index].regions;
+        make_room(regions, requests.len());
         let first = regions.len() as u32;
         let mut offset = regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
         for (kind, bytes) in requests {
@@ -395,15 +451,16 @@ impl<'a> Placer<'a> {
                     })
                     .collect();
                 let room = plan.iter().all(|(pe, _, wanted)| {
-                    let image = &self.images[self.image_of[pe]];
+                    let image = &self.images[self.image_of.get(*pe).expect("a host segment's PE has an image")];
                     let end = image.regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
                     end + wanted.iter().map(|(_, b)| b).sum::<u64>() <= self.params.sram_bytes_per_pe as u64
                 });
                 if room {
                     let mut layout = VectorLayout::default();
                     for (pe, elements, wanted) in plan {
-                        let image = &mut self.images[self.image_of[&pe]];
+                        let image = &mut self.images[self.image_of.get(pe).expect("a host segment's PE has an image")];
                         let mut offset = image.regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
+                        make_room(&mut image.regions, wanted.len());
                         for (kind, bytes) in wanted {
                             image.regions.push(Region {
                                 offset: offset as u32,
@@ -425,8 +482,8 @@ impl<'a> Placer<'a> {
     /// SRAM bytes `pe` holds so far (0 for a PE with no image yet).
     pub(super) fn used_bytes(&self, pe: Pe) -> u64 {
         self.image_of
-            .get(&pe)
-            .map_or(0, |&i| self.images[i].regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64))
+            .get(pe)
+            .map_or(0, |i| self.images[i].regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64))
     }
 
     /// Whether `pe` holds `elements` of value `value`'s data (its source's result).

@@ -294,12 +294,17 @@ impl RouteOrder<'_> {
 /// common PE and are not apart by [`RouteOrder`] (routes never active together may share a
 /// colour: the router switches the colour between them). Edges are added in increasing
 /// `(r, s)` order, so the graph is the same on every run.
+#[cfg(test)]
 pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, order: &RouteOrder) -> UnGraph<(), ()> {
-    let pes = route_pes(routes, params);
+    conflict_graph_of(routes, &route_pes(routes, params), params, order)
+}
+
+/// [`conflict_graph`] of routes whose PEs ([`route_pes`]) are already listed.
+fn conflict_graph_of(routes: &[Route], pes: &[Vec<u32>], params: &TargetParams, order: &RouteOrder) -> UnGraph<(), ()> {
     let pe_count = params.grid_cols as usize * params.grid_rows as usize * params.wafers as usize;
     // Each PE's routes, in compressed rows.
     let mut starts = vec![0u32; pe_count + 1];
-    for list in &pes {
+    for list in pes {
         for &p in list {
             starts[p as usize + 1] += 1;
         }
@@ -355,8 +360,8 @@ pub(super) fn assign_colours(
     params: &TargetParams,
     order: &RouteOrder,
 ) -> Result<(), ColourClash> {
-    let mut graph = conflict_graph(routes, params, order);
     let mut pes = route_pes(routes, params);
+    let mut graph = conflict_graph_of(routes, &pes, params, order);
     let mut detoured = Detoured::new(params);
     let mut detours = 0usize;
     let limit = params.colours_per_pe.min(32) as u32;
@@ -439,23 +444,26 @@ const DETOUR_BUDGET: usize = 256;
 /// How far (in PEs) a detour may stray outside its route's endpoints' bounding box.
 const DETOUR_MARGIN: u16 = 4;
 
-/// The routes touching each PE, kept up to date as routes take detours.
+/// The routes touching each PE (by dense index), kept up to date as routes take detours.
 struct Detoured {
-    pe_routes: BTreeMap<u32, Vec<u32>>,
+    pe_routes: Vec<Vec<u32>>,
+    pe_count: usize,
     built: bool,
 }
 
 impl Detoured {
-    fn new(_params: &TargetParams) -> Detoured {
-        Detoured { pe_routes: BTreeMap::new(), built: false }
+    fn new(params: &TargetParams) -> Detoured {
+        let pe_count = params.grid_cols as usize * params.grid_rows as usize * params.wafers as usize;
+        Detoured { pe_routes: Vec::new(), pe_count, built: false }
     }
 
     /// Built on the first detour only: most programs never need one.
-    fn touching(&mut self, pes: &[Vec<u32>]) -> &mut BTreeMap<u32, Vec<u32>> {
+    fn touching(&mut self, pes: &[Vec<u32>]) -> &mut [Vec<u32>] {
         if !self.built {
+            self.pe_routes = vec![Vec::new(); self.pe_count];
             for (r, list) in pes.iter().enumerate() {
                 for &p in list {
-                    self.pe_routes.entry(p).or_default().push(r as u32);
+                    self.pe_routes[p as usize].push(r as u32);
                 }
             }
             self.built = true;
@@ -489,7 +497,7 @@ impl Colouring<'_, '_> {
         // Colours taken at a PE by coloured routes that may be active alongside route `r`.
         let taken = |pe: Pe| -> u32 {
             let mut colours = 0u32;
-            for &s in touching.get(&(pe_index(params, pe) as u32)).map_or(&[][..], |v| &v[..]) {
+            for &s in touching.get(pe_index(params, pe)).map_or(&[][..], |v| &v[..]) {
                 let s = s as usize;
                 if s != r && self.coloured[s] && !self.order.apart(routes, r, s) {
                     colours |= 1 << routes[s].colour;
@@ -531,7 +539,7 @@ impl Colouring<'_, '_> {
         new_pes.sort_unstable();
         new_pes.dedup();
         for &p in &self.pes[r] {
-            if let Some(list) = touching.get_mut(&p) {
+            if let Some(list) = touching.get_mut(p as usize) {
                 list.retain(|&s| s as usize != r);
             }
         }
@@ -541,7 +549,7 @@ impl Colouring<'_, '_> {
         }
         let mut neighbours = Vec::new();
         for &p in &new_pes {
-            let list = touching.entry(p).or_default();
+            let list = &mut touching[p as usize];
             neighbours.extend(list.iter().copied());
             list.push(r as u32);
         }

@@ -160,8 +160,7 @@ impl<'p> Executor<'p> {
                 }
             }
         }
-        let operand_routes = &self.program.instrs[run.instr as usize].operand_routes;
-        for &id in operand_routes.iter().filter(|&&id| self.destinations[id as usize].binary_search(&pe).is_ok()) {
+        for &id in run.operand_routes_to(self.program, pe) {
             let route = self.route(run, id)?;
             let RouteKind::Operand { value: carried, elements: carried_elements } = &route.kind else {
                 return Err(route_kind_error(run, route, "an operand route"));

@@ -38,7 +38,7 @@ mod sram;
 pub mod timing;
 mod validate;
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
 use waferc_ir::wafer::{InstrIndex, Pe, RouteId, RouteKind, WaferProgram, Work};
@@ -149,7 +149,7 @@ pub struct Executor<'p> {
     gates: Vec<Option<Gate>>,
     /// Per `expert_dispatch`: how early its expert receives the input and the routing, before
     /// their multicasts end (`waferc_ir::wafer::arrival`).
-    dispatch_leads: HashMap<InstrIndex, (u64, u64)>,
+    dispatch_leads: std::collections::HashMap<InstrIndex, (u64, u64)>,
     /// The PEs that compute each instruction (tiles, segments, KV blocks, the router).
     instr_pes: Vec<Vec<Pe>>,
     /// Attention's `Collect` routes (the placement does not list them), in element order.
@@ -242,7 +242,7 @@ impl<'p> Executor<'p> {
             }
         }
 
-        let mut attention_collects: HashMap<InstrIndex, Vec<RouteId>> = HashMap::new();
+        let mut attention_collects: HashMap<InstrIndex, Vec<RouteId>> = HashMap::default();
         for route in &program.routes {
             let is_attention = program.instrs.get(route.instr as usize).is_some_and(|p| p.op == "attention");
             if let (true, RouteKind::Collect { .. }) = (is_attention, &route.kind) {
@@ -289,12 +289,12 @@ impl<'p> Executor<'p> {
             instr_pes,
             attention_collects,
             rope_frequencies,
-            kv: HashMap::new(),
+            kv: HashMap::default(),
             destinations,
             costs,
             sequence: 0,
             position: 0,
-            parked: HashMap::new(),
+            parked: HashMap::default(),
             history: Vec::new(),
             last_timing: None,
             last_values: None,
@@ -393,7 +393,7 @@ impl<'p> Executor<'p> {
     fn run_step(&mut self, token: u32) -> Result<StepResult, ExecError> {
         let mut state = StepState {
             held: vec![Held::Pending; self.module.body.len()],
-            messages: HashMap::new(),
+            messages: HashMap::default(),
             token,
             timeline: timing::Timeline::new(self.program, &self.costs),
         };

@@ -2,7 +2,10 @@
 //! in phase order), and the bookkeeping of one run (current phase, per-step compute and sends)
 //! that the timing model reads.
 
-use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::sync::OnceLock;
+
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::ops::Range;
 
 use waferc_ir::wafer::{InstrIndex, Pe, Phase, RouteId, Step, WaferProgram, Work};
@@ -33,21 +36,52 @@ pub(crate) struct InstrRun {
     pub(crate) work: Vec<StepWork>,
     /// Compute in a phase the schedule has no step for, charged to the next step.
     orphan: HashMap<Pe, u64>,
+    /// Per PE, the instruction's operand routes reaching it, in `operand_routes` order (built on
+    /// first use: a scan of every operand route per operand read is quadratic on wide plans).
+    operand_routes_to: OnceLock<HashMap<Pe, Vec<RouteId>>>,
+    /// Per step, where each route it sent on sits in its `StepWork::routes`.
+    route_slots: Vec<HashMap<RouteId, usize>>,
+    /// Per step, the routes the schedule lists for it.
+    listed: Vec<HashSet<RouteId>>,
 }
 
 impl InstrRun {
     pub(super) fn new(program: &WaferProgram, instr: InstrIndex, steps: Range<usize>) -> Self {
         let steps: Vec<(usize, Step)> = steps.map(|i| (i, program.schedule[i].clone())).collect();
         let work = vec![StepWork::default(); steps.len()];
+        let listed = steps.iter().map(|(_, s)| s.routes.iter().copied().collect()).collect();
         InstrRun {
             instr,
             site: site_of(program, instr),
+            route_slots: vec![HashMap::default(); steps.len()],
+            listed,
             steps,
             phase: Phase::Compute,
             current: None,
             work,
-            orphan: HashMap::new(),
+            orphan: HashMap::default(),
+            operand_routes_to: OnceLock::new(),
         }
+    }
+
+    /// The instruction's operand routes with `pe` among their destinations, in the order the
+    /// placement lists them (a route listed twice, twice).
+    pub(super) fn operand_routes_to(&self, program: &WaferProgram, pe: Pe) -> &[RouteId] {
+        let index = self.operand_routes_to.get_or_init(|| {
+            let mut index: HashMap<Pe, Vec<RouteId>> = HashMap::default();
+            for &id in &program.instrs[self.instr as usize].operand_routes {
+                let Some(route) = program.routes.get(id as usize) else { continue };
+                // A destination a route names twice still gets the listing once.
+                let mut destinations = route.destinations.clone();
+                destinations.sort_unstable();
+                destinations.dedup();
+                for d in destinations {
+                    index.entry(d).or_default().push(id);
+                }
+            }
+            index
+        });
+        index.get(&pe).map_or(&[], Vec::as_slice)
     }
 
     pub(super) fn begin(&mut self, phase: Phase) {
@@ -61,7 +95,7 @@ impl InstrRun {
     }
 
     pub(super) fn current_lists(&self, route: RouteId) -> bool {
-        self.current.is_some_and(|c| self.steps[c].1.routes.contains(&route))
+        self.current.is_some_and(|c| self.listed[c].contains(&route))
     }
 
     pub(super) fn compute(&mut self, pe: Pe, cycles: u64) {
@@ -75,9 +109,12 @@ impl InstrRun {
     pub(super) fn sent(&mut self, route: RouteId) {
         if let Some(c) = self.current {
             let routes = &mut self.work[c].routes;
-            match routes.iter_mut().find(|(id, _)| *id == route) {
-                Some((_, messages)) => *messages += 1,
-                None => routes.push((route, 1)),
+            match self.route_slots[c].entry(route) {
+                Entry::Occupied(slot) => routes[*slot.get()].1 += 1,
+                Entry::Vacant(slot) => {
+                    slot.insert(routes.len());
+                    routes.push((route, 1));
+                }
             }
         }
     }

@@ -108,7 +108,9 @@
 //! reduction counted over all its blocks, times `T`). It is a lower estimate of a real pipeline
 //! (perfect streaming, no bubbles between micro-batches) and needs `T <= max_context`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
 use serde::Serialize;
@@ -608,7 +610,7 @@ fn route_cost(
 /// A gather's (an in-tree's) latency: the longest path from a source along the runs to the
 /// destination (each PE forwards along the first run leaving it), memoised per PE.
 fn gather_latency(params: &TargetParams, route: &Route) -> u64 {
-    let mut next: HashMap<Pe, (Pe, u64)> = HashMap::new();
+    let mut next: HashMap<Pe, (Pe, u64)> = HashMap::default();
     for run in &route.path {
         if run.is_inter_wafer() {
             next.entry(run.from).or_insert((run.to, params.inter_wafer_latency_cycles));
@@ -656,12 +658,52 @@ struct Placed {
     order: usize,
 }
 
+/// When each PE is free, and the instruction that occupied it last: by dense grid index (every
+/// instruction looks up each of its PEs), a map for a PE off the grid. A PE never occupied is
+/// free from cycle 0.
+struct PeFree {
+    cols: usize,
+    rows: usize,
+    wafers: usize,
+    dense: Vec<(u64, InstrIndex)>,
+    outside: HashMap<Pe, (u64, InstrIndex)>,
+}
+
+impl PeFree {
+    fn new(program: &WaferProgram) -> Self {
+        let t = &program.target;
+        let (cols, rows, wafers) = (t.grid_cols as usize, t.grid_rows as usize, t.wafers as usize);
+        PeFree { cols, rows, wafers, dense: vec![(0, 0); cols * rows * wafers], outside: HashMap::default() }
+    }
+
+    fn index(&self, pe: Pe) -> Option<usize> {
+        let (x, y, w) = (pe.x as usize, pe.y as usize, pe.wafer as usize);
+        (x < self.cols && y < self.rows && w < self.wafers).then_some((w * self.rows + y) * self.cols + x)
+    }
+
+    fn get(&self, pe: Pe) -> Option<(u64, InstrIndex)> {
+        match self.index(pe) {
+            Some(i) => Some(self.dense[i]),
+            None => self.outside.get(&pe).copied(),
+        }
+    }
+
+    fn set(&mut self, pe: Pe, free: (u64, InstrIndex)) {
+        match self.index(pe) {
+            Some(i) => self.dense[i] = free,
+            None => {
+                self.outside.insert(pe, free);
+            }
+        }
+    }
+}
+
 /// The decode step's schedule as it runs: when each instruction ends, when each PE and link is
 /// free.
 pub(crate) struct Timeline {
     instrs: Vec<Placed>,
     placed: usize,
-    pe_free: HashMap<Pe, (u64, InstrIndex)>,
+    pe_free: PeFree,
     /// Per link (dense [`LinkIndex`]), the cycle it is free from.
     link_busy: Vec<u64>,
     /// Scratch: the links one route uses, with their bytes.
@@ -677,12 +719,12 @@ impl Timeline {
         Timeline {
             instrs: vec![Placed::default(); program.instrs.len()],
             placed: 0,
-            pe_free: HashMap::new(),
+            pe_free: PeFree::new(program),
             link_busy: vec![0; costs.links.len()],
             route_links: Vec::new(),
             spans: Vec::with_capacity(program.schedule.len()),
-            pe_cycles: HashMap::new(),
-            pe_attention_cycles: HashMap::new(),
+            pe_cycles: HashMap::default(),
+            pe_attention_cycles: HashMap::default(),
             active_routes: Vec::new(),
         }
     }
@@ -777,7 +819,7 @@ impl Timeline {
         let (mut at, mut cause) = ready;
         if worked {
             for pe in pes {
-                if let Some(&(free, by)) = self.pe_free.get(pe) {
+                if let Some((free, by)) = self.pe_free.get(*pe) {
                     if free > at {
                         (at, cause) = (free, Some(by));
                     }
@@ -826,7 +868,7 @@ impl Timeline {
         self.placed += 1;
         if worked {
             for &pe in pes {
-                self.pe_free.insert(pe, (at, run.instr));
+                self.pe_free.set(pe, (at, run.instr));
             }
         }
     }
@@ -935,7 +977,7 @@ impl<'a> Prefill<'a> {
         let params = &program.target;
         let later = (tokens - 1) as u64;
         // Attention per PE over the prompt's tokens, and over the first token alone.
-        let mut attention: HashMap<Pe, (f64, f64)> = HashMap::new();
+        let mut attention: HashMap<Pe, (f64, f64)> = HashMap::default();
         for placement in &program.instrs {
             let Work::Attention(p) = &placement.work else { continue };
             let group = (p.heads / p.kv_heads.max(1)) as u64;

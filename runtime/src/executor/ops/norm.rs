@@ -1,6 +1,6 @@
 //! RMS norm: per-segment partial sums of squares, reduced and broadcast per group, then scaled.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
 use waferc_ir::wafer::{InstrIndex, NormPlacement, Pe, Phase, Segment};
@@ -51,9 +51,9 @@ impl Executor<'_> {
         };
 
         // `1/rms` per (segment, group), from the local sum or the group's reduce + broadcast.
-        let mut inverse: HashMap<(usize, u64), Data> = HashMap::new();
+        let mut inverse: HashMap<(usize, u64), Data> = HashMap::default();
         run.begin(Phase::Reduce);
-        let mut totals: HashMap<u64, (Pe, Data)> = HashMap::new();
+        let mut totals: HashMap<u64, (Pe, Data)> = HashMap::default();
         for routes in &p.group_routes {
             let members = segments_of(routes.group);
             let route = self.route(run, routes.reduce)?;
