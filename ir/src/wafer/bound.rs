@@ -19,8 +19,10 @@
 use std::collections::HashMap;
 
 use super::{Pe, Route, RouteId, RouteKind, WaferProgram, Work};
+use crate::dependency::DependencyGraph;
 use crate::module::Module;
 use crate::op::Op;
+use crate::Handle;
 
 /// The longest chain of route spans through `program` for a decode step at `position`, in
 /// cycles (at least 1). `expert_runs(layer, expert)` says which experts the step's router
@@ -42,20 +44,20 @@ pub fn distance_bound_cycles(
             .max();
         own[step.instr as usize] += span.unwrap_or(0);
     }
-    let mut end = vec![0u64; program.instrs.len()];
-    for (handle, instr) in module.body.iter() {
-        let i = handle.index();
-        let start = instr.op.operands().iter().map(|v| end[v.index()]).max().unwrap_or(0);
-        let runs = match (&instr.op, program.instrs.get(i)) {
-            (Op::ExpertDispatch { .. }, _) => true,
-            (_, Some(placement)) => match (placement.layer, placement.expert) {
-                (Some(layer), Some(expert)) => expert_runs(layer, expert),
-                _ => true,
-            },
-            (_, None) => true,
-        };
-        end[i] = start + if runs { own.get(i).copied().unwrap_or(0) } else { 0 };
-    }
+    let runs = |i: usize| match (&module.body[Handle::new(i)].op, program.instrs.get(i)) {
+        (Op::ExpertDispatch { .. }, _) => true,
+        (_, Some(placement)) => match (placement.layer, placement.expert) {
+            (Some(layer), Some(expert)) => expert_runs(layer, expert),
+            _ => true,
+        },
+        (_, None) => true,
+    };
+    // Each instruction starts no earlier than its operands end: the longest path through the
+    // dependency graph. A placed program's module is verified, so it has no cycle; a cycle
+    // would leave no bound but the trivial one.
+    let end = DependencyGraph::new(module)
+        .longest_path_ends(|i| if runs(i) { own.get(i).copied().unwrap_or(0) } else { 0 })
+        .unwrap_or_default();
     end.iter().copied().max().unwrap_or(0).max(1)
 }
 
