@@ -34,6 +34,7 @@ mod error;
 mod fabric;
 mod ops;
 pub mod pipeline;
+mod ranges;
 mod schedule;
 mod sram;
 pub mod timing;
@@ -197,6 +198,7 @@ impl<'p> Executor<'p> {
                 });
             }
         }
+        ranges::check_ranges(program)?;
         let runs = schedule_runs(program)?;
         let sram = if options.timing_only { Vec::new() } else { load_sram(program, module, tile_blob)? };
 
