@@ -232,7 +232,8 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
 }
 
 /// The `rewrite` pass's effect (issue 8): routes, colours and modeled decode speed of the
-/// frontend's module and of `rewrite, dce`'s, on the same target.
+/// frontend's module and of `rewrite, dce`'s, on the same target, each under the plan the search
+/// picks for it (what `compile` does with and without `--skip-pass rewrite`).
 fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
     const CASES: [(&str, &str); 2] = [("llama3.1-8b", "wse3"), ("mixtral-8x7b", "wse3x4")];
     let mut lines = Vec::new();
@@ -247,7 +248,9 @@ fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error
         let rewrite_s = start.elapsed().as_secs_f64();
         let target = Target::resolve(target)?;
         for (label, module) in [("without", &original), ("with", &rewritten)] {
-            let program = compile(module, &target, &CompileOptions::new(KV_CAPACITY))?;
+            let program = plan_search::search(module, &target, &CompileOptions::new(KV_CAPACITY))
+                .map_err(|e| format!("{preset} {label} rewrite on {}: {e:#}", target.name))?
+                .program;
             let colours = program.routes.iter().map(|r| r.colour).max().map_or(0, |c| c as u32 + 1);
             let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
             let mut executor = Executor::new(&program, module, None, options)?;
@@ -255,8 +258,9 @@ fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error
             let report = executor.timing_report(0).ok_or("a step ran, so there is a report")?;
             let matvecs = module.body.iter().filter(|(_, i)| matches!(i.op, waferc_ir::Op::MatVec { .. })).count();
             lines.push(format!(
-                "| {preset} | {} | {label} | {matvecs} | {} | {} | {colours} | {:.0} |",
+                "| {preset} | {} | {} | {label} | {matvecs} | {} | {} | {colours} | {:.0} |",
                 target.name,
+                program.plan,
                 module.body.len(),
                 program.routes.len(),
                 report.modeled_decode_tok_s
@@ -266,8 +270,8 @@ fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error
     }
     if !lines.is_empty() {
         println!();
-        println!("| model | target | rewrite | matvecs | instrs | routes | colours | modeled tok/s |");
-        println!("|---|---|---|---|---|---|---|---|");
+        println!("| model | target | plan | rewrite | matvecs | instrs | routes | colours | modeled tok/s |");
+        println!("|---|---|---|---|---|---|---|---|---|");
         for line in lines {
             println!("{line}");
         }

@@ -6,6 +6,7 @@
 //! form in [`text`] prints and parses it losslessly (except weight bytes).
 
 pub mod arena;
+pub mod dependency;
 pub mod error;
 pub mod module;
 pub mod op;
@@ -16,6 +17,7 @@ pub mod wafer;
 pub mod weights;
 
 pub use arena::{Arena, Handle};
+pub use dependency::DependencyGraph;
 pub use error::IrError;
 pub use module::{Instr, KvCache, ModelMeta, Module, Weight};
 pub use op::{Op, Rope, RopeScaling, Value};

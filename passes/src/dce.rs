@@ -10,9 +10,7 @@
 //! same attention reads the cache (in this and later decode steps), so an attention whose
 //! result is dead is dead in every step and goes with its cache.
 
-use petgraph::graph::{DiGraph, NodeIndex};
-use petgraph::visit::Dfs;
-use waferc_ir::{Arena, Handle, Module};
+use waferc_ir::{Arena, DependencyGraph, Handle, Module};
 
 use crate::error::PassError;
 use crate::manager::Pass;
@@ -43,35 +41,13 @@ fn renumber(keep: &[bool]) -> Vec<Option<usize>> {
         .collect()
 }
 
-/// The instruction dependency graph: node `i` is instruction `i`, an edge runs from each
-/// instruction to each of its operands (so what a value depends on is what it reaches).
-pub fn dependency_graph(module: &Module) -> DiGraph<(), ()> {
-    let n = module.body.len();
-    let mut graph = DiGraph::with_capacity(n, n * 2);
-    for _ in 0..n {
-        graph.add_node(());
-    }
-    for (handle, instr) in module.body.iter() {
-        for operand in instr.op.operands() {
-            if operand.index() < n {
-                graph.add_edge(NodeIndex::new(handle.index()), NodeIndex::new(operand.index()), ());
-            }
-        }
-    }
-    graph
-}
-
 /// The module without the instructions, weights and caches its output does not depend on.
 pub fn eliminate_dead_code(module: &Module) -> Module {
-    let mut live = vec![false; module.body.len()];
-    // Live: what the output reaches in the dependency graph.
-    if let Some(output) = module.output.filter(|o| o.index() < live.len()) {
-        let graph = dependency_graph(module);
-        let mut walk = Dfs::new(&graph, NodeIndex::new(output.index()));
-        while let Some(node) = walk.next(&graph) {
-            live[node.index()] = true;
-        }
-    }
+    // Live: what the output depends on in the dependency graph.
+    let live = match module.output {
+        Some(output) => DependencyGraph::new(module).depended_on_by(output.index()),
+        None => vec![false; module.body.len()],
+    };
 
     let mut weight_used = vec![false; module.weights.len()];
     let mut cache_used = vec![false; module.caches.len()];

@@ -143,3 +143,47 @@ fn a_schedule_that_runs_a_consumer_first_names_the_missing_operand() {
         other => panic!("expected the norm to miss the embedding (routes {route:?}), got {other}"),
     }
 }
+
+/// A KV block whose positions end before they start (a malformed artifact) is an error naming
+/// the attention and the block's PE when the executor is prepared, timing-only too, not an
+/// underflow in the prefill model or the attention kernel.
+#[test]
+fn an_inverted_kv_block_range_is_named_not_an_underflow() {
+    let (module, mut program) = dense();
+    let placement = program.instrs.iter_mut().find(|p| p.op == "attention").expect("an attention");
+    let instr = placement.instr;
+    let Work::Attention(attention) = &mut placement.work else { panic!("attention's work") };
+    let block = &mut attention.kv_heads_placed[0].blocks[0];
+    block.positions = block.positions.end + 3..block.positions.start;
+    let pe = block.pe;
+    let timing_only = ExecOptions { timing_only: true, ..ExecOptions::default() };
+    let blob = pack_tile_blob(&program, &module);
+    for options in [ExecOptions::default(), timing_only] {
+        let Err(error) = Executor::new(&program, &module, Some(&blob), options) else {
+            panic!("an inverted KV block was accepted")
+        };
+        let message = error.to_string();
+        assert!(matches!(error, ExecError::MalformedOnPe { .. }), "{message}");
+        assert!(message.contains(&format!("%{instr} = attention")) && message.contains(&pe.to_string()), "{message}");
+        assert!(message.contains("block positions") && message.contains("end before they start"), "{message}");
+    }
+}
+
+/// A weight region whose rows are inverted is named with its PE and region.
+#[test]
+fn an_inverted_weight_region_is_named() {
+    let (module, mut program) = dense();
+    let blob = pack_tile_blob(&program, &module);
+    let image =
+        program.pes.iter_mut().find(|image| image.regions.iter().any(|r| matches!(r.kind, RegionKind::Weight { .. })));
+    let image = image.expect("a PE holds a weight");
+    let pe = image.pe;
+    let index = image.regions.iter().position(|r| matches!(r.kind, RegionKind::Weight { .. })).unwrap();
+    let RegionKind::Weight { rows, .. } = &mut image.regions[index].kind else { unreachable!() };
+    *rows = rows.end + 1..rows.start;
+    let Err(error) = Executor::new(&program, &module, Some(&blob), ExecOptions::default()) else {
+        panic!("an inverted weight region was accepted")
+    };
+    let message = error.to_string();
+    assert!(message.contains(&pe.to_string()) && message.contains(&format!("region {index}: rows")), "{message}");
+}

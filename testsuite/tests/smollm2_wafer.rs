@@ -12,16 +12,23 @@ use waferc_testsuite::{fixtures_dir, smollm2_gguf_path};
 
 #[test]
 fn smollm2_on_wse3_is_bit_exact_and_matches_the_transformers_tokens() {
-    bit_exact_on_wse3(Plan::Tiled);
+    bit_exact_on_wse3(Plan::Tiled, false);
 }
 
 /// The stacked plan at the wafer share the plan search picks for this model.
 #[test]
 fn smollm2_stacked_on_wse3_is_bit_exact() {
-    bit_exact_on_wse3(Plan::Stacked { layers_per_region: 1, wafer_percent: 35 });
+    bit_exact_on_wse3(Plan::Stacked { layers_per_region: 1, wafer_percent: 35 }, false);
 }
 
-fn bit_exact_on_wse3(plan: Plan) {
+/// The default pipeline's module (q/k/v and gate/up fused), whose fused results the stacked plan
+/// cuts part by part.
+#[test]
+fn smollm2_rewritten_stacked_on_wse3_is_bit_exact() {
+    bit_exact_on_wse3(Plan::Stacked { layers_per_region: 1, wafer_percent: 35 }, true);
+}
+
+fn bit_exact_on_wse3(plan: Plan, rewrite: bool) {
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixtures_dir().join("smollm2/golden.json")).unwrap()).unwrap();
     let ids = |v: &serde_json::Value| -> Vec<u32> {
@@ -31,13 +38,19 @@ fn bit_exact_on_wse3(plan: Plan) {
     let expected = ids(&golden["prompts"][0]["tokens"]);
     let new_tokens = 6;
 
-    let loaded = frontend::load(&smollm2_gguf_path()).unwrap();
+    let mut loaded = frontend::load(&smollm2_gguf_path()).unwrap();
+    if rewrite {
+        let passes = waferc_passes::registry::parse_pipeline("rewrite, dce").unwrap();
+        let (module, _) = waferc_passes::PassManager::new(passes).run(loaded.module).unwrap();
+        assert!(module.weights.iter().any(|(_, w)| w.name.contains('+')), "the rewrite fused something");
+        loaded.module = module;
+    }
     let options = CompileOptions { plan, ..CompileOptions::new((prompt.len() + new_tokens) as u32) };
     let program = compile(&loaded.module, &Target::resolve("wse3").unwrap(), &options).unwrap();
     check(&program, &loaded.module).unwrap();
 
     // Through the artifact file, as `waferc run` does.
-    let dir = std::env::temp_dir().join(format!("waferc-smollm2-{}-{}", std::process::id(), plan));
+    let dir = std::env::temp_dir().join(format!("waferc-smollm2-{}-{}-{rewrite}", std::process::id(), plan));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("smollm2.wafer");
     artifact::write(&path, &Artifact::new(program, loaded.module)).unwrap();

@@ -24,8 +24,10 @@ use std::collections::HashMap;
 
 use super::arrival::{dispatch_leads, multicast_depths};
 use super::{Pe, ResultLayout, Route, RouteId, RouteKind, WaferProgram, Work};
+use crate::dependency::DependencyGraph;
 use crate::module::Module;
 use crate::op::Op;
+use crate::Handle;
 
 /// The longest chain of route spans through `program` for a decode step at `position`, in
 /// cycles (at least 1). `expert_runs(layer, expert)` says which experts the step's router
@@ -61,28 +63,28 @@ pub fn distance_bound_ends(
             .max();
         own[step.instr as usize] += span.unwrap_or(0);
     }
-    let mut end = vec![0u64; program.instrs.len()];
-    for (handle, instr) in module.body.iter() {
-        let i = handle.index();
-        let start = match &instr.op {
-            // The expert's own PEs have its inputs their leads before the multicasts end.
-            Op::ExpertDispatch { x, routing, .. } => {
-                let (x_lead, routing_lead) = leads.get(&(i as u32)).copied().unwrap_or((0, 0));
-                end[x.index()].saturating_sub(x_lead).max(end[routing.index()].saturating_sub(routing_lead))
-            }
-            op => op.operands().iter().map(|v| end[v.index()]).max().unwrap_or(0),
-        };
-        let runs = match (&instr.op, program.instrs.get(i)) {
-            (Op::ExpertDispatch { .. }, _) => true,
-            (_, Some(placement)) => match (placement.layer, placement.expert) {
-                (Some(layer), Some(expert)) => expert_runs(layer, expert),
-                _ => true,
-            },
-            (_, None) => true,
-        };
-        end[i] = start + if runs { own.get(i).copied().unwrap_or(0) } else { 0 };
-    }
-    end
+    let runs = |i: usize| match (&module.body[Handle::new(i)].op, program.instrs.get(i)) {
+        (Op::ExpertDispatch { .. }, _) => true,
+        (_, Some(placement)) => match (placement.layer, placement.expert) {
+            (Some(layer), Some(expert)) => expert_runs(layer, expert),
+            _ => true,
+        },
+        (_, None) => true,
+    };
+    // Each instruction starts no earlier than its operands end: the longest path through the
+    // dependency graph. An expert's own PEs have its inputs their leads before the multicasts
+    // end. A placed program's module is verified, so it has no cycle; a cycle would leave no
+    // bound but the trivial one.
+    let early_start = |i: usize, end: &[u64]| match &module.body[Handle::new(i)].op {
+        Op::ExpertDispatch { x, routing, .. } => {
+            let (x_lead, routing_lead) = leads.get(&(i as u32)).copied().unwrap_or((0, 0));
+            Some(end[x.index()].saturating_sub(x_lead).max(end[routing.index()].saturating_sub(routing_lead)))
+        }
+        _ => None,
+    };
+    DependencyGraph::new(module)
+        .longest_path_ends_with(|i| if runs(i) { own.get(i).copied().unwrap_or(0) } else { 0 }, early_start)
+        .unwrap_or_else(|_| vec![0; program.instrs.len()])
 }
 
 /// Which sources of a route send in a step, where not all do.

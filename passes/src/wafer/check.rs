@@ -20,7 +20,7 @@ use std::fmt;
 use std::ops::Range;
 
 use waferc_ir::wafer::{Pe, PeImage, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work};
-use waferc_ir::{Handle, Module, Op};
+use waferc_ir::{DependencyGraph, Handle, Module, Op};
 // Fx hashing: the checker hashes millions of (value, PE) and route keys, and nothing it reports
 // depends on a map's iteration order.
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
@@ -133,44 +133,24 @@ impl<'a> Images<'a> {
     }
 }
 
-/// Whether one instruction reads another's result, through any chain of operands: found by a
-/// search back from the reader that never goes below the instruction sought (operands always
-/// come earlier), remembered per pair.
-struct Reads<'a> {
-    module: &'a Module,
+/// Whether one instruction reads another's result, through any chain of operands: a search in
+/// the module's dependency graph, remembered per pair.
+struct Reads<'g> {
+    search: waferc_ir::dependency::Reads<'g>,
     known: HashMap<(u32, u32), bool>,
 }
 
-impl<'a> Reads<'a> {
-    fn new(module: &'a Module) -> Self {
-        Reads { module, known: HashMap::default() }
+impl<'g> Reads<'g> {
+    fn new(graph: &'g DependencyGraph) -> Self {
+        Reads { search: graph.reads(), known: HashMap::default() }
     }
 
-    /// Whether `reader` depends on `source` (`source < reader`).
+    /// Whether `reader` depends on `source`.
     fn transitively(&mut self, reader: u32, source: u32) -> bool {
-        if let Some(&known) = self.known.get(&(reader, source)) {
-            return known;
-        }
-        let mut seen = HashSet::default();
-        let mut stack = vec![reader];
-        let mut found = false;
-        while let Some(v) = stack.pop() {
-            for operand in self.module.body[Handle::new(v as usize)].op.operands() {
-                let u = operand.index() as u32;
-                if u == source {
-                    found = true;
-                    break;
-                }
-                if u > source && seen.insert(u) {
-                    stack.push(u);
-                }
-            }
-            if found {
-                break;
-            }
-        }
-        self.known.insert((reader, source), found);
-        found
+        *self
+            .known
+            .entry((reader, source))
+            .or_insert_with(|| self.search.transitively(reader as usize, source as usize))
     }
 }
 
@@ -695,7 +675,8 @@ impl<'a> Checker<'a> {
         let step = |r: &Route| step_of.get(&r.id).copied().unwrap_or(usize::MAX);
         let mut order: Vec<(usize, &Route)> = self.program.routes.iter().enumerate().collect();
         order.sort_by_key(|(_, r)| (r.instr, step(r), r.id));
-        let mut reads = Reads::new(self.module);
+        let graph = DependencyGraph::new(self.module);
+        let mut reads = Reads::new(&graph);
         for (position, route) in order {
             if route.sources.is_empty() || route.destinations.is_empty() {
                 self.report(None, Some(route.id), Some(route.instr), "has no source or no destination".into());

@@ -32,6 +32,7 @@
 mod check;
 mod detour;
 mod experts;
+mod partition;
 mod place;
 mod precedence;
 mod route;

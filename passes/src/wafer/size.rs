@@ -528,60 +528,24 @@ pub(super) struct Overflow {
 }
 
 /// The wafer of every instruction: the prologue (before the first layer) on wafer 0, the
-/// epilogue on the last used wafer, whole layers in between, balanced by PE count; if the
-/// balanced split overflows a wafer, wafers are filled in order instead.
+/// epilogue on the last used wafer, whole layers in between, cut where the heaviest wafer's PE
+/// count is least (`partition`: an optimal contiguous split, the rest spread evenly).
 pub(super) fn assign_wafers(module: &Module, pes: &[u64], params: &TargetParams) -> Result<Vec<u16>, Overflow> {
     let per_wafer = params.grid_cols as u64 * params.grid_rows as u64;
-    let wafers = params.wafers as u64;
+    let wafers = params.wafers;
     let total: u64 = pes.iter().sum();
-    if total > per_wafer * wafers {
-        return Err(Overflow { wafer: None, available: per_wafer * wafers });
+    if total > per_wafer * wafers as u64 {
+        return Err(Overflow { wafer: None, available: per_wafer * wafers as u64 });
     }
     let units = units(module);
     let loads: Vec<u64> = units.iter().map(|u| pes[u.clone()].iter().sum()).collect();
-    let balanced: Vec<u64> = {
-        let mut prefix = 0;
-        loads
-            .iter()
-            .map(|load| {
-                // The unit goes where its midpoint falls in the whole program's load.
-                let mid = 2 * prefix + load;
-                prefix += load;
-                (mid * wafers / (2 * total).max(1)).min(wafers - 1)
-            })
-            .collect()
-    };
-    let overflow = |assign: &[u64]| -> Option<(u16, u64)> {
-        let mut used = vec![0u64; wafers as usize];
-        for (unit, w) in assign.iter().enumerate() {
-            used[*w as usize] += loads[unit];
-        }
-        used.iter().enumerate().find(|(_, u)| **u > per_wafer).map(|(w, u)| (w as u16, *u))
-    };
-    let chosen = match overflow(&balanced) {
-        None => balanced,
-        Some(first) => {
-            let mut filled = Vec::with_capacity(units.len());
-            let (mut wafer, mut used) = (0u64, 0u64);
-            for load in &loads {
-                if used + load > per_wafer && used > 0 && wafer + 1 < wafers {
-                    wafer += 1;
-                    used = 0;
-                }
-                used += load;
-                filled.push(wafer);
-            }
-            if overflow(&filled).is_some() {
-                return Err(Overflow { wafer: Some(first), available: per_wafer });
-            }
-            filled
-        }
-    };
+    let chosen = super::partition::partition(&loads, wafers, per_wafer).ok_or_else(|| Overflow {
+        wafer: Some(super::partition::heaviest_wafer(&loads, wafers)),
+        available: per_wafer,
+    })?;
     let mut wafer_of = vec![0u16; pes.len()];
     for (unit, range) in units.iter().enumerate() {
-        for w in &mut wafer_of[range.clone()] {
-            *w = chosen[unit] as u16;
-        }
+        wafer_of[range.clone()].fill(chosen[unit]);
     }
     Ok(wafer_of)
 }

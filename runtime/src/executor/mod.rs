@@ -33,6 +33,7 @@ mod error;
 mod fabric;
 mod ops;
 pub mod pipeline;
+mod ranges;
 mod schedule;
 mod sram;
 pub mod timing;
@@ -196,6 +197,7 @@ impl<'p> Executor<'p> {
                 });
             }
         }
+        ranges::check_ranges(program)?;
         let runs = schedule_runs(program)?;
         let sram = if options.timing_only { Vec::new() } else { load_sram(program, module, tile_blob)? };
 

@@ -6,7 +6,7 @@ use std::ops::Range;
 use waferc_ir::wafer::{Pe, PeImage, RegionKind, WaferProgram};
 use waferc_ir::{DType, Module};
 
-use super::{site_of, span, ExecError, Executor, InstrRun, WeightRegionError};
+use super::{site_of, ExecError, Executor, InstrRun, WeightRegionError};
 use crate::kernels::RowView;
 
 impl Executor<'_> {
@@ -14,7 +14,8 @@ impl Executor<'_> {
     pub(crate) fn region_bytes(&self, pe_index: usize, region: usize) -> Option<&[u8]> {
         let found = self.program.pes.get(pe_index)?.regions.get(region)?;
         let RegionKind::Weight { blob, .. } = &found.kind else { return None };
-        self.sram.get(pe_index)?.get(found.offset as usize..)?.get(..(blob.end - blob.start) as usize)
+        let len = blob.end.checked_sub(blob.start)?;
+        self.sram.get(pe_index)?.get(found.offset as usize..)?.get(..usize::try_from(len).ok()?)
     }
 
     /// The bytes of weight region `region` of `pe`'s image, with its description.
@@ -36,8 +37,19 @@ impl Executor<'_> {
                 problem: format!("region {region} is not a weight region"),
             });
         };
+        let malformed = |problem: String| ExecError::MalformedOnPe { site: run.site.clone(), pe, problem };
+        let len = blob
+            .end
+            .checked_sub(blob.start)
+            .ok_or_else(|| malformed(format!("weight region {region}'s blob range {blob:?} ends before it starts")))?;
         let bytes: &[u8] = match self.sram.get(index) {
-            Some(sram) => &sram[found.offset as usize..found.offset as usize + (blob.end - blob.start) as usize],
+            Some(sram) => sram.get(found.offset as usize..).and_then(|s| s.get(..len as usize)).ok_or_else(|| {
+                malformed(format!(
+                    "weight region {region} ({len} bytes at offset {}) lies outside the PE's {} bytes of SRAM",
+                    found.offset,
+                    sram.len()
+                ))
+            })?,
             None => &[],
         };
         Ok((*weight, rows.clone(), cols.clone(), bytes))
@@ -95,10 +107,24 @@ impl Executor<'_> {
         cols: Range<u64>,
     ) -> Result<Vec<f32>, ExecError> {
         let (weight, rows, held_cols, bytes) = self.weight_region(run, pe, region)?;
-        let view = region_row(self.weight_dtype(weight), bytes, row - rows.start, span(&held_cols))
+        // The region's ranges come from the artifact: a row or elements it does not hold are an
+        // error naming it, not an underflow.
+        let (Some(row_in_region), Some(from), Some(to), Some(width)) = (
+            row.checked_sub(rows.start).filter(|_| rows.contains(&row)),
+            cols.start.checked_sub(held_cols.start),
+            cols.end.checked_sub(held_cols.start),
+            held_cols.end.checked_sub(held_cols.start),
+        ) else {
+            let problem = format!("it does not hold row {row}, elements {cols:?}");
+            return Err(self.region_error(run, pe, region, &problem));
+        };
+        let view = region_row(self.weight_dtype(weight), bytes, row_in_region, width)
             .ok_or_else(|| self.region_error(run, pe, region, "its bytes do not match its rows and elements"))?;
         let widened = view.widen();
-        Ok(widened[(cols.start - held_cols.start) as usize..(cols.end - held_cols.start) as usize].to_vec())
+        widened.get(from as usize..to as usize).map(<[f32]>::to_vec).ok_or_else(|| {
+            let problem = format!("it does not hold elements {cols:?}");
+            self.region_error(run, pe, region, &problem)
+        })
     }
 
     pub(super) fn region_error(&self, run: &InstrRun, pe: Pe, region: usize, problem: &str) -> ExecError {

@@ -235,9 +235,10 @@ fn corrupt_region(executor: &Executor, instr: u32) -> Option<CorruptRegion> {
             }
             let spec = module.weights.get(waferc_ir::Handle::new(*weight as usize))?;
             let expected = region_bytes(module, &region.kind)?;
-            let row_bytes = spec.ty.dtype.row_bytes(cols.end - cols.start)? as usize;
+            // Ranges from the artifact: an inverted one finds no corrupt region, it is no underflow.
+            let row_bytes = spec.ty.dtype.row_bytes(cols.end.checked_sub(cols.start)?)? as usize;
             let held = executor.region_bytes(pe_index, region_index)?;
-            let differing = (0..rows.end - rows.start).find(|&k| {
+            let differing = (0..rows.end.checked_sub(rows.start)?).find(|&k| {
                 let row = k as usize * row_bytes..(k as usize + 1) * row_bytes;
                 held.get(row.clone()) != expected.get(row)
             });

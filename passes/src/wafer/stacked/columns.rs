@@ -71,18 +71,13 @@ impl Stacked<'_> {
                             frontier.extend(at(operand).map(|b| (r, b)));
                         }
                     }
-                    Op::MatVec { x, .. } if analysis.expert[r].is_none() => {
-                        let Some(b) = at(*x) else { return None };
+                    Op::MatVec { x, weight, .. } if analysis.expert[r].is_none() => {
+                        let b = at(*x)?;
                         let (area, g) = self.matvec_grid(r, self.unit_of[r]).ok()?;
                         if area.w as u64 / g.col_blocks != 1 {
                             return None;
                         }
-                        let cols = module.weights[match op {
-                            Op::MatVec { weight, .. } => *weight,
-                            _ => unreachable!(),
-                        }]
-                        .ty
-                        .shape[1];
+                        let cols = module.weights[*weight].ty.shape[1];
                         found.push(Consumer { base: b, cols, width: g.chunks_per_tile * CHUNK });
                     }
                     _ => return None,

@@ -250,18 +250,10 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
         .collect()
 }
 
-/// Wafer of each unit: consecutive units balanced by bytes (each goes where its midpoint falls).
+/// Wafer of each unit: consecutive units, the heaviest wafer's bytes least (`partition`).
 fn unit_wafers(units: &[Unit], wafers: u16) -> Vec<u16> {
-    let total: u64 = units.iter().map(|u| u.bytes).sum::<u64>().max(1);
-    let mut prefix = 0;
-    units
-        .iter()
-        .map(|u| {
-            let mid = 2 * prefix + u.bytes;
-            prefix += u.bytes;
-            ((mid as u128 * wafers as u128 / (2 * total as u128)) as u16).min(wafers - 1)
-        })
-        .collect()
+    let bytes: Vec<u64> = units.iter().map(|u| u.bytes).collect();
+    super::partition::partition(&bytes, wafers, u64::MAX).unwrap_or_else(|| vec![0; units.len()])
 }
 
 /// Rectangles for the units of one wafer, areas in proportion to their bytes: the block of
