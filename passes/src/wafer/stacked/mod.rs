@@ -740,62 +740,57 @@ impl Stacked<'_> {
                 // repeat tile positions): a combine's gather takes one message per sending PE.
                 let router = self.placer.analysis.router[i].filter(|_| self.placer.analysis.expert[i].is_some());
                 let mut taken = router.map(|r| self.expert_pes.entry(r).or_default().clone()).unwrap_or_default();
-                // Each segment sits in the middle tile row of its rows, in a column of its own
-                // (segments spread over the panel's columns), not all on the row roots.
-                // The layers of a group interleave their columns.
-                // A result that feeds one-panel matvecs only is cut by their column blocks, each
-                // segment in its block's column (`columns`), in the row of its rows' tiles.
-                if let Some(cut) = self.aligned_cut(i, rows) {
-                    for (seg, dx) in cut {
-                        let row = ((seg.start + seg.end - 1) / 2) / g.rows_per_tile % area.h as u64;
-                        let bytes = (seg.end - seg.start) * F32;
-                        let pe = self.column_pe(i, unit, dx, row, bytes, &taken)?;
-                        taken.insert(pe);
-                        self.placer.fill(pe, instr, vec![(RegionKind::Output { elements: seg.clone() }, bytes)])?;
-                        layout.segments.push(Segment { pe, elements: seg });
-                    }
-                    let placement = MatVecPlacement::unrouted(
-                        rows,
-                        cols,
-                        g.row_blocks as u32,
-                        g.col_blocks as u32,
-                        tiles,
-                        bias.map(|b| b.index() as u32),
-                    );
-                    return Ok(self.instr_placement(i, ResultLayout::Vector(layout), Work::MatVec(placement)));
-                }
-                let segments = super::size::segments(rows, self.segment_cut(i, rows));
-                let count = segments.len() as u64;
-                let (k, local) = match ir.layer {
-                    Some(l) => (self.layers_per_region, l as u64 % self.layers_per_region),
-                    None => (1, 0),
-                };
-                // Per KV head band, the segments placed in it so far.
-                let mut in_band: HashMap<u64, u64> = HashMap::new();
-                for (j, seg) in segments.into_iter().enumerate() {
-                    let r = ((seg.start + seg.end - 1) / 2) / g.rows_per_tile;
-                    let c = ((j as u64 * k + local) * g.col_blocks / (count * k).max(1)) % g.col_blocks;
-                    let bytes = (seg.end - seg.start) * F32;
-                    // Queries, keys and values sit in their KV head's band of rows (see
-                    // `attention`), each in a column of its own and as near its rows' tiles as
-                    // the band allows, so their collects run side by side.
-                    let pe = match (self.attention_head(i, &seg), tiles.get((r * g.col_blocks + c) as usize)) {
-                        (Some((kv_heads, head)), _) => {
-                            // Slots interleave the bands, so no two segments share a column.
-                            let slot = in_band.entry(head).or_default();
-                            *slot += 1;
-                            let (west, row) = ((*slot - 1) * kv_heads + head, r % area.h as u64);
-                            self.band_pe(i, unit, (head, kv_heads), bytes, &taken, west, row)?
+                match self.aligned_cut(i, rows) {
+                    // A result that feeds one-panel matvecs only is cut by their column blocks,
+                    // each segment in its block's column (`columns`), in the row of its rows' tiles.
+                    Some(cut) => {
+                        for (seg, dx) in cut {
+                            let row = ((seg.start + seg.end - 1) / 2) / g.rows_per_tile % area.h as u64;
+                            let bytes = (seg.end - seg.start) * F32;
+                            let pe = self.column_pe(i, unit, dx, row, bytes, &taken)?;
+                            taken.insert(pe);
+                            self.placer.fill(pe, instr, vec![(RegionKind::Output { elements: seg.clone() }, bytes)])?;
+                            layout.segments.push(Segment { pe, elements: seg });
                         }
-                        (None, Some(tile)) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
-                        _ => self.fresh_pe(i, unit, bytes, &taken)?,
-                    };
-                    taken.insert(pe);
-                    if let Some(r) = router {
-                        self.expert_pes.entry(r).or_default().insert(pe);
                     }
-                    self.placer.fill(pe, instr, vec![(RegionKind::Output { elements: seg.clone() }, bytes)])?;
-                    layout.segments.push(Segment { pe, elements: seg });
+                    // Else each segment sits in the middle tile row of its rows, in a column of
+                    // its own (segments spread over the panel's columns), not all on the row
+                    // roots. The layers of a group interleave their columns.
+                    None => {
+                        let segments = super::size::segments(rows, self.segment_cut(i, rows));
+                        let count = segments.len() as u64;
+                        let (k, local) = match ir.layer {
+                            Some(l) => (self.layers_per_region, l as u64 % self.layers_per_region),
+                            None => (1, 0),
+                        };
+                        // Per KV head band, the segments placed in it so far.
+                        let mut in_band: HashMap<u64, u64> = HashMap::new();
+                        for (j, seg) in segments.into_iter().enumerate() {
+                            let r = ((seg.start + seg.end - 1) / 2) / g.rows_per_tile;
+                            let c = ((j as u64 * k + local) * g.col_blocks / (count * k).max(1)) % g.col_blocks;
+                            let bytes = (seg.end - seg.start) * F32;
+                            // Queries, keys and values sit in their KV head's band of rows (see
+                            // `attention`), each in a column of its own and as near its rows'
+                            // tiles as the band allows, so their collects run side by side.
+                            let pe = match (self.attention_head(i, &seg), tiles.get((r * g.col_blocks + c) as usize)) {
+                                (Some((kv_heads, head)), _) => {
+                                    // Slots interleave the bands, so no two segments share a column.
+                                    let slot = in_band.entry(head).or_default();
+                                    *slot += 1;
+                                    let (west, row) = ((*slot - 1) * kv_heads + head, r % area.h as u64);
+                                    self.band_pe(i, unit, (head, kv_heads), bytes, &taken, west, row)?
+                                }
+                                (None, Some(tile)) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
+                                _ => self.fresh_pe(i, unit, bytes, &taken)?,
+                            };
+                            taken.insert(pe);
+                            if let Some(r) = router {
+                                self.expert_pes.entry(r).or_default().insert(pe);
+                            }
+                            self.placer.fill(pe, instr, vec![(RegionKind::Output { elements: seg.clone() }, bytes)])?;
+                            layout.segments.push(Segment { pe, elements: seg });
+                        }
+                    }
                 }
                 let placement = MatVecPlacement::unrouted(
                     rows,
