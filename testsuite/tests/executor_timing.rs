@@ -172,8 +172,8 @@ fn timing_only_moe_runs_the_first_top_k_experts() {
 /// The model never times a step faster than the placement's own distance bound (only hops, no
 /// arithmetic, serialisation or contention), at any position (attention's empty blocks send
 /// nothing, and the bound counts only the blocks holding positions), on every plan kind (tiled,
-/// MeshGemv, stacked with one and with two layers per region), dense and MoE, on one wafer and
-/// on a two-wafer pipeline.
+/// MeshGemv, stacked with one and with two layers per region, and the plan `compile`'s search
+/// picks), dense and MoE, on one wafer and on a two-wafer pipeline.
 #[test]
 fn modeled_cycles_never_undercut_the_distance_bound() {
     let mesh = Plan::MeshGemv { p: 4, group_num: 2 };
@@ -181,25 +181,33 @@ fn modeled_cycles_never_undercut_the_distance_bound() {
     let two = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 12\ngrid_rows = 12\nwafers = 2\n";
     let two = waferc_targets::Target::from_toml(two, "two-grids.toml").unwrap();
     let mut cases = vec![
-        (Shape::dense(), "grid:12x12", Plan::Tiled),
-        (Shape::dense(), "grid:50x4", Plan::Tiled),
-        (Shape::dense(), "grid:32x32", mesh),
-        (Shape::moe(), "grid:12x12", Plan::Tiled),
-        (Shape::moe(), "grid:32x32", mesh),
-        (Shape::dense(), "two-grids", Plan::Tiled),
+        (Shape::dense(), "grid:12x12", Some(Plan::Tiled)),
+        (Shape::dense(), "grid:50x4", Some(Plan::Tiled)),
+        (Shape::dense(), "grid:32x32", Some(mesh)),
+        (Shape::moe(), "grid:12x12", Some(Plan::Tiled)),
+        (Shape::moe(), "grid:32x32", Some(mesh)),
+        (Shape::dense(), "two-grids", Some(Plan::Tiled)),
     ];
     for shape in [Shape::dense(), Shape::moe()] {
         for grid in ["grid:32x32", "grid:64x48"] {
-            cases.extend([1, 2].map(|k| (shape.clone(), grid, stacked(k))));
+            cases.extend([1, 2].map(|k| (shape.clone(), grid, Some(stacked(k)))));
         }
+        // `None`: the plan the search picks.
+        cases.push((shape.clone(), "grid:64x48", None));
     }
     for (shape, target, plan) in cases {
         let module = build(&Shape { bytes: false, ..shape.clone() }, 21);
-        let options = CompileOptions { max_context: 96, plan, ..CompileOptions::default() };
-        let program = match target {
-            "two-grids" => waferc_passes::wafer::compile(&module, &two, &options).unwrap(),
-            _ => compile_with(&module, target, options),
+        let options =
+            CompileOptions { max_context: 96, plan: plan.unwrap_or(Plan::Tiled), ..CompileOptions::default() };
+        let program = match (target, plan) {
+            ("two-grids", _) => waferc_passes::wafer::compile(&module, &two, &options).unwrap(),
+            (_, None) => {
+                let target = waferc_targets::Target::resolve(target).unwrap();
+                waferc::plan_search::search(&module, &target, &options).unwrap().program
+            }
+            (_, Some(_)) => compile_with(&module, target, options),
         };
+        let plan = program.plan;
         // The timing-only router chooses experts 0..top_k.
         let top_k = shape.moe.map_or(u32::MAX, |(_, k)| k);
         let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
