@@ -32,10 +32,11 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
             expert_pes.entry((placement.layer, expert)).or_default().extend(placement.compute_pes());
         }
     }
-    let mut depths: HashMap<RouteId, (u64, HashMap<Pe, u64>)> = HashMap::new();
+    let mut depths: HashMap<RouteId, Option<Depths>> = HashMap::new();
     let mut lead = |id: RouteId, pes: &[Pe]| -> Option<u64> {
         let route = program.routes.get(id as usize)?;
-        let (full, depth) = depths.entry(id).or_insert_with(|| multicast_depths(&program.target, route));
+        let (full, depth) =
+            depths.entry(id).or_insert_with(|| multicast_depths(&program.target, route).ok()).as_ref()?;
         let farthest = pes.iter().filter_map(|pe| depth.get(pe)).max()?;
         Some(full.saturating_sub(*farthest))
     };
@@ -54,14 +55,18 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
     leads
 }
 
+/// A multicast's latency and the cycle its message reaches each PE (see [`multicast_depths`]).
+pub type Depths = (u64, HashMap<Pe, u64>);
+
 /// The cycles at which a multicast's message reaches each PE its path passes (from its sources,
-/// hop by hop; an inter-wafer run costs the inter-wafer latency), and the largest of them. The
-/// same walk as the timing model's route latency.
-pub fn multicast_depths(params: &TargetParams, route: &Route) -> (u64, HashMap<Pe, u64>) {
+/// hop by hop; an inter-wafer run costs the inter-wafer latency), and the largest of them: the
+/// timing model's route latency. `Err(index)`: run `index` starts at a PE that no source or
+/// earlier run reaches.
+pub fn multicast_depths(params: &TargetParams, route: &Route) -> Result<Depths, usize> {
     let mut depth: HashMap<Pe, u64> = route.sources.iter().map(|&pe| (pe, 0)).collect();
     let mut full = 0;
-    for run in &route.path {
-        let Some(&start) = depth.get(&run.from) else { continue };
+    for (index, run) in route.path.iter().enumerate() {
+        let Some(&start) = depth.get(&run.from) else { return Err(index) };
         if run.is_inter_wafer() {
             let end = start + params.inter_wafer_latency_cycles;
             depth.entry(run.to).and_modify(|d| *d = (*d).min(end)).or_insert(end);
@@ -74,7 +79,7 @@ pub fn multicast_depths(params: &TargetParams, route: &Route) -> (u64, HashMap<P
             }
         }
     }
-    (full, depth)
+    Ok((full, depth))
 }
 
 impl InstrPlacement {

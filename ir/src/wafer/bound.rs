@@ -160,7 +160,7 @@ fn route_span(program: &WaferProgram, route: &Route, senders: Option<&Senders>) 
         }
         // One source, a multicast: depth along the path to the farthest PE reached.
         RouteKind::Operand { .. } | RouteKind::Statistic { .. } | RouteKind::Routing => {
-            multicast_depths(&program.target, route).0
+            multicast_depths(&program.target, route).map_or(0, |(full, _)| full)
         }
     }
 }

@@ -566,14 +566,7 @@ impl<'a> Placer<'a> {
                     let count = rows.div_ceil(*per);
                     for (b, pe) in (0..count).zip(self.take(wafer, count)?) {
                         let block_rows = b * per..((b + 1) * per).min(rows);
-                        let weight = RegionKind::Weight {
-                            weight: table.index() as u32,
-                            rows: block_rows.clone(),
-                            cols: seg.clone(),
-                            blob: 0..0,
-                        };
-                        let bytes = (block_rows.end - block_rows.start) * row_bytes;
-                        self.fill(pe, instr, vec![(weight, bytes), (RegionKind::Scratch, width * F32)])?;
+                        self.fill(pe, instr, embed_block_requests(*table, &block_rows, seg, row_bytes))?;
                         blocks.push(EmbedBlock { pe, rows: block_rows, elements: seg.clone() });
                     }
                     layout.segments.push(self.segment_pe(wafer, instr, seg, Vec::new())?);
@@ -1177,6 +1170,19 @@ pub(super) fn tile_requests(
         requests.push((RegionKind::Weight { weight: b.index() as u32, rows: 0..1, cols: rows, blob: 0..0 }, bytes));
     }
     Ok(requests)
+}
+
+/// An embedding table block's regions: rows `rows` of `table`'s columns `cols` (`row_bytes`
+/// each), and scratch for the row it looks up.
+pub(super) fn embed_block_requests(
+    table: waferc_ir::Handle<waferc_ir::Weight>,
+    rows: &Range<u64>,
+    cols: &Range<u64>,
+    row_bytes: u64,
+) -> Vec<Request> {
+    let weight =
+        RegionKind::Weight { weight: table.index() as u32, rows: rows.clone(), cols: cols.clone(), blob: 0..0 };
+    vec![(weight, (rows.end - rows.start) * row_bytes), (RegionKind::Scratch, (cols.end - cols.start) * F32)]
 }
 
 /// A KV block's regions (the cache first): keys and values of `positions` for KV head `h`,

@@ -114,6 +114,7 @@ use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
 use serde::Serialize;
+use waferc_ir::wafer::arrival::multicast_depths;
 use waferc_ir::wafer::{
     reduce_tree, InstrIndex, Pe, Phase, Route, RouteId, RouteKind, Run, TargetParams, WaferProgram, Work,
 };
@@ -575,30 +576,12 @@ fn route_cost(
         }
         return Ok((RouteCost { latency: ready[0] + forward, serial: 0, bytes_per_cycle }, shape));
     }
-    // Depth (cycles from a source) of every PE the runs reach so far.
-    let mut depth: HashMap<Pe, u64> = route.sources.iter().map(|&pe| (pe, 0)).collect();
-    let (mut latency, mut serial) = (0, 0);
-    for (index, run) in route.path.iter().enumerate() {
-        let Some(&start) = depth.get(&run.from) else {
-            return Err(path_error(
-                program,
-                route,
-                format!("run {index} starts at {}, which no source or earlier run reaches", run.from),
-            ));
-        };
-        if run.is_inter_wafer() {
-            let end = start + params.inter_wafer_latency_cycles;
-            depth.entry(run.to).and_modify(|d| *d = (*d).min(end)).or_insert(end);
-            latency = latency.max(end);
-        } else {
-            for (k, pe) in run.pes().into_iter().enumerate().skip(1) {
-                let end = start + k as u64 * params.hop_latency_cycles as u64;
-                depth.entry(pe).and_modify(|d| *d = (*d).min(end)).or_insert(end);
-                latency = latency.max(end);
-            }
-        }
-        serial = serial.max(serialise(params, run.from, run.to, bytes * run.messages as u64));
-    }
+    let (mut latency, _) = multicast_depths(params, route).map_err(|index| {
+        let from = route.path[index].from;
+        path_error(program, route, format!("run {index} starts at {from}, which no source or earlier run reaches"))
+    })?;
+    let serial = route.path.iter().map(|run| serialise(params, run.from, run.to, bytes * run.messages as u64)).max();
+    let serial = serial.unwrap_or(0);
     if let RouteKind::Collect { .. } = route.kind {
         // The depths above are a multicast's (the earliest arrival at each PE); a gather's
         // messages are distinct, so the last one arrives after the longest source's path.

@@ -16,7 +16,7 @@ use std::ops::Range;
 use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, Segment, VectorLayout};
 use waferc_ir::Op;
 
-use super::{Stacked, CHUNK, F32};
+use super::{nearest_first, Stacked, CHUNK, F32};
 use crate::wafer::place::unsupported;
 use crate::wafer::place::Request;
 use crate::wafer::WaferError;
@@ -121,13 +121,8 @@ impl Stacked<'_> {
         taken: &HashSet<Pe>,
     ) -> Result<Pe, WaferError> {
         let area = self.region(unit).area;
-        let (dx, h) = (dx % area.w as u64, area.h as u64);
-        let row = row.min(h - 1);
-        for step in 0..2 * h {
-            let dy = if step % 2 == 0 { row + step / 2 } else { row.wrapping_sub(step / 2 + 1) };
-            if dy >= h {
-                continue;
-            }
+        let dx = dx % area.w as u64;
+        for dy in nearest_first(row, area.h as u64) {
             let pe = area.at(dx, dy);
             if self.claim_vector(pe, bytes, taken) {
                 return Ok(pe);

@@ -40,7 +40,10 @@ use waferc_ir::wafer::{
 };
 use waferc_ir::{Module, Op, ValueType, BLOCK};
 
-use super::place::{kv_block_requests, norm_requests, operand_requests, tile_requests, unsupported, Placer, Request};
+use super::place::{
+    embed_block_requests, kv_block_requests, norm_requests, operand_requests, tile_requests, unsupported, Placer,
+    Request,
+};
 use super::size::{kv_block_bytes, Analysis};
 use super::{CompileOptions, WaferError};
 
@@ -170,6 +173,14 @@ struct Region {
 /// most [`MAX_SEGMENTS`] pieces, at most [`MAX_SEGMENT_ELEMENTS`] long.
 fn vector_cut(len: u64) -> u64 {
     len.div_ceil(MAX_SEGMENTS).next_power_of_two().clamp(CHUNK, MAX_SEGMENT_ELEMENTS)
+}
+
+/// `0..len` from `near` (clamped into it) outward: `near`, `near + 1`, `near - 1`, `near + 2`, ...
+fn nearest_first(near: u64, len: u64) -> impl Iterator<Item = u64> {
+    let near = near.min(len.saturating_sub(1));
+    (0..2 * len)
+        .map(move |k| if k % 2 == 0 { near.checked_add(k / 2) } else { near.checked_sub(k / 2 + 1) })
+        .filter_map(move |i| i.filter(|&i| i < len))
 }
 
 /// Positions per KV block: the largest aligned power-of-two run of 32-position chunks whose
@@ -552,14 +563,10 @@ impl Stacked<'_> {
         let area = self.region(unit).area;
         let rows = area.band(band, bands);
         let (w, h) = (rows.w as u64, rows.h as u64);
-        let near = (row + area.y as u64).saturating_sub(rows.y as u64).min(h - 1);
+        let near = (row + area.y as u64).saturating_sub(rows.y as u64);
         for step in 0..w {
             let dx = w - 1 - (west + step) % w;
-            for k in 0..2 * h {
-                let dy = if k % 2 == 0 { near + k / 2 } else { near.wrapping_sub(k / 2 + 1) };
-                if dy >= h {
-                    continue;
-                }
+            for dy in nearest_first(near, h) {
                 let pe = rows.at(dx, dy);
                 if self.claim_vector(pe, bytes, taken) {
                     return Ok(pe);
@@ -976,14 +983,7 @@ impl Stacked<'_> {
             for b in 0..count {
                 let block_rows = b * rows_per_block..((b + 1) * rows_per_block).min(rows);
                 let pe = band.walk(b);
-                let weight = RegionKind::Weight {
-                    weight: table.index() as u32,
-                    rows: block_rows.clone(),
-                    cols: seg.clone(),
-                    blob: 0..0,
-                };
-                let bytes = (block_rows.end - block_rows.start) * row_bytes;
-                self.placer.fill(pe, i as u32, vec![(weight, bytes), (RegionKind::Scratch, width * F32)])?;
+                self.placer.fill(pe, i as u32, embed_block_requests(table, &block_rows, seg, row_bytes))?;
                 blocks.push(EmbedBlock { pe, rows: block_rows, elements: seg.clone() });
             }
             let pe = band.walk(count);
