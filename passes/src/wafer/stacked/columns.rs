@@ -1,9 +1,9 @@
 //! Column-aligned vectors: the MeshGEMV discipline inside the stacked plan.
 //!
-//! A matvec whose tile grid is one panel wide needs its input's column block `c` on PE column
-//! `c` of its area and nowhere else. A vector segment that sits in that column reaches its tiles
-//! by one straight multicast along the column, which meets no multicast of another column's
-//! segments. So a vector that feeds such matvecs (directly, or through the elementwise ops and
+//! A matvec tiled in `P` interleaved panels needs its input's column block `c` on the `P`
+//! adjacent PE columns from `c * P` of its area and nowhere else. A vector segment that sits in
+//! one of those columns reaches its tiles by one multicast along its row inside them and down
+//! them, which meets no multicast of another column block's segments. So a vector that feeds such matvecs (directly, or through the elementwise ops and
 //! norms that run in place on it) can be cut as finely as the column blocks, and a few segments
 //! finer per column, without its multicasts crossing: the elementwise ops and norms on it then
 //! take a few dozen elements per PE instead of hundreds. Across two units (the residual stream
@@ -16,31 +16,32 @@ use std::ops::Range;
 use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, Segment, VectorLayout};
 use waferc_ir::Op;
 
-use super::{nearest_first, Stacked, CHUNK, F32};
+use super::{nearest_first, Grid, Stacked, CHUNK, F32};
 use crate::wafer::place::unsupported;
 use crate::wafer::place::Request;
 use crate::wafer::WaferError;
 
-/// The most segments of one vector that share a PE column: each multicasts along the whole
-/// column, so they take a colour each there.
+/// The most segments of one vector per column block: each multicasts down all of the block's
+/// columns, so they take a colour each there.
 pub(super) const SEGMENTS_PER_COLUMN: u64 = 4;
 /// How many values a search for a vector's consumers looks through before it gives up.
 const SEARCH_LIMIT: usize = 64;
 
-/// A one-panel matvec reading elements `base..base + cols` of a vector as its input, in column
-/// blocks `width` elements wide.
+/// A matvec reading elements `base..base + cols` of a vector as its input, in column blocks
+/// `width` elements wide, tiled as `grid`.
 #[derive(Clone, Copy, Debug)]
 struct Consumer {
     base: u64,
     cols: u64,
     width: u64,
+    grid: Grid,
 }
 
 impl Stacked<'_> {
     /// The matvecs that read instruction `i`'s result, looking through the elementwise ops and
     /// norms that run in place on it (in `i`'s unit and the next), each with the elements it
     /// reads. `None` when something else reads it too (rope, attention, an expert, a router's
-    /// top-k, a matvec of several panels): then the vector keeps the plan's general layout.
+    /// top-k): then the vector keeps the plan's general layout.
     fn consumers(&mut self, i: usize) -> Option<Vec<Consumer>> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
         let unit = self.unit_of[i];
@@ -73,12 +74,9 @@ impl Stacked<'_> {
                     }
                     Op::MatVec { x, weight, .. } if analysis.expert[r].is_none() => {
                         let b = at(*x)?;
-                        let (area, g) = self.matvec_grid(r, self.unit_of[r]).ok()?;
-                        if area.w as u64 / g.col_blocks != 1 {
-                            return None;
-                        }
+                        let (_, g) = self.matvec_grid(r, self.unit_of[r]).ok()?;
                         let cols = module.weights[*weight].ty.shape[1];
-                        found.push(Consumer { base: b, cols, width: g.chunks_per_tile * CHUNK });
+                        found.push(Consumer { base: b, cols, width: g.chunks_per_tile * CHUNK, grid: g });
                     }
                     _ => return None,
                 }
@@ -87,11 +85,11 @@ impl Stacked<'_> {
         Some(found)
     }
 
-    /// Instruction `i`'s `len`-element result cut to suit the one-panel matvecs that read it:
-    /// segments of a column block, or a [`SEGMENTS_PER_COLUMN`]th of one (at least a chunk),
-    /// each with its column block's index (its PE column in the area). The first consumer (in
-    /// program order, nearest first) that reads an element decides its segment. `None` when the
-    /// result does not feed only such matvecs, or some element feeds none.
+    /// Instruction `i`'s `len`-element result cut to suit the matvecs that read it: segments of
+    /// a column block, or a [`SEGMENTS_PER_COLUMN`]th of one (at least a chunk), each with its
+    /// PE column in the area ([`Grid::chunk_column`] of its first chunk). The
+    /// first consumer (in program order, nearest first) that reads an element decides its
+    /// segment. `None` when the result does not feed only matvecs, or some element feeds none.
     pub(super) fn aligned_cut(&mut self, i: usize, len: u64) -> Option<Vec<(Range<u64>, u64)>> {
         let consumers = self.consumers(i)?;
         let mut cut = Vec::new();
@@ -102,7 +100,7 @@ impl Stacked<'_> {
             let piece = c.width / per_column;
             let offset = at - c.base;
             let end = (c.base + (offset / piece + 1) * piece).min(c.base + c.cols).min(len);
-            cut.push((at..end, offset / c.width));
+            cut.push((at..end, c.grid.chunk_column(offset / CHUNK, c.cols.div_ceil(CHUNK))));
             at = end;
         }
         Some(cut)
@@ -168,10 +166,27 @@ impl Stacked<'_> {
         Ok(layout)
     }
 
-    /// The PE holding element `element` of instruction `i`'s first vector operand.
+    /// Whether instruction `i` reads a value placed in an earlier unit whose region lies beside
+    /// its own (the residual stream arriving along rows from the previous region).
+    pub(super) fn reads_from_beside(&self, i: usize) -> bool {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        let unit = self.unit_of[i];
+        let Some(own) = self.regions[unit].as_ref().map(|r| r.area) else { return false };
+        module.body[waferc_ir::Handle::new(i)].op.operands().into_iter().any(|operand| {
+            let from = self.unit_of[analysis.source[operand.index()] as usize];
+            let Some(other) = self.regions[from].as_ref().map(|r| r.area) else { return false };
+            from < unit && other.wafer == own.wafer && (other.x + other.w <= own.x || own.x + own.w <= other.x)
+        })
+    }
+
+    /// The PE holding element `element` of instruction `i`'s first vector operand from an
+    /// earlier unit, else of its first vector operand.
     fn operand_pe(&self, i: usize, element: u64) -> Option<Pe> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
-        module.body[waferc_ir::Handle::new(i)].op.operands().into_iter().find_map(|operand| {
+        let mut operands = module.body[waferc_ir::Handle::new(i)].op.operands();
+        let unit = self.unit_of[i];
+        operands.sort_by_key(|operand| self.unit_of[analysis.source[operand.index()] as usize] >= unit);
+        operands.into_iter().find_map(|operand| {
             let source = analysis.source[operand.index()] as usize;
             let at = element + analysis.offset[operand.index()];
             match &self.placer.placements.get(source)?.result {

@@ -9,9 +9,11 @@
 //! * **every matvec is tiled over the whole tile area** (the rectangle less its KV strip), so
 //!   each PE holds a slice of every matrix of its layers and the q/k/v, o, gate/up and down
 //!   phases each use all of the area's PEs. A tile grid of `C` column blocks is folded into
-//!   panels `C` PEs wide placed side by side: tile `(r, c)` sits in panel `r / h`, row `r % h`,
-//!   column `c` of the panel, so a row block's reduction is a straight run along a PE row and a
-//!   column block's activation slice is one multicast along a row and down `panels` columns.
+//!   `P` panels (as many as the area's width holds) whose columns interleave: tile `(r, c)`
+//!   sits in row `r % h` and column `c * P + r / h`, so a row block's reduction is a straight
+//!   run along a PE row, and column block `c`'s copies are the `P` adjacent columns from
+//!   `c * P`: its activation slice is one multicast along a row inside those columns and down
+//!   them, which meets no other column block's (see `columns`).
 //!   The chunks per tile (hence `C`) are chosen per matrix by a small cost estimate: arithmetic
 //!   of the busiest tile, the reduction tree's depth and span, and the multicast's span.
 //!   MoE experts are spread the same way over *lanes* (horizontal bands of the area, one per
@@ -55,9 +57,9 @@ pub const TILE_SHARE: f64 = 0.6;
 /// The most 32-element chunks a tile spans: each chunk of a matvec's input is one multicast
 /// down the tile's column, and more than four per column crowd the router's colours.
 const MAX_CHUNKS_PER_TILE: u64 = 4;
-/// The most segments a vector is cut in. Every segment is one multicast to the PEs that read it,
-/// and the multicasts of one vector into a tile grid of several panels cross each other (each
-/// runs along its row across the panels, then down whole columns), so they need a colour each.
+/// The most segments a vector that does not feed matvecs only (see `columns`) is cut in. Every
+/// segment is one multicast to the PEs that read it, and multicasts to readers spread over the
+/// area cross each other, so they need a colour each.
 const MAX_SEGMENTS: u64 = 16;
 /// The longest segment (8 KiB of f32): only the logits are long enough to need more than
 /// [`MAX_SEGMENTS`] of these, and nothing reads them on the wafer.
@@ -322,61 +324,76 @@ struct Grid {
     chunks_per_tile: u64,
     row_blocks: u64,
     col_blocks: u64,
+    /// Copies of each column block side by side (see the module documentation).
+    panels: u64,
 }
 
-/// The chunks per tile that minimise the estimated time over `area` (ties: fewer column blocks)
-/// among the tilings whose tile fits `budget` bytes: the busiest tile's multiply-adds, the
-/// reduction tree (its span, and per level one message and one add of a row block), and the
-/// activation multicast's span.
-fn grid(rows: u64, cols: u64, area: Rect, tile_bytes: &dyn Fn(u64, u64) -> Option<u64>, budget: u64) -> Option<Grid> {
-    let chunks = cols.div_ceil(CHUNK);
-    let mut best: Option<(u64, Grid)> = None;
-    let mut run = 1;
-    while run <= chunks.next_power_of_two().min(MAX_CHUNKS_PER_TILE) {
-        let col_blocks = chunks.div_ceil(run);
-        if col_blocks <= area.w as u64 {
-            let panels = area.w as u64 / col_blocks;
-            let rows_per_tile = rows.div_ceil(panels * area.h as u64);
-            let depth = 64 - (col_blocks - 1).leading_zeros() as u64;
-            // The input's segments: as fine as a quarter column block on a one-panel grid (its
-            // multicasts never cross, see `columns`), else at most `MAX_SEGMENTS` of them; the
-            // elementwise ops and norms that produce the input run on them, a few flops an
-            // element.
-            let segment = match panels {
-                1 => (run * CHUNK / columns::SEGMENTS_PER_COLUMN).max(CHUNK),
-                _ => vector_cut(cols),
-            };
-            let cost = rows_per_tile * run * CHUNK
-                + col_blocks
-                + 2 * depth * rows_per_tile
-                + panels * col_blocks
-                + area.h as u64
-                + VECTOR_FLOPS_PER_ELEMENT * segment;
-            let g = Grid { rows_per_tile, chunks_per_tile: run, row_blocks: rows.div_ceil(rows_per_tile), col_blocks };
-            let fits = tile_bytes(rows_per_tile, (run * CHUNK).min(cols)).is_some_and(|b| b <= budget);
-            if fits && best.as_ref().is_none_or(|(c, _)| cost < *c) {
-                best = Some((cost, g));
-            }
+impl Grid {
+    /// The tiling over `area` with `chunks_per_tile` chunks per tile, if its column blocks fit
+    /// the area's width.
+    fn over(rows: u64, cols: u64, area: Rect, chunks_per_tile: u64) -> Option<Grid> {
+        let col_blocks = cols.div_ceil(CHUNK).div_ceil(chunks_per_tile);
+        let panels = area.w as u64 / col_blocks;
+        if panels == 0 {
+            return None;
         }
-        run *= 2;
+        let rows_per_tile = rows.div_ceil(panels * area.h as u64);
+        Some(Grid { rows_per_tile, chunks_per_tile, row_blocks: rows.div_ceil(rows_per_tile), col_blocks, panels })
     }
-    best.map(|(_, g)| g)
+
+    /// The tilings the plan considers: 1, 2, 4, ... up to [`MAX_CHUNKS_PER_TILE`] chunks per tile.
+    fn candidates(rows: u64, cols: u64, area: Rect) -> impl Iterator<Item = Grid> {
+        let runs = cols.div_ceil(CHUNK).next_power_of_two().min(MAX_CHUNKS_PER_TILE);
+        (0..).map(|j| 1u64 << j).take_while(move |&run| run <= runs).filter_map(move |run| Grid::over(rows, cols, area, run))
+    }
+
+    /// The PE column (from the area's west edge) of input chunk `chunk`'s first copy, spreading
+    /// a column block's chunks over its copies: the same for every tiling of the same input
+    /// width and panel span, so vectors read by several such matvecs suit them all.
+    fn chunk_column(&self, chunk: u64, chunks: u64) -> u64 {
+        chunk * self.col_blocks * self.panels / chunks.max(1)
+    }
+
+    /// The estimated cycles of the tiling over `area`: the busiest tile's multiply-adds, the
+    /// reduction tree (its span along a row over every panel's interleaved columns, and per
+    /// level one message and one add of a row block), the activation multicast (along a row
+    /// inside a block's columns and down them), and the vector work on the input's segments
+    /// (as fine as a quarter column block, see `columns`: the elementwise ops and norms that
+    /// produce the input run on them, a few flops an element).
+    fn cost(&self, area: Rect) -> u64 {
+        let depth = 64 - (self.col_blocks - 1).leading_zeros() as u64;
+        let segment = (self.chunks_per_tile * CHUNK / columns::SEGMENTS_PER_COLUMN).max(CHUNK);
+        self.rows_per_tile * self.chunks_per_tile * CHUNK
+            + self.panels * self.col_blocks
+            + 2 * depth * self.rows_per_tile
+            + self.panels
+            + area.h as u64
+            + VECTOR_FLOPS_PER_ELEMENT * segment
+    }
+}
+
+/// The tiling with the least [`Grid::cost`] (ties: fewer chunks per tile) among those whose tile
+/// fits `budget` bytes, only `chunks_per_tile` chunks per tile if given.
+fn grid(
+    rows: u64,
+    cols: u64,
+    area: Rect,
+    tile_bytes: &dyn Fn(u64, u64) -> Option<u64>,
+    budget: u64,
+    chunks_per_tile: Option<u64>,
+) -> Option<Grid> {
+    Grid::candidates(rows, cols, area)
+        .filter(|g| chunks_per_tile.is_none_or(|run| run == g.chunks_per_tile))
+        .filter(|g| tile_bytes(g.rows_per_tile, (g.chunks_per_tile * CHUNK).min(cols)).is_some_and(|b| b <= budget))
+        .min_by_key(|g| g.cost(area))
 }
 
 /// The smallest tile any tiling of a `rows x cols` matvec over `area` needs.
 fn smallest_tile(rows: u64, cols: u64, area: Rect, tile_bytes: &dyn Fn(u64, u64) -> Option<u64>) -> u64 {
-    let chunks = cols.div_ceil(CHUNK);
-    let mut run = 1;
-    let mut best = u64::MAX;
-    while run <= chunks.next_power_of_two().min(MAX_CHUNKS_PER_TILE) {
-        let col_blocks = chunks.div_ceil(run);
-        if col_blocks <= area.w as u64 {
-            let rows_per_tile = rows.div_ceil((area.w as u64 / col_blocks) * area.h as u64);
-            best = best.min(tile_bytes(rows_per_tile, (run * CHUNK).min(cols)).unwrap_or(u64::MAX));
-        }
-        run *= 2;
-    }
-    best
+    Grid::candidates(rows, cols, area)
+        .map(|g| tile_bytes(g.rows_per_tile, (g.chunks_per_tile * CHUNK).min(cols)).unwrap_or(u64::MAX))
+        .min()
+        .unwrap_or(u64::MAX)
 }
 
 /// Places `module` with the stacked plan.
@@ -453,6 +470,7 @@ pub(super) fn place(
         layers_per_region: layers_per_region.max(1) as u64,
         vector_bytes: HashMap::new(),
         unit_of: units.iter().enumerate().flat_map(|(u, unit)| unit.instrs.clone().map(move |_| u)).collect(),
+        input_leaders: HashMap::new(),
     };
     let limit = (TILE_SHARE * usable as f64) as u64;
     for (u, unit) in units.iter().enumerate() {
@@ -495,6 +513,9 @@ struct Stacked<'a> {
     vector_bytes: HashMap<Pe, u64>,
     /// The unit of each instruction.
     unit_of: Vec<usize>,
+    /// Per unit and input width, the matvec whose tiling the others of that width share
+    /// ([`Stacked::input_leader`]).
+    input_leaders: HashMap<(usize, u64), usize>,
 }
 
 impl Stacked<'_> {
@@ -659,11 +680,21 @@ impl Stacked<'_> {
                 && (whole.x..whole.x + whole.w).contains(&pe.x)
                 && (whole.y..whole.y + whole.h).contains(&pe.y)
         };
-        if let Some(layout) = self.placer.host_layout(i, &inside, len, requests) {
-            return Ok(layout);
+        // An op reading the vector of the region beside sits in the rows that vector arrives
+        // on, so its deliveries run straight along rows, side by side (`columns`).
+        let across = self.reads_from_beside(i);
+        if !across {
+            if let Some(layout) = self.placer.host_layout(i, &inside, len, requests) {
+                return Ok(layout);
+            }
         }
         if let Some(cut) = self.aligned_cut(i, len) {
             return self.aligned_layout(i, unit, cut, requests);
+        }
+        if across {
+            if let Some(layout) = self.placer.host_layout(i, &inside, len, requests) {
+                return Ok(layout);
+            }
         }
         self.fresh_layout(i, unit, &super::size::segments(len, cut), requests)
     }
@@ -700,7 +731,19 @@ impl Stacked<'_> {
         let share = weight_bytes(module, *weight) as f64 / self.unit_weight_bytes[unit].max(1) as f64;
         let slack = self.unit_slack[unit] as f64;
         let budget = smallest_tile(rows, cols, area, &tile) + (share * lanes as f64 * slack) as u64;
-        let g = grid(rows, cols, area, &tile, budget).ok_or_else(|| {
+        // Matvecs that read inputs of one width share the tiling of the largest of them, so a
+        // vector read by several suits them all (`columns`); one whose share of a PE cannot take
+        // that tiling picks its own.
+        let leader = match lanes {
+            1 => self.input_leader(unit, cols),
+            _ => i,
+        };
+        let led = match leader == i {
+            true => None,
+            false => Some(self.matvec_grid(leader, unit)?.1.chunks_per_tile),
+        };
+        let g = led.and_then(|run| grid(rows, cols, area, &tile, budget, Some(run)));
+        let g = g.or_else(|| grid(rows, cols, area, &tile, budget, None)).ok_or_else(|| {
             unsupported(
                 module,
                 i,
@@ -711,6 +754,28 @@ impl Stacked<'_> {
             )
         })?;
         Ok((area, g))
+    }
+
+    /// The dense matvec of `unit` with the most rows (the first of them) among those whose input
+    /// is `cols` wide.
+    fn input_leader(&mut self, unit: usize, cols: u64) -> usize {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        let unit_of = &self.unit_of;
+        *self.input_leaders.entry((unit, cols)).or_insert_with(|| {
+            let start = unit_of.partition_point(|&u| u < unit);
+            let end = unit_of.partition_point(|&u| u <= unit);
+            (start..end)
+                .filter(|&j| analysis.expert[j].is_none())
+                .filter_map(|j| match &module.body[waferc_ir::Handle::new(j)].op {
+                    Op::MatVec { weight, .. } => {
+                        let shape = &module.weights[*weight].ty.shape;
+                        (shape[1] == cols).then_some((shape[0], std::cmp::Reverse(j)))
+                    }
+                    _ => None,
+                })
+                .max()
+                .map_or(usize::MAX, |(_, std::cmp::Reverse(j))| j)
+        })
     }
 
     fn place_instr(&mut self, i: usize, unit: usize) -> Result<InstrPlacement, WaferError> {
@@ -732,7 +797,7 @@ impl Stacked<'_> {
                     let tile_rows = r * g.rows_per_tile..((r + 1) * g.rows_per_tile).min(rows);
                     let (panel, y) = (r / area.h as u64, r % area.h as u64);
                     for c in 0..g.col_blocks {
-                        let pe = area.at(panel * g.col_blocks + c, y);
+                        let pe = area.at(c * g.panels + panel, y);
                         let tile_cols = width_of(c);
                         let requests = tile_requests(module, i, tile_rows.clone(), tile_cols.clone(), c == 0)?;
                         let region = self.placer.fill(pe, instr, requests)?[0];
@@ -927,11 +992,33 @@ impl Stacked<'_> {
                 placed.push(KvHeadPlacement::unrouted(h as u32, sequence as u32, blocks));
             }
         }
-        // One result segment per KV head (its query heads' outputs), in the head's band beside
-        // the strip: the collect from the head's root is a short run inside the band.
+        let piece = kv.q_per_kv * kv.head_dim;
+        // An output that feeds matvecs only is cut for them (`columns`), each KV head's segments
+        // on rows of their own in the head's band: the collects from the heads' roots run along
+        // those rows, side by side.
+        if let Some(cut) = self.aligned_cut(i, len) {
+            let area = self.region(unit).area;
+            let mut layout = VectorLayout::default();
+            let mut taken = HashSet::new();
+            let mut in_band: HashMap<u64, u64> = HashMap::new();
+            for (seg, column) in cut {
+                let h = seg.start / piece;
+                let band = area.band(h, kv.kv_heads);
+                let slot = in_band.entry(h).or_default();
+                let row = (band.y - area.y) as u64 + *slot % band.h as u64;
+                *slot += 1;
+                let bytes = (seg.end - seg.start) * F32;
+                let pe = self.column_pe(i, unit, column, row, bytes, &taken)?;
+                taken.insert(pe);
+                self.placer.fill(pe, i as u32, vec![(RegionKind::Output { elements: seg.clone() }, bytes)])?;
+                layout.segments.push(Segment { pe, elements: seg });
+            }
+            return Ok((ResultLayout::Vector(layout), Work::Attention(self.attention_placement(cache, heads, placed))));
+        }
+        // Else one result segment per KV head (its query heads' outputs), in the head's band
+        // beside the strip: the collect from the head's root is a short run inside the band.
         let mut layout = VectorLayout::default();
         let mut taken = HashSet::new();
-        let piece = kv.q_per_kv * kv.head_dim;
         for h in 0..kv.kv_heads {
             let elements = h * piece..((h + 1) * piece).min(len);
             let bytes = (elements.end - elements.start) * F32;
@@ -940,14 +1027,17 @@ impl Stacked<'_> {
             self.placer.fill(pe, i as u32, vec![(RegionKind::Output { elements: elements.clone() }, bytes)])?;
             layout.segments.push(Segment { pe, elements });
         }
-        let placement = AttentionPlacement {
-            heads,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            kv_heads_placed: placed,
-            collects: Vec::new(),
-        };
-        Ok((ResultLayout::Vector(layout), Work::Attention(placement)))
+        Ok((ResultLayout::Vector(layout), Work::Attention(self.attention_placement(cache, heads, placed))))
+    }
+
+    fn attention_placement(
+        &self,
+        cache: waferc_ir::Handle<waferc_ir::KvCache>,
+        heads: u32,
+        kv_heads_placed: Vec<KvHeadPlacement>,
+    ) -> AttentionPlacement {
+        let c = &self.placer.module.caches[cache];
+        AttentionPlacement { heads, kv_heads: c.kv_heads, head_dim: c.head_dim, kv_heads_placed, collects: Vec::new() }
     }
 
     /// The table spread over the whole area: the result is cut in at most [`EMBED_SEGMENTS`]
