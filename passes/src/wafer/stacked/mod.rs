@@ -10,10 +10,12 @@
 //!   each PE holds a slice of every matrix of its layers and the q/k/v, o, gate/up and down
 //!   phases each use all of the area's PEs. A tile grid of `C` column blocks is folded into
 //!   `P` panels (as many as the area's width holds) whose columns interleave: tile `(r, c)`
-//!   sits in row `r % h` and column `c * P + r / h`, so a row block's reduction is a straight
+//!   sits in row `r / P` and column `c * P + r % P`, so a row block's reduction is a straight
 //!   run along a PE row, and column block `c`'s copies are the `P` adjacent columns from
 //!   `c * P`: its activation slice is one multicast along a row inside those columns and down
-//!   them, which meets no other column block's (see `columns`).
+//!   them, which meets no other column block's (see `columns`). Consecutive row blocks share a
+//!   PE row, so a result's elements run down the area in order and the segments of a vector
+//!   lie along one diagonal (short norm reductions) rather than wrapping round the rows.
 //!   The chunks per tile (hence `C`) are chosen per matrix by a small cost estimate: arithmetic
 //!   of the busiest tile, the reduction tree's depth and span, and the multicast's span.
 //!   MoE experts are spread the same way over *lanes* (horizontal bands of the area, one per
@@ -345,6 +347,16 @@ impl Grid {
     fn candidates(rows: u64, cols: u64, area: Rect) -> impl Iterator<Item = Grid> {
         let runs = cols.div_ceil(CHUNK).next_power_of_two().min(MAX_CHUNKS_PER_TILE);
         (0..).map(|j| 1u64 << j).take_while(move |&run| run <= runs).filter_map(move |run| Grid::over(rows, cols, area, run))
+    }
+
+    /// Where tile `(r, c)` sits, as (column, row) from the area's north-west corner.
+    fn cell(&self, r: u64, c: u64) -> (u64, u64) {
+        (c * self.panels + r % self.panels, self.row(r))
+    }
+
+    /// The PE row (from the area's north edge) of row block `r`.
+    fn row(&self, r: u64) -> u64 {
+        r / self.panels
     }
 
     /// The PE column (from the area's west edge) of input chunk `chunk`'s first copy, spreading
@@ -795,9 +807,9 @@ impl Stacked<'_> {
                 let mut tiles = Vec::with_capacity((g.row_blocks * g.col_blocks) as usize);
                 for r in 0..g.row_blocks {
                     let tile_rows = r * g.rows_per_tile..((r + 1) * g.rows_per_tile).min(rows);
-                    let (panel, y) = (r / area.h as u64, r % area.h as u64);
                     for c in 0..g.col_blocks {
-                        let pe = area.at(c * g.panels + panel, y);
+                        let (x, y) = g.cell(r, c);
+                        let pe = area.at(x, y);
                         let tile_cols = width_of(c);
                         let requests = tile_requests(module, i, tile_rows.clone(), tile_cols.clone(), c == 0)?;
                         let region = self.placer.fill(pe, instr, requests)?[0];
@@ -817,7 +829,7 @@ impl Stacked<'_> {
                     // each segment in its block's column (`columns`), in the row of its rows' tiles.
                     Some(cut) => {
                         for (seg, dx) in cut {
-                            let row = ((seg.start + seg.end - 1) / 2) / g.rows_per_tile % area.h as u64;
+                            let row = g.row(((seg.start + seg.end - 1) / 2) / g.rows_per_tile);
                             let bytes = (seg.end - seg.start) * F32;
                             let pe = self.column_pe(i, unit, dx, row, bytes, &taken)?;
                             taken.insert(pe);
@@ -849,7 +861,7 @@ impl Stacked<'_> {
                                     // Slots interleave the bands, so no two segments share a column.
                                     let slot = in_band.entry(head).or_default();
                                     *slot += 1;
-                                    let (west, row) = ((*slot - 1) * kv_heads + head, r % area.h as u64);
+                                    let (west, row) = ((*slot - 1) * kv_heads + head, g.row(r));
                                     self.band_pe(i, unit, (head, kv_heads), bytes, &taken, west, row)?
                                 }
                                 (None, Some(tile)) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
