@@ -10,12 +10,14 @@
 //!   each PE holds a slice of every matrix of its layers and the q/k/v, o, gate/up and down
 //!   phases each use all of the area's PEs. A tile grid of `C` column blocks is folded into
 //!   `P` panels (as many as the area's width holds) whose columns interleave: tile `(r, c)`
-//!   sits in row `r / P` and column `c * P + r % P`, so a row block's reduction is a straight
-//!   run along a PE row, and column block `c`'s copies are the `P` adjacent columns from
-//!   `c * P`: its activation slice is one multicast along a row inside those columns and down
-//!   them, which meets no other column block's (see `columns`). Consecutive row blocks share a
-//!   PE row, so a result's elements run down the area in order and the segments of a vector
-//!   lie along one diagonal (short norm reductions) rather than wrapping round the rows.
+//!   sits in column `c * P + p` of panel `p`, so a row block's reduction is a straight run along
+//!   a PE row, and column block `c`'s copies are the `P` adjacent columns from `c * P`: its
+//!   activation slice is one multicast along a row inside those columns and down them, which
+//!   meets no other column block's (see `columns`). A result that feeds matvecs puts
+//!   consecutive row blocks side by side (panel `r % P`, row `r / P`), so its elements run down
+//!   the area in order and its segments lie along one diagonal (short norm reductions); other
+//!   results (queries, keys and values) fill a panel's rows first (panel `r / h`, row `r % h`),
+//!   so each row holds one root of a head's rows and its collect does not queue along a row.
 //!   The chunks per tile (hence `C`) are chosen per matrix by a small cost estimate: arithmetic
 //!   of the busiest tile, the reduction tree's depth and span, and the multicast's span.
 //!   MoE experts are spread the same way over *lanes* (horizontal bands of the area, one per
@@ -328,6 +330,10 @@ struct Grid {
     col_blocks: u64,
     /// Copies of each column block side by side (see the module documentation).
     panels: u64,
+    /// The area's height in PEs.
+    height: u64,
+    /// Whether consecutive row blocks sit side by side in one PE row (else down a panel).
+    rows_across_panels: bool,
 }
 
 impl Grid {
@@ -340,23 +346,41 @@ impl Grid {
             return None;
         }
         let rows_per_tile = rows.div_ceil(panels * area.h as u64);
-        Some(Grid { rows_per_tile, chunks_per_tile, row_blocks: rows.div_ceil(rows_per_tile), col_blocks, panels })
+        Some(Grid {
+            rows_per_tile,
+            chunks_per_tile,
+            row_blocks: rows.div_ceil(rows_per_tile),
+            col_blocks,
+            panels,
+            height: area.h as u64,
+            rows_across_panels: false,
+        })
     }
 
     /// The tilings the plan considers: 1, 2, 4, ... up to [`MAX_CHUNKS_PER_TILE`] chunks per tile.
     fn candidates(rows: u64, cols: u64, area: Rect) -> impl Iterator<Item = Grid> {
         let runs = cols.div_ceil(CHUNK).next_power_of_two().min(MAX_CHUNKS_PER_TILE);
-        (0..).map(|j| 1u64 << j).take_while(move |&run| run <= runs).filter_map(move |run| Grid::over(rows, cols, area, run))
+        (0..)
+            .map(|j| 1u64 << j)
+            .take_while(move |&run| run <= runs)
+            .filter_map(move |run| Grid::over(rows, cols, area, run))
     }
 
     /// Where tile `(r, c)` sits, as (column, row) from the area's north-west corner.
     fn cell(&self, r: u64, c: u64) -> (u64, u64) {
-        (c * self.panels + r % self.panels, self.row(r))
+        let panel = match self.rows_across_panels {
+            true => r % self.panels,
+            false => r / self.height,
+        };
+        (c * self.panels + panel, self.row(r))
     }
 
     /// The PE row (from the area's north edge) of row block `r`.
     fn row(&self, r: u64) -> u64 {
-        r / self.panels
+        match self.rows_across_panels {
+            true => r / self.panels,
+            false => r % self.height,
+        }
     }
 
     /// The PE column (from the area's west edge) of input chunk `chunk`'s first copy, spreading
@@ -801,7 +825,9 @@ impl Stacked<'_> {
         let (result, work) = match &ir.op {
             Op::MatVec { weight, bias, .. } => {
                 let (rows, cols) = (module.weights[*weight].ty.shape[0], module.weights[*weight].ty.shape[1]);
-                let (area, g) = self.matvec_grid(i, unit)?;
+                let (area, mut g) = self.matvec_grid(i, unit)?;
+                let aligned = self.aligned_cut(i, rows);
+                g.rows_across_panels = aligned.is_some();
                 let width_of =
                     |c: u64| (c * g.chunks_per_tile * CHUNK)..((c + 1) * g.chunks_per_tile * CHUNK).min(cols);
                 let mut tiles = Vec::with_capacity((g.row_blocks * g.col_blocks) as usize);
@@ -824,7 +850,7 @@ impl Stacked<'_> {
                 // repeat tile positions): a combine's gather takes one message per sending PE.
                 let router = self.placer.analysis.router[i].filter(|_| self.placer.analysis.expert[i].is_some());
                 let mut taken = router.map(|r| self.expert_pes.entry(r).or_default().clone()).unwrap_or_default();
-                match self.aligned_cut(i, rows) {
+                match aligned {
                     // A result that feeds one-panel matvecs only is cut by their column blocks,
                     // each segment in its block's column (`columns`), in the row of its rows' tiles.
                     Some(cut) => {
