@@ -111,6 +111,10 @@ struct Unit {
     instrs: Range<usize>,
     /// Weight bytes plus KV bytes: what the unit's rectangle is sized by.
     bytes: u64,
+    /// The fewest PEs its rectangle may have: one instruction's result segments sit on
+    /// distinct PEs (a PE sends one message per route), so the most segments any of its
+    /// instructions is cut in.
+    min_pes: u64,
     /// Per attention, its KV heads and blocks per head (one PE per block).
     attentions: Vec<KvShape>,
 }
@@ -241,8 +245,9 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
         .windows(2)
         .map(|w| {
             let instrs = w[0]..w[1];
-            let (mut bytes, mut attentions) = (0, Vec::new());
+            let (mut bytes, mut attentions, mut min_pes) = (0, Vec::new(), 1);
             for i in instrs.clone() {
+                min_pes = min_pes.max(result_segments(module, i));
                 match &module.body[waferc_ir::Handle::new(i)].op {
                     Op::MatVec { weight, bias, .. } => {
                         bytes += weight_bytes(module, *weight) + bias.map_or(0, |b| weight_bytes(module, b));
@@ -258,9 +263,21 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
                     _ => {}
                 }
             }
-            Unit { instrs, bytes, attentions }
+            Unit { instrs, bytes, min_pes, attentions }
         })
         .collect()
+}
+
+/// The segments instruction `i`'s result is cut in: one per head for rope (whose operand, a
+/// matvec's result, is cut the same way), else [`vector_cut`]'s.
+fn result_segments(module: &Module, i: usize) -> u64 {
+    let ir = &module.body[waferc_ir::Handle::new(i)];
+    let ValueType::Tensor(t) = &ir.ty else { return 1 };
+    let len = t.elements();
+    match &ir.op {
+        Op::Rope { head_dim, .. } => len.div_ceil((*head_dim as u64).max(1)),
+        _ => len.div_ceil(vector_cut(len)),
+    }
 }
 
 /// Wafer of each unit: consecutive units, the heaviest wafer's bytes least (`partition`).
@@ -272,9 +289,15 @@ fn unit_wafers(units: &[Unit], wafers: u16) -> Vec<u16> {
 /// Rectangles for the units of one wafer, areas in proportion to their bytes: the block of
 /// `wafer_percent` of the wafer at its north-west corner (both sides scaled alike) is cut into
 /// vertical strips about as wide as a unit's square side, and units fill the strips in a snake
-/// (down the first, up the next), so consecutive units are neighbours. `None` when some unit
-/// would get no row.
-fn rectangles(params: &TargetParams, wafer_percent: u8, wafer: u16, bytes: &[u64]) -> Option<Vec<Rect>> {
+/// (down the first, up the next), so consecutive units are neighbours. A unit gets at least the
+/// rows that hold its `min_pes`. `None` when the units do not fit the block.
+fn rectangles(
+    params: &TargetParams,
+    wafer_percent: u8,
+    wafer: u16,
+    bytes: &[u64],
+    min_pes: &[u64],
+) -> Option<Vec<Rect>> {
     let side = (wafer_percent.clamp(1, 100) as f64 / 100.0).sqrt();
     let scaled = |n: u16| ((n as f64 * side).round() as u64).clamp(1, n as u64);
     let (cols, rows) = (scaled(params.grid_cols), scaled(params.grid_rows));
@@ -289,11 +312,12 @@ fn rectangles(params: &TargetParams, wafer_percent: u8, wafer: u16, bytes: &[u64
         let mut out = Vec::with_capacity(bytes.len());
         let (mut strip, mut used) = (0u64, 0u64);
         let mut fits = true;
-        for &b in bytes {
+        for (&b, &least) in bytes.iter().zip(min_pes) {
             let mut placed = false;
             while strip < strips {
                 let w = width(strip);
-                let h = ((scale * (b as f64 / total as f64) * (cols * rows) as f64 / w as f64).floor() as u64).max(1);
+                let h = ((scale * (b as f64 / total as f64) * (cols * rows) as f64 / w as f64).floor() as u64)
+                    .max(least.div_ceil(w).max(1));
                 if used + h <= rows {
                     let y = if strip % 2 == 0 { used } else { rows - used - h };
                     out.push(Rect { wafer, x: start(strip) as u16, y: y as u16, w: w as u16, h: h as u16 });
@@ -415,7 +439,8 @@ pub(super) fn place(
             continue;
         }
         let bytes: Vec<u64> = on.iter().map(|&u| units[u].bytes).collect();
-        let rects = rectangles(params, wafer_percent, wafer, &bytes).ok_or_else(|| {
+        let min_pes: Vec<u64> = on.iter().map(|&u| units[u].min_pes).collect();
+        let rects = rectangles(params, wafer_percent, wafer, &bytes, &min_pes).ok_or_else(|| {
             WaferError::Options(format!(
                 "{}: {} regions do not fit wafer {wafer} of {}",
                 options.plan,
