@@ -420,6 +420,38 @@ fn smallest_tile(rows: u64, cols: u64, area: Rect, tile_bytes: &dyn Fn(u64, u64)
         .unwrap_or(u64::MAX)
 }
 
+/// About how many matvec tiles the stacked plan with `layers_per_region` lays over `pes` PEs,
+/// without lowering. Every PE of a unit's area holds a tile of every matvec of the unit (an
+/// expert's matvecs cover only the expert's lane), unless the matrix has fewer row-by-chunk
+/// blocks than that; a unit's area is taken as its layers' share of `pes`. The lowered
+/// program's size grows with it (the plan search keeps it bounded).
+pub fn tiles_estimate(module: &Module, layers_per_region: u16, pes: u64) -> u64 {
+    let analysis = Analysis::new(module);
+    let layers = module.meta.num_layers.max(1) as u64;
+    let unit_pes = (pes * layers_per_region.max(1) as u64 / layers).clamp(1, pes.max(1));
+    // Distinct experts per layer: an expert's lane is its share of the unit's area.
+    let mut experts: std::collections::BTreeMap<u32, HashSet<u32>> = Default::default();
+    for (handle, instr) in module.body.iter() {
+        if let (Some(layer), Some(expert)) = (instr.layer, analysis.expert[handle.index()]) {
+            experts.entry(layer).or_default().insert(expert);
+        }
+    }
+    let mut tiles = 0;
+    for (handle, instr) in module.body.iter() {
+        let Op::MatVec { weight, .. } = &instr.op else { continue };
+        let shape = &module.weights[*weight].ty.shape;
+        let blocks = shape[0] * shape[1].div_ceil(CHUNK);
+        // The LM head's epilogue is sized by its bytes: at most every PE.
+        let area = match (instr.layer, analysis.expert[handle.index()]) {
+            (None, _) => pes,
+            (Some(layer), Some(_)) => unit_pes / experts.get(&layer).map_or(1, |e| e.len() as u64).max(1),
+            (Some(_), None) => unit_pes,
+        };
+        tiles += blocks.min(area);
+    }
+    tiles
+}
+
 /// Places `module` with the stacked plan.
 pub(super) fn place(
     module: &Module,
