@@ -14,7 +14,7 @@ use std::time::Instant;
 use serde::Serialize;
 use waferc_ir::wafer::{Plan, WaferProgram};
 use waferc_ir::Module;
-use waferc_passes::wafer::{self as lowering, CompileOptions, STACKED_TILE_SHARE};
+use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CompileOptions, STACKED_TILE_SHARE};
 use waferc_runtime::executor::{ExecOptions, Executor};
 use waferc_targets::Target;
 
@@ -22,6 +22,15 @@ use waferc_targets::Target;
 const LAYERS_PER_REGION: [u16; 3] = [1, 2, 4];
 /// Shares of the wafer (percent) the search tries for the stacked plan.
 const WAFER_PERCENTS: [u8; 3] = [100, 35, 12];
+
+/// The most matvec tiles (`stacked_tiles_estimate`) of a stacked candidate the search lowers.
+/// A stacked lowering holds a few hundred bytes per tile (tile, SRAM region, routes), and the
+/// count grows with the group size, since every PE of a region holds a tile of each of its
+/// layers' matvecs. Measured peaks: llama3.1-8b `stacked:4` on wse3 (about 15 million tiles)
+/// near 5 GB in the search; mixtral-8x7b `stacked:2` on wse3x4 (about 32 million) 9.0 GB
+/// pinned; qwen3-30b-a3b `stacked:4` on wse3x4 (about 61 million) passed 11 GB before it was
+/// stopped. Larger candidates are not tried; `--plan` pins one on a machine with the memory.
+const MAX_STACKED_TILES: u64 = 24_000_000;
 
 /// One plan the search considered, and what became of it.
 #[derive(Clone, Debug, Serialize)]
@@ -101,12 +110,26 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
         };
         // A share whose SRAM cannot hold the weights at the stacked plan's tile share is not tried.
         let room = share * STACKED_TILE_SHARE * wafer_bytes as f64 * params.wafers as f64;
+        // The PEs a stacked candidate's regions span, and the tiles it would lay over them.
+        let tiles = match plan {
+            Plan::Stacked { layers_per_region, .. } => {
+                let pes = share * (params.grid_cols as u64 * params.grid_rows as u64 * params.wafers as u64) as f64;
+                stacked_tiles_estimate(module, layers_per_region, pes as u64)
+            }
+            _ => 0,
+        };
         if matches!(plan, Plan::Stacked { .. }) && weight_bytes as f64 > room {
             candidate.lost_because = Some(format!(
                 "not tried: {:.1} GB of weights exceed the tile share of its {}% of the wafer ({:.1} GB)",
                 weight_bytes as f64 / 1e9,
                 (share * 100.0).round(),
                 room / 1e9
+            ));
+        } else if tiles > MAX_STACKED_TILES {
+            candidate.lost_because = Some(format!(
+                "not tried: about {:.0} million matvec tiles, more than the search lowers ({:.0} million)",
+                tiles as f64 / 1e6,
+                MAX_STACKED_TILES as f64 / 1e6
             ));
         } else {
             match evaluate(module, target, base, plan) {

@@ -137,21 +137,7 @@ impl Reads<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `%1` and `%2` read `%0` side by side; `%3` reads both; `%4` adds the residual; `%5` is
-    /// the head.
-    fn siblings() -> Module {
-        crate::text::parse(
-            "module architecture=test vocab_size=8 num_layers=1\n\
-             weight @table : bf16[8, 32]\nweight @a : bf16[32, 32]\nweight @b : bf16[32, 32]\n\
-             weight @head : bf16[8, 32]\n\
-             %0 = embed @table : f32[32]\n\
-             layer 0 {\n  %1 = matvec %0, @a : f32[32]\n  %2 = matvec %0, @b : f32[32]\n  \
-             %3 = add %1, %2 : f32[32]\n  %4 = add %3, %0 : f32[32]\n}\n\
-             %5 = matvec %4, @head : f32[8]\noutput %5\n",
-        )
-        .expect("the test module parses")
-    }
+    use crate::test_support::siblings;
 
     #[test]
     fn topological_order_puts_operands_first() {

@@ -10,6 +10,7 @@ pub mod dependency;
 pub mod error;
 pub mod module;
 pub mod op;
+pub mod test_support;
 pub mod text;
 pub mod types;
 pub mod verify;

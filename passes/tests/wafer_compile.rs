@@ -127,3 +127,34 @@ fn mesh_plan_compiles_the_8b_shape() {
     };
     assert!(broadcasts(&mesh) > 0 && broadcasts(&tiled) == 0, "the mesh plan all-reduces, the tiled plan does not");
 }
+
+/// The plan search's size guard (`stacked_tiles_estimate`) bounds what the stacked plan really
+/// lays out: a matvec's tiles sit on distinct PEs of its region (an expert's in its lane), at
+/// most one per row-by-chunk block, so the lowered tile count never exceeds the estimate, dense
+/// and MoE, at either group size. (At full size each matvec spreads over its whole area and the
+/// two are close; on a small grid the tiling keeps small matrices on fewer PEs.)
+#[test]
+fn stacked_tile_estimate_bounds_the_lowered_tiles() {
+    let target = Target::resolve("grid:48x48").unwrap();
+    // Matrices with more row-by-chunk blocks than a region (or an expert's lane) has PEs, as at
+    // full size.
+    let dense = Shape { hidden: 256, heads: 8, head_dim: 32, ffn: 512, ..Shape::tiny() };
+    for shape in [dense.clone(), Shape { moe: Some((8, 2)), ..dense }] {
+        let module = build(&shape);
+        for k in [1u16, 2] {
+            let plan = Plan::Stacked { layers_per_region: k, wafer_percent: 100 };
+            let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
+            let program = compile(&module, &target, &options).unwrap_or_else(|e| panic!("{shape:?} {plan}: {e}"));
+            let tiles: usize = program
+                .instrs
+                .iter()
+                .map(|p| match &p.work {
+                    waferc_ir::wafer::Work::MatVec(m) => m.tiles.len(),
+                    _ => 0,
+                })
+                .sum();
+            let estimate = waferc_passes::wafer::stacked_tiles_estimate(&module, k, 48 * 48) as usize;
+            assert!(tiles <= estimate, "{shape:?} {plan}: {tiles} tiles, estimate {estimate}");
+        }
+    }
+}

@@ -181,3 +181,40 @@ fn every_fixture_with_a_format_per_part() {
         check_fixture_with(name, target, "quantize q4_1:layers q8_0:embedding+lm_head", 64, 6);
     }
 }
+
+/// A 32x32 grid whose routers have only `colours` colours (WSE-3 has 24).
+fn few_colour_grid(colours: u8) -> waferc_targets::Target {
+    let mut target = waferc_targets::Target::grid(32, 32);
+    target.name = format!("grid:32x32 with {colours} colours");
+    target.colours_per_pe.value = colours;
+    target
+}
+
+/// Colouring under a small budget (routes of one instruction sent in different steps share a
+/// colour; detours round saturated routers): the dense GQA and the Mixtral fixture compile on a
+/// 32x32 grid with 3 colours per router, use no more, and run bit-exact against the reference;
+/// with 2 colours the compile fails with an error naming the PE that ran out, not a panic.
+#[test]
+fn fixtures_compile_bit_exact_with_three_colours_on_32x32() {
+    for name in ["llama31-gqa-bf16", "mixtral-tiny"] {
+        let module = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap().module;
+        let options = waferc_passes::wafer::CompileOptions::new(64);
+        let program = waferc_passes::wafer::compile(&module, &few_colour_grid(3), &options)
+            .unwrap_or_else(|e| panic!("{name} on 32x32 with 3 colours: {e}"));
+        let most = program.routes.iter().map(|r| r.colour).max().expect("the program routes something");
+        assert!(most < 3, "{name}: colour {most} used with 3 per router");
+        waferc_passes::wafer::check(&program, &module).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let blob = pack_tile_blob(&program, &module);
+        let prompt: Vec<u32> = [1, 17, 5, 42].iter().map(|t| t % module.meta.vocab_size).collect();
+        let options = ValidationOptions { max_new_tokens: 4, ..ValidationOptions::default() };
+        let validation =
+            validate(&program, &module, Some(&blob), &prompt, &options).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(validation.steps, prompt.len() + 3, "{name}");
+
+        let options = waferc_passes::wafer::CompileOptions::new(64);
+        let err = waferc_passes::wafer::compile(&module, &few_colour_grid(2), &options)
+            .expect_err("2 colours are too few for these fixtures on 32x32");
+        let text = err.to_string();
+        assert!(text.contains("needs a colour") && text.contains("PE(w0"), "{name}: {text}");
+    }
+}

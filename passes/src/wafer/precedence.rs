@@ -85,26 +85,12 @@ impl Precedence {
 }
 
 #[cfg(test)]
-pub(super) mod tests {
+mod tests {
     use super::*;
-
-    /// `%1` and `%2` read `%0` side by side; `%3` reads both; `%4` adds the residual.
-    pub(in crate::wafer) fn siblings_module() -> waferc_ir::Module {
-        waferc_ir::text::parse(
-            "module architecture=test vocab_size=8 num_layers=1\n\
-             weight @table : bf16[8, 32]\nweight @a : bf16[32, 32]\nweight @b : bf16[32, 32]\n\
-             weight @head : bf16[8, 32]\n\
-             %0 = embed @table : f32[32]\n\
-             layer 0 {\n  %1 = matvec %0, @a : f32[32]\n  %2 = matvec %0, @b : f32[32]\n  \
-             %3 = add %1, %2 : f32[32]\n  %4 = add %3, %0 : f32[32]\n}\n\
-             %5 = matvec %4, @head : f32[8]\noutput %5\n",
-        )
-        .expect("the test module parses")
-    }
 
     #[test]
     fn a_residual_block_orders_its_layers_and_leaves_siblings_unordered() {
-        let module = siblings_module();
+        let module = waferc_ir::test_support::siblings();
         let p = Precedence::new(&module);
         // %1 and %2 read the same input and run side by side.
         assert!(!p.ordered(1, 2));

@@ -588,7 +588,7 @@ mod tests {
 
     /// `%1` and `%2` read `%0` side by side; `%3` reads both.
     fn module_precedence() -> Precedence {
-        Precedence::new(&crate::wafer::precedence::tests::siblings_module())
+        Precedence::new(&waferc_ir::test_support::siblings())
     }
 
     /// Each route in its instruction's one step: only precedence orders routes.

@@ -115,6 +115,10 @@ struct Unit {
     instrs: Range<usize>,
     /// Weight bytes plus KV bytes: what the unit's rectangle is sized by.
     bytes: u64,
+    /// The fewest PEs its rectangle may have: one instruction's result segments sit on
+    /// distinct PEs (a PE sends one message per route), so the most segments any of its
+    /// instructions is cut in.
+    min_pes: u64,
     /// Per attention, its KV heads and blocks per head (one PE per block).
     attentions: Vec<KvShape>,
 }
@@ -245,8 +249,9 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
         .windows(2)
         .map(|w| {
             let instrs = w[0]..w[1];
-            let (mut bytes, mut attentions) = (0, Vec::new());
+            let (mut bytes, mut attentions, mut min_pes) = (0, Vec::new(), 1);
             for i in instrs.clone() {
+                min_pes = min_pes.max(result_segments(module, i));
                 match &module.body[waferc_ir::Handle::new(i)].op {
                     Op::MatVec { weight, bias, .. } => {
                         bytes += weight_bytes(module, *weight) + bias.map_or(0, |b| weight_bytes(module, b));
@@ -262,9 +267,21 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
                     _ => {}
                 }
             }
-            Unit { instrs, bytes, attentions }
+            Unit { instrs, bytes, min_pes, attentions }
         })
         .collect()
+}
+
+/// The segments instruction `i`'s result is cut in: one per head for rope (whose operand, a
+/// matvec's result, is cut the same way), else [`vector_cut`]'s.
+fn result_segments(module: &Module, i: usize) -> u64 {
+    let ir = &module.body[waferc_ir::Handle::new(i)];
+    let ValueType::Tensor(t) = &ir.ty else { return 1 };
+    let len = t.elements();
+    match &ir.op {
+        Op::Rope { head_dim, .. } => len.div_ceil((*head_dim as u64).max(1)),
+        _ => len.div_ceil(vector_cut(len)),
+    }
 }
 
 /// Wafer of each unit: consecutive units, the heaviest wafer's bytes least (`partition`).
@@ -276,9 +293,15 @@ fn unit_wafers(units: &[Unit], wafers: u16) -> Vec<u16> {
 /// Rectangles for the units of one wafer, areas in proportion to their bytes: the block of
 /// `wafer_percent` of the wafer at its north-west corner (both sides scaled alike) is cut into
 /// vertical strips about as wide as a unit's square side, and units fill the strips in a snake
-/// (down the first, up the next), so consecutive units are neighbours. `None` when some unit
-/// would get no row.
-fn rectangles(params: &TargetParams, wafer_percent: u8, wafer: u16, bytes: &[u64]) -> Option<Vec<Rect>> {
+/// (down the first, up the next), so consecutive units are neighbours. A unit gets at least the
+/// rows that hold its `min_pes`. `None` when the units do not fit the block.
+fn rectangles(
+    params: &TargetParams,
+    wafer_percent: u8,
+    wafer: u16,
+    bytes: &[u64],
+    min_pes: &[u64],
+) -> Option<Vec<Rect>> {
     let side = (wafer_percent.clamp(1, 100) as f64 / 100.0).sqrt();
     let scaled = |n: u16| ((n as f64 * side).round() as u64).clamp(1, n as u64);
     let (cols, rows) = (scaled(params.grid_cols), scaled(params.grid_rows));
@@ -293,11 +316,12 @@ fn rectangles(params: &TargetParams, wafer_percent: u8, wafer: u16, bytes: &[u64
         let mut out = Vec::with_capacity(bytes.len());
         let (mut strip, mut used) = (0u64, 0u64);
         let mut fits = true;
-        for &b in bytes {
+        for (&b, &least) in bytes.iter().zip(min_pes) {
             let mut placed = false;
             while strip < strips {
                 let w = width(strip);
-                let h = ((scale * (b as f64 / total as f64) * (cols * rows) as f64 / w as f64).floor() as u64).max(1);
+                let h = ((scale * (b as f64 / total as f64) * (cols * rows) as f64 / w as f64).floor() as u64)
+                    .max(least.div_ceil(w).max(1));
                 if used + h <= rows {
                     let y = if strip % 2 == 0 { used } else { rows - used - h };
                     out.push(Rect { wafer, x: start(strip) as u16, y: y as u16, w: w as u16, h: h as u16 });
@@ -432,6 +456,38 @@ fn smallest_tile(rows: u64, cols: u64, area: Rect, tile_bytes: &dyn Fn(u64, u64)
         .unwrap_or(u64::MAX)
 }
 
+/// About how many matvec tiles the stacked plan with `layers_per_region` lays over `pes` PEs,
+/// without lowering. Every PE of a unit's area holds a tile of every matvec of the unit (an
+/// expert's matvecs cover only the expert's lane), unless the matrix has fewer row-by-chunk
+/// blocks than that; a unit's area is taken as its layers' share of `pes`. The lowered
+/// program's size grows with it (the plan search keeps it bounded).
+pub fn tiles_estimate(module: &Module, layers_per_region: u16, pes: u64) -> u64 {
+    let analysis = Analysis::new(module);
+    let layers = module.meta.num_layers.max(1) as u64;
+    let unit_pes = (pes * layers_per_region.max(1) as u64 / layers).clamp(1, pes.max(1));
+    // Distinct experts per layer: an expert's lane is its share of the unit's area.
+    let mut experts: std::collections::BTreeMap<u32, HashSet<u32>> = Default::default();
+    for (handle, instr) in module.body.iter() {
+        if let (Some(layer), Some(expert)) = (instr.layer, analysis.expert[handle.index()]) {
+            experts.entry(layer).or_default().insert(expert);
+        }
+    }
+    let mut tiles = 0;
+    for (handle, instr) in module.body.iter() {
+        let Op::MatVec { weight, .. } = &instr.op else { continue };
+        let shape = &module.weights[*weight].ty.shape;
+        let blocks = shape[0] * shape[1].div_ceil(CHUNK);
+        // The LM head's epilogue is sized by its bytes: at most every PE.
+        let area = match (instr.layer, analysis.expert[handle.index()]) {
+            (None, _) => pes,
+            (Some(layer), Some(_)) => unit_pes / experts.get(&layer).map_or(1, |e| e.len() as u64).max(1),
+            (Some(_), None) => unit_pes,
+        };
+        tiles += blocks.min(area);
+    }
+    tiles
+}
+
 /// Places `module` with the stacked plan.
 pub(super) fn place(
     module: &Module,
@@ -451,7 +507,8 @@ pub(super) fn place(
             continue;
         }
         let bytes: Vec<u64> = on.iter().map(|&u| units[u].bytes).collect();
-        let rects = rectangles(params, wafer_percent, wafer, &bytes).ok_or_else(|| {
+        let min_pes: Vec<u64> = on.iter().map(|&u| units[u].min_pes).collect();
+        let rects = rectangles(params, wafer_percent, wafer, &bytes, &min_pes).ok_or_else(|| {
             WaferError::Options(format!(
                 "{}: {} regions do not fit wafer {wafer} of {}",
                 options.plan,
