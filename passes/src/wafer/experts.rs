@@ -168,7 +168,7 @@ fn expert_groups(module: &Module, analysis: &Analysis) -> Vec<(u32, Vec<Vec<usiz
 pub(super) fn place_replicas(placer: &mut Placer, sizes: &Sizes, wafer_of: &[u16]) {
     let options = placer.options;
     let (Some(profile), ExpertOrder::Profile) = (&options.profile, options.expert_order) else { return };
-    if options.max_sequences < 2 {
+    if options.max_sequences < 2 || !options.expert_replicas {
         return;
     }
     // Candidates: every picked expert of a guided layer, with its expected picks per token.
