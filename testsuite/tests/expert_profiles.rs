@@ -209,10 +209,12 @@ fn the_checker_rejects_a_corrupted_replica() {
     let error = waferc_passes::wafer::check(&bad_tile, &module).unwrap_err().to_string();
     assert!(error.contains("copy 1 of expert") && error.contains("tiles are not the original's"), "{error}");
 
+    // The original's routing route reaches the original's PEs, not the copy's.
     let mut bad_routing = program.clone();
-    let stolen = bad_routing.replicas[1].copies[0]
+    let stolen = bad_routing.replicas[0]
+        .instrs
         .iter()
-        .find_map(|p| match p.work {
+        .find_map(|&i| match bad_routing.instrs[i as usize].work {
             waferc_ir::wafer::Work::Dispatch { routing } => Some(routing),
             _ => None,
         })

@@ -452,7 +452,10 @@ fn replica_summary(program: &WaferProgram, profile: &waferc_ir::wafer::RoutingPr
         return "no replicas of hot experts: with --max-sequences 1 a copy would serve no sequence".into();
     }
     if matches!(program.plan, waferc_ir::wafer::Plan::Stacked { .. }) {
-        return format!("no replicas of hot experts: the {} plan does not place them (the tiled plan does)", program.plan);
+        return format!(
+            "no replicas of hot experts: the {} plan does not place them (the tiled plan does)",
+            program.plan
+        );
     }
     let mut per_layer: std::collections::BTreeMap<u32, usize> = std::collections::BTreeMap::new();
     for replica in &program.replicas {

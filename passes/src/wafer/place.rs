@@ -404,7 +404,6 @@ impl<'a> Placer<'a> {
                     for &i in &group {
                         self.deliver(i);
                     }
-                    self.route_copy_inputs(r, &group);
                 }
                 for (m, &i) in group.iter().enumerate() {
                     std::mem::swap(&mut self.placements[i], &mut self.replicas[r].copies[c][m]);
@@ -413,18 +412,29 @@ impl<'a> Placer<'a> {
             }
         }
         self.routing_copy = false;
+        let mut routers: Vec<u32> = self.replicas.iter().map(|r| r.router).collect();
+        routers.dedup();
+        for router in routers {
+            self.route_copy_inputs(router as usize);
+        }
         Ok(())
     }
 
-    /// The routes into the copy now in `group`'s slots, of their own so that a token served by
-    /// another copy sends nothing on them: the router's decision to every PE of the copy (its
-    /// `expert_dispatch` names that route), and per segment of each value read from outside
-    /// the expert (the layer's normed input) a multicast to the copy's PEs that read it. They
-    /// are sent in the router's and the value's `Deliver` steps (`Placer::copy_inputs` lists them).
-    fn route_copy_inputs(&mut self, r: usize, group: &[usize]) {
-        let router = self.replicas[r].router as usize;
+    /// The routes into one MoE layer's expert copies, of their own so that a step no copy
+    /// serves (sequence slot 0's) sends nothing on them: the router's decision to every PE of
+    /// every copy (their `expert_dispatch`es name that route), and per segment of each value the
+    /// copies read from outside their expert (the layer's normed input) one multicast to the
+    /// copies' PEs that read it. One route per layer and segment, not per copy: a source's routes
+    /// in one step each need a colour where they meet. They are sent in the router's and the
+    /// value's `Deliver` steps (`Placer::copy_inputs` lists them).
+    fn route_copy_inputs(&mut self, router: usize) {
         let ResultLayout::Routing { pe: router_pe } = self.placements[router].result else { return };
-        let mut pes: Vec<Pe> = group.iter().flat_map(|&i| placement_pes(&self.placements[i])).collect();
+        let copies: Vec<(usize, usize)> = (0..self.replicas.len())
+            .filter(|&r| self.replicas[r].router == router as u32)
+            .flat_map(|r| (0..self.replicas[r].copies.len()).map(move |c| (r, c)))
+            .collect();
+        let mut pes: Vec<Pe> =
+            copies.iter().flat_map(|&(r, c)| self.replicas[r].copies[c].iter().flat_map(placement_pes)).collect();
         pes.sort_unstable();
         pes.dedup();
         let top_k = match self.module.body[waferc_ir::Handle::new(router)].ty {
@@ -434,30 +444,38 @@ impl<'a> Placer<'a> {
         let path = route::multicast(router_pe, &pes, self.route_band);
         let routing = self.add_route(router, RouteKind::Routing, vec![router_pe], pes, vec![path], top_k * 8);
         self.copy_inputs.push((router, routing));
-        for &i in group {
-            if let Work::Dispatch { routing: id } = &mut self.placements[i].work {
-                *id = routing;
+        // Values read from outside the expert, by which copy members.
+        let mut outside: Vec<(usize, usize, usize, usize)> = Vec::new();
+        for &(r, c) in &copies {
+            for m in 0..self.replicas[r].instrs.len() {
+                let i = self.replicas[r].instrs[m];
+                if let Work::Dispatch { routing: id } = &mut self.replicas[r].copies[c][m].work {
+                    *id = routing;
+                }
+                for v in self.module.body[waferc_ir::Handle::new(i as usize)].op.operands() {
+                    let value = self.analysis.source[v.index()];
+                    if !self.replicas[r].instrs.contains(&value) {
+                        outside.push((value as usize, r, c, m));
+                    }
+                }
             }
         }
-        let mut outside: Vec<usize> = group
-            .iter()
-            .flat_map(|&i| self.module.body[waferc_ir::Handle::new(i)].op.operands())
-            .map(|v| self.analysis.source[v.index()] as usize)
-            .filter(|v| !group.contains(v))
-            .collect();
         outside.sort_unstable();
         outside.dedup();
-        for value in outside {
+        let mut values: Vec<usize> = outside.iter().map(|o| o.0).collect();
+        values.dedup();
+        for value in values {
             let ResultLayout::Vector(layout) = self.placements[value].result.clone() else { continue };
             for seg in &layout.segments {
                 let mut destinations = Vec::new();
                 let mut readers = Vec::new();
-                for &member in group {
+                for &(_, r, c, m) in outside.iter().filter(|o| o.0 == value) {
                     let before = destinations.len();
-                    let placement = &self.placements[member];
+                    let member = self.replicas[r].instrs[m] as usize;
+                    let placement = &self.replicas[r].copies[c][m];
                     self.reader_pes(value, member, placement, &seg.elements, &mut destinations, &mut Vec::new());
                     if destinations.len() > before {
-                        readers.push(member);
+                        readers.push((r, c, m));
                     }
                 }
                 destinations.sort_unstable();
@@ -476,8 +494,8 @@ impl<'a> Placer<'a> {
                     (seg.elements.end - seg.elements.start) * F32,
                 );
                 self.copy_inputs.push((value, id));
-                for member in readers {
-                    push_unique(&mut self.placements[member].operand_routes, id);
+                for (r, c, m) in readers {
+                    push_unique(&mut self.replicas[r].copies[c][m].operand_routes, id);
                 }
             }
         }

@@ -316,8 +316,9 @@ impl<'p> Executor<'p> {
         let Held::Segments(held) = &state.held[run.instr as usize] else { return Ok(()) };
         let held = held.clone();
         // The value's segments also go to the expert copies serving this step, on their own routes.
-        for &(id, replica, copy) in self.copy_inputs.get(&run.instr).map_or(&[][..], Vec::as_slice) {
-            if !self.serves(replica, copy) {
+        for (id, copies) in self.copy_inputs.get(&run.instr).map_or(&[][..], Vec::as_slice) {
+            let id = *id;
+            if !self.serves(copies) {
                 continue;
             }
             let route = self.route(run, id)?;

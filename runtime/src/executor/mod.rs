@@ -158,9 +158,9 @@ pub struct Executor<'p> {
     instr_pes: Vec<Vec<Vec<Pe>>>,
     /// Per instruction of a replicated expert: `(replica, member)` (`waferc_ir::wafer::replicas`).
     replica_slots: Vec<Option<(u32, u32)>>,
-    /// Routes into expert copies, by the instruction whose `Deliver` step sends them:
-    /// `(route, replica, copy)`; sent only in a step that copy serves.
-    copy_inputs: HashMap<InstrIndex, Vec<(RouteId, u32, u32)>>,
+    /// Routes into expert copies, by the instruction whose `Deliver` step sends them, with the
+    /// copies `(replica, copy)` each reaches; sent only in a step one of them serves.
+    copy_inputs: CopyInputs,
     /// Attention's `Collect` routes (the placement does not list them), in element order.
     attention_collects: HashMap<InstrIndex, Vec<RouteId>>,
     rope_frequencies: Vec<Option<kernels::RopeTable>>,
@@ -336,10 +336,12 @@ impl<'p> Executor<'p> {
         }
     }
 
-    /// Whether copy `copy` of replica `replica` serves the selected sequence.
-    fn serves(&self, replica: u32, copy: u32) -> bool {
-        let count = self.program.replicas[replica as usize].count();
-        waferc_ir::wafer::serving_copy(self.sequence, count) == copy
+    /// Whether one of `copies` (`(replica, copy)`) serves the selected sequence.
+    fn serves(&self, copies: &[(u32, u32)]) -> bool {
+        copies.iter().any(|&(replica, copy)| {
+            let count = self.program.replicas[replica as usize].count();
+            waferc_ir::wafer::serving_copy(self.sequence, count) == copy
+        })
     }
 
     pub fn module(&self) -> &Module {
@@ -587,8 +589,10 @@ struct StepState {
 /// The routes into expert copies (`Executor::copy_inputs`): each copy's routing route (its
 /// dispatch's), sent by the router, and its operand routes from outside the expert, sent by
 /// the value's producer.
-fn copy_inputs(program: &WaferProgram, slots: &[Option<(u32, u32)>]) -> HashMap<InstrIndex, Vec<(RouteId, u32, u32)>> {
-    let mut inputs: HashMap<InstrIndex, Vec<(RouteId, u32, u32)>> = HashMap::default();
+type CopyInputs = HashMap<InstrIndex, Vec<(RouteId, Vec<(u32, u32)>)>>;
+
+fn copy_inputs(program: &WaferProgram, slots: &[Option<(u32, u32)>]) -> CopyInputs {
+    let mut inputs: CopyInputs = HashMap::default();
     for (r, replica) in program.replicas.iter().enumerate() {
         for (c, copy) in replica.copies.iter().enumerate() {
             let mut routes: Vec<(InstrIndex, RouteId)> = Vec::new();
@@ -606,7 +610,11 @@ fn copy_inputs(program: &WaferProgram, slots: &[Option<(u32, u32)>]) -> HashMap<
             routes.sort_unstable();
             routes.dedup();
             for (instr, id) in routes {
-                inputs.entry(instr).or_default().push((id, r as u32, c as u32 + 1));
+                let list = inputs.entry(instr).or_default();
+                match list.iter_mut().find(|(route, _)| *route == id) {
+                    Some((_, copies)) => copies.push((r as u32, c as u32 + 1)),
+                    None => list.push((id, vec![(r as u32, c as u32 + 1)])),
+                }
             }
         }
     }

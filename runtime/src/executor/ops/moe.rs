@@ -53,9 +53,9 @@ impl Executor<'_> {
         state.held[run.instr as usize] = Held::Routing(routing.clone());
         run.begin(Phase::Deliver);
         // The expert copies serving this step learn the decision on their own routes.
-        for &(id, replica, copy) in self.copy_inputs.get(&run.instr).map_or(&[][..], Vec::as_slice) {
-            if self.serves(replica, copy) {
-                self.send(state, run, id, pe, Payload::Routing(routing.clone()))?;
+        for (id, copies) in self.copy_inputs.get(&run.instr).map_or(&[][..], Vec::as_slice) {
+            if self.serves(copies) {
+                self.send(state, run, *id, pe, Payload::Routing(routing.clone()))?;
             }
         }
         self.send(state, run, route, pe, Payload::Routing(routing))
