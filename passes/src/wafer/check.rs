@@ -397,8 +397,9 @@ impl<'a> Checker<'a> {
 
     /// Weight coverage, blob ranges, and the tiles the placements list.
     fn weights(&mut self) {
-        // Per weight, per copy (`None`: the original; a copy's PEs are its own).
-        let mut held: BTreeMap<(u32, u32, Option<(usize, usize)>), Vec<Piece>> = BTreeMap::new();
+        // Per (instruction, weight, copy): `None` the original, a copy's PEs are its own.
+        type Holder = (u32, u32, Option<(usize, usize)>);
+        let mut held: BTreeMap<Holder, Vec<Piece>> = BTreeMap::new();
         let mut blobs = Vec::new();
         for image in &self.program.pes {
             let copy = self.copy_of_pe.get(&image.pe).copied();
