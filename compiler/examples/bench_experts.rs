@@ -13,6 +13,13 @@
 //! For each profile and each expert order it prints the modeled MoE-layer cycles (router start
 //! to combine end, mean over the MoE layers and the timed steps) and the modeled decode tok/s
 //! (mean over STEPS decode steps, default 4).
+//!
+//! Then replicas: with the Zipf profile, compiled for 1, 4 and 16 sequences in flight with and
+//! without copies of hot experts on the free PEs, every sequence slot timed (timing only) and
+//! the steps put through the pipeline model (`waferc_runtime::executor::pipeline`), where
+//! sequences picking the same expert copy queue on it. It prints the copies placed, the mean
+//! MoE-layer cycles, and aggregate and per-sequence modeled tok/s. `--replicas-only` skips the
+//! first table.
 
 use std::error::Error;
 use std::path::{Path, PathBuf};
@@ -21,7 +28,7 @@ use waferc::synth::{synth, Preset};
 use waferc_ir::wafer::{profile::splitmix64, LayerProfile, RoutingProfile};
 use waferc_ir::{Module, Op, ValueType};
 use waferc_passes::wafer::{compile, CompileOptions, ExpertOrder};
-use waferc_runtime::executor::{ExecOptions, Executor};
+use waferc_runtime::executor::{pipeline, ExecOptions, Executor, SequenceCosts, StepCost};
 use waferc_targets::Target;
 
 const PRESET: &str = "qwen3-30b-a3b";
@@ -48,9 +55,89 @@ fn main() -> Result<(), Box<dyn Error>> {
         eprintln!("wrote {} and {}", zipf_path.display(), uniform_path.display());
     }
     let target = Target::resolve(TARGET)?;
+    if !args.iter().any(|a| a == "--replicas-only") {
+        orders(&module, &target, steps, &zipf_path, &uniform_path)?;
+    }
+    replicas(&module, &target, steps, &zipf_path)
+}
+
+/// Mean MoE-layer span (router start to combine end) over a step's MoE layers: (sum, layers).
+fn moe_layer_cycles(step: &waferc_runtime::executor::StepTiming) -> (u64, u64) {
+    let mut layers: std::collections::BTreeMap<u32, (u64, u64)> = Default::default();
+    for span in &step.spans {
+        let (Some(layer), true) = (span.layer, span.op == "router_topk" || span.op == "expert_combine") else {
+            continue;
+        };
+        let entry = layers.entry(layer).or_insert((u64::MAX, 0));
+        entry.0 = entry.0.min(span.start_cycle);
+        entry.1 = entry.1.max(span.start_cycle + span.duration_cycles);
+    }
+    (layers.values().map(|(s, e)| e - s).sum(), layers.len() as u64)
+}
+
+/// Sequences in flight with and without replicas of hot experts (module docs).
+fn replicas(module: &Module, target: &Target, steps: u32, zipf_path: &Path) -> Result<(), Box<dyn Error>> {
+    let profile: RoutingProfile = serde_json::from_str(&std::fs::read_to_string(zipf_path)?)?;
+    println!();
+    println!(
+        "| sequences | replicas | extra copies | MoE-layer cycles | aggregate modeled tok/s | per-sequence tok/s |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for sequences in [1u32, 4, 16] {
+        for expert_replicas in [false, true] {
+            let options = CompileOptions {
+                max_context: 64,
+                max_sequences: sequences,
+                profile: Some(profile.clone()),
+                expert_replicas,
+                ..CompileOptions::default()
+            };
+            let program = compile(module, target, &options)?;
+            let copies: usize = program.replicas.iter().map(|r| r.copies.len()).sum();
+            let mut executor =
+                Executor::new(&program, module, None, ExecOptions { timing_only: true, ..Default::default() })?;
+            let token = module.meta.bos_token_id.unwrap_or(0);
+            let (mut moe_cycles, mut moe_layers) = (0u64, 0u64);
+            let mut costs = Vec::new();
+            for slot in 0..sequences {
+                executor.select_sequence(slot)?;
+                let mut step_costs = Vec::new();
+                for _ in 0..=steps {
+                    let step = executor.step(token)?;
+                    if executor.position() > 1 {
+                        let (cycles, layers) = moe_layer_cycles(&step.timing);
+                        moe_cycles += cycles;
+                        moe_layers += layers;
+                    }
+                    step_costs.push(StepCost::of(&step.timing));
+                }
+                costs.push(SequenceCosts { prompt_tokens: 1, new_tokens: steps as usize, steps: step_costs });
+            }
+            let timing = pipeline(&costs, sequences as usize, program.target.clock_hz);
+            let per_sequence = timing.sequences.iter().map(|s| s.modeled_tok_s).sum::<f64>() / sequences as f64;
+            println!(
+                "| {sequences} | {} | {copies} | {:.0} | {:.1} | {:.1} |",
+                if expert_replicas { "yes" } else { "no" },
+                moe_cycles as f64 / moe_layers.max(1) as f64,
+                timing.aggregate_modeled_tok_s,
+                per_sequence
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Index order against profile-guided placement, under both profiles.
+fn orders(
+    module: &Module,
+    target: &Target,
+    steps: u32,
+    zipf_path: &Path,
+    uniform_path: &Path,
+) -> Result<(), Box<dyn Error>> {
     println!("| profile | expert order | MoE-layer cycles | cycles/token | modeled decode tok/s |");
     println!("|---|---|---|---|---|");
-    for (name, path) in [("zipf", &zipf_path), ("uniform", &uniform_path)] {
+    for (name, path) in [("zipf", zipf_path), ("uniform", uniform_path)] {
         let profile: RoutingProfile = serde_json::from_str(&std::fs::read_to_string(path)?)?;
         for order in [ExpertOrder::Index, ExpertOrder::Profile] {
             let options = CompileOptions {
@@ -59,27 +146,17 @@ fn main() -> Result<(), Box<dyn Error>> {
                 expert_order: order,
                 ..CompileOptions::default()
             };
-            let program = compile(&module, &target, &options)?;
+            let program = compile(module, target, &options)?;
             let mut executor =
-                Executor::new(&program, &module, None, ExecOptions { timing_only: true, ..Default::default() })?;
+                Executor::new(&program, module, None, ExecOptions { timing_only: true, ..Default::default() })?;
             let (mut moe_cycles, mut moe_layers) = (0u64, 0u64);
             let token = module.meta.bos_token_id.unwrap_or(0);
             for _ in 0..=steps {
                 let step = executor.step(token)?;
-                // Per MoE layer: router start to combine end.
-                let mut layers: std::collections::BTreeMap<u32, (u64, u64)> = Default::default();
-                for span in &step.timing.spans {
-                    let (Some(layer), true) = (span.layer, span.op == "router_topk" || span.op == "expert_combine")
-                    else {
-                        continue;
-                    };
-                    let entry = layers.entry(layer).or_insert((u64::MAX, 0));
-                    entry.0 = entry.0.min(span.start_cycle);
-                    entry.1 = entry.1.max(span.start_cycle + span.duration_cycles);
-                }
                 if executor.position() > 1 {
-                    moe_cycles += layers.values().map(|(s, e)| e - s).sum::<u64>();
-                    moe_layers += layers.len() as u64;
+                    let (cycles, layers) = moe_layer_cycles(&step.timing);
+                    moe_cycles += cycles;
+                    moe_layers += layers;
                 }
             }
             let report = executor.timing_report(1).ok_or("steps ran")?;

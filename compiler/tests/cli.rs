@@ -505,6 +505,48 @@ fn timing_only_sequences_report_an_aggregate() {
 }
 
 #[test]
+fn replicas_of_hot_experts_are_reported_shown_and_bit_exact_with_three_sequences() {
+    let dir = scratch("replicas");
+    let model = fixture("qwen3-moe-tiny");
+    let prompts = dir.join("prompts.txt");
+    std::fs::write(&prompts, "1,17,5,42,9\n300,2\n7,7,7,100,64,3,250,11\n").unwrap();
+    let artifact = dir.join("r.wafer");
+    let args =
+        ["--max-context", "64", "--max-sequences", "3", "--calibrate", prompts.to_str().unwrap(), "--plan", "tiled"];
+    let out = ok(&compile(&model, "grid:64x64", &artifact, &args));
+    assert!(out.contains("extra copies of hot experts on free PEs"), "{out}");
+    assert!(out.contains("no more because"), "{out}");
+    let inspect = ok(&waferc(&["inspect", artifact.to_str().unwrap()]));
+    assert!(inspect.contains("(3 copies; extra at w0 x"), "{inspect}");
+    let run = ok(&waferc(&[
+        "run",
+        artifact.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--sequences",
+        "3",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--validate",
+        "--json",
+    ]));
+    let run: Value = serde_json::from_str(&run).unwrap();
+    for sequence in run["sequences"].as_array().unwrap() {
+        assert_eq!(sequence["bit_exact"], true, "{sequence}");
+    }
+    // With one sequence there is nothing to replicate for: the report says why.
+    let out = ok(&compile(
+        &model,
+        "grid:64x64",
+        &dir.join("one.wafer"),
+        &args[..2].iter().chain(&args[4..]).copied().collect::<Vec<_>>(),
+    ));
+    assert!(out.contains("with --max-sequences 1 a copy would serve no sequence"), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn profile_then_compile_with_it_and_inspect_shows_expert_heat() {
     let dir = scratch("profile");
     let model = fixture("mixtral-tiny");

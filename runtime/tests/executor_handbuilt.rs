@@ -159,6 +159,7 @@ fn program(far: u16) -> (WaferProgram, Vec<u8>) {
         weights_present: true,
         max_sequences: 1,
         routing_profile: None,
+        replicas: Vec::new(),
     };
     (program, blob)
 }

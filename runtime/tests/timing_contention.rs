@@ -160,6 +160,7 @@ fn program(b_row: u16) -> WaferProgram {
         weights_present: false,
         max_sequences: 1,
         routing_profile: None,
+        replicas: Vec::new(),
     }
 }
 

@@ -132,6 +132,7 @@ impl Builder {
             weights_present: false,
             max_sequences: 1,
             routing_profile: None,
+            replicas: Vec::new(),
         }
     }
 }

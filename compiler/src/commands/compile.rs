@@ -445,6 +445,53 @@ impl Summary {
     }
 }
 
+/// The copies of hot experts the placer added, per MoE layer, and why it added no more.
+fn replica_summary(program: &WaferProgram, profile: &waferc_ir::wafer::RoutingProfile) -> String {
+    let sequences = program.max_sequences;
+    if sequences < 2 {
+        return "no replicas of hot experts: with --max-sequences 1 a copy would serve no sequence".into();
+    }
+    if matches!(program.plan, waferc_ir::wafer::Plan::Stacked { .. }) {
+        return format!(
+            "no replicas of hot experts: the {} plan does not place them (the tiled plan does)",
+            program.plan
+        );
+    }
+    let mut per_layer: std::collections::BTreeMap<u32, usize> = std::collections::BTreeMap::new();
+    for replica in &program.replicas {
+        *per_layer.entry(replica.layer).or_insert(0) += replica.copies.len();
+    }
+    let copies: usize = per_layer.values().sum();
+    let listed = profile
+        .layers
+        .iter()
+        .map(|l| format!("{}:+{}", l.layer, per_layer.get(&l.layer).copied().unwrap_or(0)))
+        .collect::<Vec<_>>()
+        .join(" ");
+    // Every picked expert already has a copy per sequence slot, or the free PEs ran out.
+    let picked: usize = profile.layers.iter().map(|l| l.picks.iter().filter(|&&p| p > 0).count()).sum();
+    let capped = program.replicas.iter().filter(|r| r.count() >= sequences).count();
+    let free = (program.target.grid_cols as u64 * program.target.grid_rows as u64 * program.target.wafers as u64)
+        .saturating_sub(program.pes.len() as u64);
+    let why = if capped == picked {
+        format!("every picked expert has {sequences} copies, one per sequence slot (--max-sequences)")
+    } else {
+        let size = program.replicas.first().and_then(|r| r.copies.first()).map(|copy| {
+            let mut pes: Vec<_> = copy.iter().flat_map(|p| p.compute_pes()).collect();
+            pes.sort_unstable();
+            pes.dedup();
+            pes.len()
+        });
+        match size {
+            Some(size) => format!("the free PEs ran out ({free} left; a copy takes about {size} plus shelf alignment)"),
+            None => format!("the free PEs ran out ({free} left, too few for one copy)"),
+        }
+    };
+    format!(
+        "{copies} extra copies of hot experts on free PEs (sequence slot s runs copy s mod copies), per layer {listed}; no more because {why}"
+    )
+}
+
 /// How the experts were placed, for the report (`None` without MoE layers).
 fn expert_placement(program: &WaferProgram, args: &CompileArgs) -> Option<String> {
     if !program.instrs.iter().any(|p| p.expert.is_some()) {
@@ -458,10 +505,10 @@ fn expert_placement(program: &WaferProgram, args: &CompileArgs) -> Option<String
             format!("experts placed in index order (--expert-order index); routing profile from {} stored", profile.source)
         }
         (Some(profile), ExpertOrderArg::Profile) => format!(
-            "experts placed by the routing profile from {} ({} MoE layers): hottest beside the combine, co-picked experts adjacent; \
-             hot experts are not replicated (no plan places replicas yet: each expert has one copy)",
+            "experts placed by the routing profile from {} ({} MoE layers): hottest beside the combine, co-picked experts adjacent; {}",
             profile.source,
-            profile.layers.len()
+            profile.layers.len(),
+            replica_summary(program, profile)
         ),
     })
 }

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use waferc_ir::wafer::{Plan, RouteKind, WaferProgram};
+use waferc_ir::wafer::{Pe, Plan, RouteKind, WaferProgram};
 use waferc_ir::Module;
 
 use super::analysis::{median, Analysis, BBox, CellGrid, Part, SramKind};
@@ -282,7 +282,8 @@ fn footprints(view: &Analysis, out: &mut String) {
 }
 
 /// The routing profile the experts were placed by: per MoE layer, the hottest experts' shares
-/// of the picks, as numbers and bars (nothing when the program has no profile).
+/// of the picks, as numbers and bars, and how many copies each has (with replicas: each copy's
+/// PEs' bounding box); nothing when the program has no profile.
 fn expert_heat(program: &WaferProgram, filter: &Filter, out: &mut String) {
     let Some(profile) = &program.routing_profile else {
         return;
@@ -304,7 +305,30 @@ fn expert_heat(program: &WaferProgram, filter: &Filter, out: &mut String) {
         for &e in experts.iter().take(SHOWN) {
             let heat = layer.heat(e);
             let bar = "#".repeat((heat * 100.0).round() as usize);
-            let _ = writeln!(out, "    expert {e:>4} {:>5.1}% {bar}", 100.0 * heat);
+            let replica = program.replicas.iter().find(|r| r.layer == layer.layer && r.expert == e);
+            let copies = match replica {
+                Some(r) => {
+                    let boxes = r
+                        .copies
+                        .iter()
+                        .map(|copy| {
+                            let pes: Vec<Pe> = copy.iter().flat_map(|p| p.compute_pes()).collect();
+                            let (x0, x1) = (pes.iter().map(|p| p.x).min(), pes.iter().map(|p| p.x).max());
+                            let (y0, y1) = (pes.iter().map(|p| p.y).min(), pes.iter().map(|p| p.y).max());
+                            match (x0, x1, y0, y1, pes.first()) {
+                                (Some(x0), Some(x1), Some(y0), Some(y1), Some(pe)) => {
+                                    format!("w{} x{x0}-{x1} y{y0}-{y1}", pe.wafer)
+                                }
+                                _ => "no PEs".into(),
+                            }
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; ");
+                    format!(" ({} copies; extra at {boxes})", r.count())
+                }
+                None => String::new(),
+            };
+            let _ = writeln!(out, "    expert {e:>4} {:>5.1}% {bar}{copies}", 100.0 * heat);
         }
         if experts.len() > SHOWN {
             let rest: f64 = experts[SHOWN..].iter().map(|&e| layer.heat(e)).sum();

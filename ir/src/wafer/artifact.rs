@@ -11,7 +11,8 @@
 //! tile_blob_len  u64       bytes of the tile blob
 //! ir_blob_len    u64       bytes of the IR weight blob
 //! checksum       u64       over header, tile blob and IR blob, in that order
-//! header         bincode 2 (serde, standard config): `Header`
+//! header         bincode 2 (serde, standard config): `Header`, then the replica table
+//!                (`Vec<ExpertReplicas>`, bincode) only when the program has replicas
 //! tile blob      every weight region's bytes, in the program's `pes` order (`RegionKind::Weight::blob`)
 //! IR blob        every IR weight's bytes, in module order (`Header::ir_weights`)
 //! ```
@@ -174,6 +175,11 @@ pub fn write(path: &Path, artifact: &Artifact) -> Result<(), ArtifactError> {
             let mut buffered = BufWriter::with_capacity(1 << 16, &mut summed);
             bincode::serde::encode_into_std_write(&header, &mut buffered, bincode::config::standard())
                 .map_err(|e| ArtifactError::Header { path: path.to_path_buf(), message: e.to_string() })?;
+            // The replica table follows the header, only when there is one (module docs).
+            if !program.replicas.is_empty() {
+                bincode::serde::encode_into_std_write(&program.replicas, &mut buffered, bincode::config::standard())
+                    .map_err(|e| ArtifactError::Header { path: path.to_path_buf(), message: e.to_string() })?;
+            }
             buffered.flush().map_err(io)?;
             drop(buffered);
             summed.written
@@ -283,11 +289,18 @@ pub fn read_image(map: Arc<memmap2::Mmap>, path: &Path) -> Result<Artifact, Arti
     }
     let header_end = PREFIX_LEN + header_len as usize;
     let header_error = |message: String| ArtifactError::Header { path: at(), message };
-    let (header, used): (Header, usize) =
+    let (mut header, used): (Header, usize) =
         bincode::serde::decode_from_slice(&map[PREFIX_LEN..header_end], bincode::config::standard())
             .map_err(|e| header_error(e.to_string()))?;
     if used != header_len as usize {
-        return Err(header_error(format!("{} trailing bytes", header_len as usize - used)));
+        // The rest of the header is the replica table (written only when non-empty).
+        let (replicas, more): (Vec<super::ExpertReplicas>, usize) =
+            bincode::serde::decode_from_slice(&map[PREFIX_LEN + used..header_end], bincode::config::standard())
+                .map_err(|e| header_error(format!("replica table: {e}")))?;
+        if used + more != header_len as usize || replicas.is_empty() {
+            return Err(header_error(format!("{} trailing bytes", header_len as usize - used)));
+        }
+        header.program.replicas = replicas;
     }
     let mut module = crate::text::parse(&header.module_text).map_err(|e| header_error(format!("module text: {e}")))?;
     let file_name = Arc::new(path.to_path_buf());

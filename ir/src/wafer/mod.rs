@@ -41,9 +41,11 @@ pub mod arrival;
 pub mod artifact;
 mod bound;
 pub mod profile;
+pub mod replicas;
 
 pub use bound::{distance_bound_cycles, distance_bound_ends};
 pub use profile::{LayerProfile, RoutingProfile};
+pub use replicas::{replica_slots, replica_slots_in, serving_copy, ExpertReplicas};
 
 use std::fmt;
 use std::ops::Range;
@@ -189,6 +191,11 @@ pub struct WaferProgram {
     pub max_sequences: u32,
     /// The routing profile the experts were placed by (`None`: uniform routing assumed).
     pub routing_profile: Option<RoutingProfile>,
+    /// Extra copies of hot experts ([`replicas`]). Not serialised with the rest of the program:
+    /// the artifact appends it after the header when non-empty, so artifacts without replicas
+    /// keep their bytes.
+    #[serde(skip)]
+    pub replicas: Vec<ExpertReplicas>,
 }
 
 impl WaferProgram {

@@ -88,6 +88,8 @@ struct Checker<'a> {
     module: &'a Module,
     images: &'a Images<'a>,
     problems: Vec<Problem>,
+    /// The PEs of each copy of a replicated expert: `(replica, copy index)`.
+    copy_of_pe: HashMap<Pe, (usize, usize)>,
 }
 
 /// Each PE's image by the PE's dense grid index: the checker looks up millions of route
@@ -157,10 +159,11 @@ impl<'g> Reads<'g> {
 /// Checks `program` against the `module` it was compiled from.
 pub fn check(program: &WaferProgram, module: &Module) -> Result<(), CheckError> {
     let images = Images::new(program);
-    let mut c = Checker { program, module, images: &images, problems: Vec::new() };
+    let mut c = Checker { program, module, images: &images, problems: Vec::new(), copy_of_pe: HashMap::default() };
     c.instrs();
     if c.problems.is_empty() {
         c.sram();
+        c.replicas();
         c.weights();
         c.kv();
         let routes = c.routes_by_id();
@@ -262,11 +265,144 @@ impl<'a> Checker<'a> {
         }
     }
 
+    /// Each copy of a replicated expert is its original again on PEs of its own: the same
+    /// instructions, the same tiles (rows and chunks, in order), segments and bias, on PEs no
+    /// other copy uses; its `expert_dispatch` names a routing route from the router that reaches
+    /// all of them. (Its weights are checked like the original's in [`Checker::weights`], its
+    /// routes like every route.)
+    fn replicas(&mut self) {
+        let program = self.program;
+        let mut owner: HashMap<Pe, (usize, usize)> = HashMap::default();
+        for (r, replica) in program.replicas.iter().enumerate() {
+            let originals: Vec<&waferc_ir::wafer::InstrPlacement> =
+                replica.instrs.iter().filter_map(|&i| program.instrs.get(i as usize)).collect();
+            if originals.len() != replica.instrs.len() || originals.iter().any(|p| p.expert != Some(replica.expert)) {
+                self.report(
+                    None,
+                    None,
+                    replica.instrs.first().copied(),
+                    format!(
+                        "replica table of layer {} expert {} names instructions that are not that expert's",
+                        replica.layer, replica.expert
+                    ),
+                );
+                continue;
+            }
+            let original_pes: HashSet<Pe> = originals.iter().flat_map(|p| p.compute_pes()).collect();
+            for (c, copy) in replica.copies.iter().enumerate() {
+                let copy_number = c + 1;
+                if copy.len() != originals.len() {
+                    self.report(
+                        None,
+                        None,
+                        Some(replica.instrs[0]),
+                        format!(
+                            "copy {copy_number} of expert {} has {} instructions, the original {}",
+                            replica.expert,
+                            copy.len(),
+                            originals.len()
+                        ),
+                    );
+                    continue;
+                }
+                let mut pes: Vec<Pe> = Vec::new();
+                for (p, original) in copy.iter().zip(&originals) {
+                    let what = |m: &str| format!("copy {copy_number} of expert {}: {m}", replica.expert);
+                    if p.instr != original.instr
+                        || p.op != original.op
+                        || p.layer != original.layer
+                        || p.expert != original.expert
+                    {
+                        self.report(
+                            None,
+                            None,
+                            Some(original.instr),
+                            what(&format!("names %{} = {}, not the original's instruction", p.instr, p.op)),
+                        );
+                        continue;
+                    }
+                    let elements = |l: &ResultLayout| match l {
+                        ResultLayout::Vector(v) => v.segments.iter().map(|s| s.elements.clone()).collect(),
+                        ResultLayout::Routing { .. } => Vec::new(),
+                    };
+                    if elements(&p.result) != elements(&original.result) {
+                        self.report(
+                            None,
+                            None,
+                            Some(p.instr),
+                            what("its result segments are cut unlike the original's"),
+                        );
+                    }
+                    match (&p.work, &original.work) {
+                        (Work::MatVec(a), Work::MatVec(b)) => {
+                            let cut = |m: &waferc_ir::wafer::MatVecPlacement| -> Vec<(Range<u64>, Range<u64>)> {
+                                m.tiles.iter().map(|t| (t.rows.clone(), t.chunks.clone())).collect()
+                            };
+                            if (a.rows, a.cols, a.row_blocks, a.col_blocks, a.bias)
+                                != (b.rows, b.cols, b.row_blocks, b.col_blocks, b.bias)
+                                || cut(a) != cut(b)
+                            {
+                                let at = a
+                                    .tiles
+                                    .iter()
+                                    .zip(&b.tiles)
+                                    .find(|(x, y)| x.rows != y.rows || x.chunks != y.chunks)
+                                    .map(|(x, _)| x.pe);
+                                self.report(at, None, Some(p.instr), what("its tiles are not the original's"));
+                            }
+                        }
+                        (Work::Dispatch { routing }, Work::Dispatch { .. }) => {
+                            let reaches = program.routes.get(*routing as usize).is_some_and(|route| {
+                                route.kind == RouteKind::Routing
+                                    && route.instr == replica.router
+                                    && copy
+                                        .iter()
+                                        .flat_map(|q| q.compute_pes())
+                                        .all(|pe| route.destinations.contains(&pe))
+                            });
+                            if !reaches {
+                                self.report(
+                                    None,
+                                    Some(*routing),
+                                    Some(p.instr),
+                                    what("its routing route does not reach all of its PEs"),
+                                );
+                            }
+                        }
+                        (a, b) if std::mem::discriminant(a) == std::mem::discriminant(b) => {}
+                        _ => self.report(None, None, Some(p.instr), what("its work is not the original's kind")),
+                    }
+                    pes.extend(p.compute_pes());
+                }
+                pes.sort_unstable();
+                pes.dedup();
+                for pe in pes {
+                    let shared = original_pes.contains(&pe) || owner.insert(pe, (r, c)).is_some_and(|o| o != (r, c));
+                    if shared {
+                        self.report(
+                            Some(pe),
+                            None,
+                            Some(replica.instrs[0]),
+                            format!(
+                                "copy {copy_number} of layer {} expert {} shares this PE with another copy",
+                                replica.layer, replica.expert
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+        self.copy_of_pe = owner;
+    }
+
     /// Weight coverage, blob ranges, and the tiles the placements list.
     fn weights(&mut self) {
-        let mut held: BTreeMap<(u32, u32), Vec<Piece>> = BTreeMap::new();
+        // Per (instruction, weight, copy): `None` the original, a copy's PEs are its own.
+        type Holder = (u32, u32, Option<(usize, usize)>);
+        let mut held: BTreeMap<Holder, Vec<Piece>> = BTreeMap::new();
         let mut blobs = Vec::new();
         for image in &self.program.pes {
+            let copy = self.copy_of_pe.get(&image.pe).copied();
             for r in &image.regions {
                 if let (RegionKind::Weight { weight, rows, cols, blob }, Some(instr)) = (&r.kind, r.instr) {
                     let Some(w) = self.module.weights.get(Handle::new(*weight as usize)) else {
@@ -304,7 +440,7 @@ impl<'a> Checker<'a> {
                         self.report(Some(image.pe), None, Some(instr), format!("blob range {blob:?} is past the blob"));
                     }
                     blobs.push((blob.clone(), image.pe));
-                    held.entry((instr, *weight)).or_default().push((rows.clone(), cols.clone(), image.pe));
+                    held.entry((instr, *weight, copy)).or_default().push((rows.clone(), cols.clone(), image.pe));
                 }
             }
         }
@@ -328,16 +464,29 @@ impl<'a> Checker<'a> {
                 Op::Attention { sinks: Some(sinks), .. } => (vec![*sinks], vec![]),
                 _ => continue,
             };
-            for w in exact {
-                let pieces = held.remove(&(instr, w.index() as u32)).unwrap_or_default();
-                self.exactly_once(instr, w, pieces, matches!(ir.op, Op::MatVec { .. }));
-            }
-            for w in shared {
-                let pieces = held.remove(&(instr, w.index() as u32)).unwrap_or_default();
-                self.at_least_once(instr, w, pieces);
+            // The original and every copy of a replicated expert each hold the whole weight.
+            let copies: Vec<Option<(usize, usize)>> = std::iter::once(None)
+                .chain(
+                    self.program
+                        .replicas
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| r.instrs.contains(&instr))
+                        .flat_map(|(r, replica)| (0..replica.copies.len()).map(move |c| Some((r, c)))),
+                )
+                .collect();
+            for copy in copies {
+                for &w in &exact {
+                    let pieces = held.remove(&(instr, w.index() as u32, copy)).unwrap_or_default();
+                    self.exactly_once(instr, w, pieces, matches!(ir.op, Op::MatVec { .. }));
+                }
+                for &w in &shared {
+                    let pieces = held.remove(&(instr, w.index() as u32, copy)).unwrap_or_default();
+                    self.at_least_once(instr, w, pieces);
+                }
             }
         }
-        for ((instr, weight), pieces) in held {
+        for ((instr, weight, _), pieces) in held {
             self.report(
                 Some(pieces[0].2),
                 None,
@@ -346,7 +495,8 @@ impl<'a> Checker<'a> {
             );
         }
         // Every tile a matvec lists is a weight region of that matvec with the tile's extent.
-        for p in &self.program.instrs {
+        let copies = self.program.replicas.iter().flat_map(|r| r.copies.iter().flatten());
+        for p in self.program.instrs.iter().chain(copies) {
             let Work::MatVec(mv) = &p.work else { continue };
             if mv.tiles.len() != mv.row_blocks as usize * mv.col_blocks as usize {
                 self.report(
@@ -773,12 +923,18 @@ impl<'a> Checker<'a> {
         for list in &mut arriving {
             list.sort_by_key(|(value, _, _)| *value);
         }
+        let slots = waferc_ir::wafer::replica_slots(self.program);
         let listed: Vec<HashSet<u32>> = self
             .program
             .instrs
             .iter()
             .map(|p| {
-                let mut set: HashSet<u32> = p.operand_routes.iter().copied().collect();
+                // A replicated expert's instruction: what any of its copies lists.
+                let mut set: HashSet<u32> = self
+                    .program
+                    .placements_of(&slots, p.instr)
+                    .flat_map(|c| c.operand_routes.iter().copied())
+                    .collect();
                 if let Work::Attention(att) = &p.work {
                     for h in &att.kv_heads_placed {
                         set.extend(h.q_routes.iter().chain(&h.k_routes).chain(&h.v_routes).copied());
@@ -843,8 +999,9 @@ impl<'a> Checker<'a> {
                 }
             }
         }
-        // Routes every placement names exist.
-        for p in &self.program.instrs {
+        // Routes every placement (and every copy) names exist.
+        let copies = self.program.replicas.iter().flat_map(|r| r.copies.iter().flatten());
+        for p in self.program.instrs.iter().chain(copies) {
             let mut named: Vec<u32> = p.operand_routes.iter().chain(&p.deliveries).copied().collect();
             match &p.work {
                 Work::Embed { collects, .. } => named.extend(collects),
@@ -927,7 +1084,8 @@ impl<'a> Checker<'a> {
         // The instructions listing each operand route (an index, not a scan per route: programs
         // have hundreds of thousands of routes).
         let mut readers: HashMap<u32, Vec<u32>> = HashMap::default();
-        for p in &self.program.instrs {
+        let copies = self.program.replicas.iter().flat_map(|r| r.copies.iter().flatten());
+        for p in self.program.instrs.iter().chain(copies) {
             for id in &p.operand_routes {
                 readers.entry(*id).or_default().push(p.instr);
             }

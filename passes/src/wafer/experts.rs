@@ -11,11 +11,21 @@
 //! gather point, and the cold ones farthest away, where only rare tokens pay the distance.
 //! Without a profile, or with one where every expert is equally hot, experts keep index order and
 //! the combine follows them (the placement is exactly the profile-free one).
+//!
+//! Replicas ([`place_replicas`]): once everything is placed, the PEs left free on a wafer take
+//! extra copies of that wafer's hot experts, for several sequences in flight to share
+//! (`waferc_ir::wafer::replicas`: sequence slot `s` uses copy `s mod copies`). Copies go one at a
+//! time to the expert with the most expected picks per copy, so the hottest expert's load is
+//! split first and no copy stays busier than it must; an expert gets at most `max_sequences`
+//! copies (more would serve no sequence), and copies stop when the next does not fit.
 
 use waferc_ir::wafer::{LayerProfile, RoutingProfile};
 use waferc_ir::{Module, Op, ValueType};
 
-use super::size::Analysis;
+use waferc_ir::wafer::ExpertReplicas;
+
+use super::place::Placer;
+use super::size::{Analysis, Sizes};
 use super::CompileOptions;
 
 /// How experts are ordered within an MoE layer's region.
@@ -133,6 +143,105 @@ pub(super) fn placement_sequence(module: &Module, analysis: &Analysis, options: 
         }
     }
     sequence
+}
+
+/// Each MoE layer's experts: `(router, per expert its instructions in program order)`, in
+/// program order (an expert's instructions are a run of the body, grouped by expert).
+fn expert_groups(module: &Module, analysis: &Analysis) -> Vec<(u32, Vec<Vec<usize>>)> {
+    let mut layers: Vec<(u32, Vec<Vec<usize>>)> = Vec::new();
+    for i in 0..module.body.len() {
+        let (Some(expert), Some(router)) = (analysis.expert[i], analysis.router[i]) else { continue };
+        if layers.last().is_none_or(|(r, _)| *r != router) {
+            layers.push((router, Vec::new()));
+        }
+        let groups = &mut layers.last_mut().expect("pushed above").1;
+        if groups.len() <= expert as usize {
+            groups.resize(expert as usize + 1, Vec::new());
+        }
+        groups[expert as usize].push(i);
+    }
+    layers
+}
+
+/// Places copies of hot experts on the PEs the placement left free (module docs). Only with a
+/// profile that guides the order (`--expert-order profile`) and room for several sequences.
+pub(super) fn place_replicas(placer: &mut Placer, sizes: &Sizes, wafer_of: &[u16]) {
+    let options = placer.options;
+    let (Some(profile), ExpertOrder::Profile) = (&options.profile, options.expert_order) else { return };
+    if options.max_sequences < 2 || !options.expert_replicas {
+        return;
+    }
+    // Candidates: every picked expert of a guided layer, with its expected picks per token.
+    struct Candidate {
+        layer: u32,
+        expert: u32,
+        router: u32,
+        group: Vec<usize>,
+        picks: u64,
+        tokens: u64,
+        copies: Vec<Vec<waferc_ir::wafer::InstrPlacement>>,
+        full: bool,
+    }
+    let mut candidates = Vec::new();
+    for (router, groups) in expert_groups(placer.module, placer.analysis) {
+        let Some(layer) = placer.module.body[waferc_ir::Handle::new(router as usize)].layer else { continue };
+        let Some(guide) = guiding(profile.layer(layer), groups.len() as u32) else { continue };
+        for (expert, group) in groups.into_iter().enumerate() {
+            let picks = guide.picks[expert];
+            if picks > 0 && !group.is_empty() {
+                let tokens = guide.tokens.max(1);
+                candidates.push(Candidate {
+                    layer,
+                    expert: expert as u32,
+                    router,
+                    group,
+                    picks,
+                    tokens,
+                    copies: Vec::new(),
+                    full: false,
+                });
+            }
+        }
+    }
+    let cap = options.max_sequences as usize;
+    loop {
+        // The most expected picks per copy (picks / tokens / copies, compared exactly), ties to
+        // the earlier layer and expert.
+        let next = candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| !c.full && c.copies.len() + 1 < cap)
+            .max_by(|(_, a), (_, b)| {
+                let load =
+                    |c: &Candidate| c.picks as u128 * 1_000_000 / (c.tokens as u128 * (c.copies.len() as u128 + 1));
+                load(a).cmp(&load(b)).then((b.layer, b.expert).cmp(&(a.layer, a.expert)))
+            })
+            .map(|(k, _)| k);
+        let Some(k) = next else { break };
+        let wafer = wafer_of[candidates[k].group[0]];
+        match placer.place_copy(&candidates[k].group, &sizes.shapes, wafer) {
+            Some(copy) => candidates[k].copies.push(copy),
+            // A layer's experts are alike: none of this size fits on this wafer any more.
+            None => {
+                let size = candidates[k].group.len();
+                for c in candidates.iter_mut().filter(|c| c.group.len() == size && wafer_of[c.group[0]] == wafer) {
+                    c.full = true;
+                }
+            }
+        }
+    }
+    placer.replicas = candidates
+        .into_iter()
+        .filter(|c| !c.copies.is_empty())
+        .map(|c| ExpertReplicas {
+            layer: c.layer,
+            expert: c.expert,
+            router: c.router,
+            instrs: c.group.iter().map(|&i| i as u32).collect(),
+            copies: c.copies,
+        })
+        .collect();
+    placer.replicas.sort_by_key(|r| (r.router, r.expert));
 }
 
 #[cfg(test)]

@@ -62,6 +62,9 @@ pub struct CompileOptions {
     pub profile: Option<RoutingProfile>,
     /// How experts are ordered within an MoE layer's region.
     pub expert_order: ExpertOrder,
+    /// Whether hot experts get copies on free PEs (with a guiding profile and `max_sequences`
+    /// above 1; `experts::place_replicas`).
+    pub expert_replicas: bool,
 }
 
 impl CompileOptions {
@@ -73,6 +76,7 @@ impl CompileOptions {
             max_sequences: 1,
             profile: None,
             expert_order: ExpertOrder::Profile,
+            expert_replicas: true,
         }
     }
 }

@@ -3,6 +3,7 @@
 use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use std::ops::Range;
 
+use waferc_ir::wafer::{replica_slots_in, ExpertReplicas};
 use waferc_ir::wafer::{
     AttentionPlacement, EmbedBlock, GroupRoutes, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement,
     NormPlacement, Pe, PeImage, Phase, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId, RouteKind,
@@ -128,6 +129,15 @@ impl ImageIndex {
         }
     }
 
+    fn remove(&mut self, pe: Pe) {
+        match self.dense_index(pe) {
+            Some(d) => self.dense[d] = u32::MAX,
+            None => {
+                self.outside.remove(&pe);
+            }
+        }
+    }
+
     fn insert(&mut self, pe: Pe, index: usize) {
         match self.dense_index(pe) {
             Some(d) => self.dense[d] = index as u32,
@@ -157,6 +167,12 @@ pub(super) struct Placer<'a> {
     pub(super) host_slices: bool,
     /// Per instruction, its position in the placement order (experts may be reordered).
     rank: Vec<usize>,
+    /// Extra copies of hot experts (`experts::place_replicas`).
+    pub(super) replicas: Vec<ExpertReplicas>,
+    /// While a copy's own routes are built: its readers are its own instructions only.
+    routing_copy: bool,
+    /// Routes into copies (`route_copy_inputs`), with the instruction whose `Deliver` step sends them.
+    copy_inputs: Vec<(usize, RouteId)>,
 }
 
 /// PEs each instruction takes when the whole module is laid out on one unbounded wafer, alignment
@@ -202,6 +218,7 @@ pub(super) fn place(
     for &i in &sequence {
         placer.placements[i] = placer.place_instr(i, &sizes.shapes[i], wafer_of[i])?;
     }
+    super::experts::place_replicas(&mut placer, sizes, wafer_of);
     placer.finish()
 }
 
@@ -241,6 +258,7 @@ impl<'a> Placer<'a> {
         for i in 0..module.body.len() {
             self.deliver(i);
         }
+        self.route_copies()?;
         let precedence = super::precedence::Precedence::new(module);
         let schedule = self.schedule();
         let mut step_of = vec![0u32; self.routes.len()];
@@ -285,7 +303,7 @@ impl<'a> Placer<'a> {
             });
         }
         let options = self.options;
-        let Placer { mut images, placements, routes, .. } = self;
+        let Placer { mut images, placements, routes, replicas, .. } = self;
         images.sort_unstable_by_key(|image| image.pe);
         let mut blob = 0u64;
         for image in &mut images {
@@ -308,6 +326,7 @@ impl<'a> Placer<'a> {
             weights_present: module.weights.iter().all(|(_, w)| w.data.is_present()),
             max_sequences: options.max_sequences,
             routing_profile: options.profile.clone(),
+            replicas,
         })
     }
 
@@ -332,6 +351,164 @@ impl<'a> Placer<'a> {
             route_band,
             host_slices: false,
             rank: (0..module.body.len()).collect(),
+            replicas: Vec::new(),
+            routing_copy: false,
+            copy_inputs: Vec::new(),
+        }
+    }
+
+    /// One more copy of the instructions `group` (an expert's, in program order) on fresh PEs of
+    /// `wafer`, placed exactly as the originals were (same shapes, so the same tiles and
+    /// segments); `None`, with nothing taken, when they do not fit. Each copy instruction is
+    /// placed in its original's slot, so the copy's later instructions find the copy's earlier
+    /// ones, then the originals are put back.
+    pub(super) fn place_copy(&mut self, group: &[usize], shapes: &[Shape], wafer: u16) -> Option<Vec<InstrPlacement>> {
+        let (next, images) = (self.cells.next.clone(), self.images.len());
+        let mut originals = Vec::with_capacity(group.len());
+        for &i in group {
+            match self.place_instr(i, &shapes[i], wafer) {
+                Ok(copy) => originals.push(std::mem::replace(&mut self.placements[i], copy)),
+                Err(_) => break,
+            }
+        }
+        let placed = originals.len() == group.len();
+        let mut copy = Vec::with_capacity(group.len());
+        for (&i, original) in group.iter().zip(originals) {
+            copy.push(std::mem::replace(&mut self.placements[i], original));
+        }
+        if placed {
+            return Some(copy);
+        }
+        // Give back what the partial copy took (its PEs were fresh).
+        self.cells.next = next;
+        for image in self.images.drain(images..) {
+            self.image_of.remove(image.pe);
+        }
+        None
+    }
+
+    /// The copies' own routes (reductions, collects, deliveries among their instructions): each
+    /// copy is put in its originals' slots while its routes are built, then put back. The
+    /// routes into and out of a copy (the layer's input, the routing, the combine's gather)
+    /// were built with the originals' (`deliver`, `route_instr`).
+    fn route_copies(&mut self) -> Result<(), WaferError> {
+        self.routing_copy = true;
+        for r in 0..self.replicas.len() {
+            let group: Vec<usize> = self.replicas[r].instrs.iter().map(|&i| i as usize).collect();
+            for c in 0..self.replicas[r].copies.len() {
+                for (m, &i) in group.iter().enumerate() {
+                    std::mem::swap(&mut self.placements[i], &mut self.replicas[r].copies[c][m]);
+                }
+                let routed = group.iter().try_for_each(|&i| self.route_instr(i));
+                if routed.is_ok() {
+                    for &i in &group {
+                        self.deliver(i);
+                    }
+                }
+                for (m, &i) in group.iter().enumerate() {
+                    std::mem::swap(&mut self.placements[i], &mut self.replicas[r].copies[c][m]);
+                }
+                routed?;
+            }
+        }
+        self.routing_copy = false;
+        let mut routers: Vec<u32> = self.replicas.iter().map(|r| r.router).collect();
+        routers.dedup();
+        for router in routers {
+            self.route_copy_inputs(router as usize);
+        }
+        Ok(())
+    }
+
+    /// The routes into one MoE layer's expert copies, of their own so that a step no copy
+    /// serves (sequence slot 0's) sends nothing on them: the router's decision to every PE of
+    /// every copy (their `expert_dispatch`es name that route), and per segment of each value the
+    /// copies read from outside their expert (the layer's normed input) one multicast to the
+    /// copies' PEs that read it. One route per layer and segment, not per copy: a source's routes
+    /// in one step each need a colour where they meet. They are sent in the router's and the
+    /// value's `Deliver` steps (`Placer::copy_inputs` lists them).
+    fn route_copy_inputs(&mut self, router: usize) {
+        let ResultLayout::Routing { pe: router_pe } = self.placements[router].result else { return };
+        let copies: Vec<(usize, usize)> = (0..self.replicas.len())
+            .filter(|&r| self.replicas[r].router == router as u32)
+            .flat_map(|r| (0..self.replicas[r].copies.len()).map(move |c| (r, c)))
+            .collect();
+        let mut pes: Vec<Pe> =
+            copies.iter().flat_map(|&(r, c)| self.replicas[r].copies[c].iter().flat_map(placement_pes)).collect();
+        pes.sort_unstable();
+        pes.dedup();
+        let top_k = match self.module.body[waferc_ir::Handle::new(router)].ty {
+            ValueType::Routing { top_k, .. } => top_k as u64,
+            _ => 0,
+        };
+        let path = route::multicast(router_pe, &pes, self.route_band);
+        let routing = self.add_route(router, RouteKind::Routing, vec![router_pe], pes, vec![path], top_k * 8);
+        self.copy_inputs.push((router, routing));
+        // Values read from outside the expert, by which copy members.
+        let mut outside: Vec<(usize, usize, usize, usize)> = Vec::new();
+        for &(r, c) in &copies {
+            for m in 0..self.replicas[r].instrs.len() {
+                let i = self.replicas[r].instrs[m];
+                if let Work::Dispatch { routing: id } = &mut self.replicas[r].copies[c][m].work {
+                    *id = routing;
+                }
+                for v in self.module.body[waferc_ir::Handle::new(i as usize)].op.operands() {
+                    let value = self.analysis.source[v.index()];
+                    if !self.replicas[r].instrs.contains(&value) {
+                        outside.push((value as usize, r, c, m));
+                    }
+                }
+            }
+        }
+        outside.sort_unstable();
+        outside.dedup();
+        let mut values: Vec<usize> = outside.iter().map(|o| o.0).collect();
+        values.dedup();
+        for value in values {
+            let ResultLayout::Vector(layout) = self.placements[value].result.clone() else { continue };
+            for seg in &layout.segments {
+                let mut destinations = Vec::new();
+                let mut readers = Vec::new();
+                for &(_, r, c, m) in outside.iter().filter(|o| o.0 == value) {
+                    let before = destinations.len();
+                    let member = self.replicas[r].instrs[m] as usize;
+                    let placement = &self.replicas[r].copies[c][m];
+                    self.reader_pes(value, member, placement, &seg.elements, &mut destinations, &mut Vec::new());
+                    if destinations.len() > before {
+                        readers.push((r, c, m));
+                    }
+                }
+                destinations.sort_unstable();
+                destinations.dedup();
+                destinations.retain(|d| *d != seg.pe);
+                if destinations.is_empty() {
+                    continue;
+                }
+                let path = route::multicast(seg.pe, &destinations, self.route_band);
+                let id = self.add_route(
+                    value,
+                    RouteKind::Operand { value: value as u32, elements: seg.elements.clone() },
+                    vec![seg.pe],
+                    destinations,
+                    vec![path],
+                    (seg.elements.end - seg.elements.start) * F32,
+                );
+                self.copy_inputs.push((value, id));
+                for (r, c, m) in readers {
+                    push_unique(&mut self.replicas[r].copies[c][m].operand_routes, id);
+                }
+            }
+        }
+    }
+
+    /// The copies of instruction `i`'s placement, as `(replica, copy, member)` indices (none
+    /// while a copy's own routes are built).
+    fn copies_of(&self, slots: &[Option<(u32, u32)>], i: usize) -> Vec<(usize, usize, usize)> {
+        match slots.get(i).copied().flatten() {
+            Some((r, m)) if !self.routing_copy => {
+                (0..self.replicas[r as usize].copies.len()).map(|c| (r as usize, c, m as usize)).collect()
+            }
+            _ => Vec::new(),
         }
     }
 
@@ -881,9 +1058,17 @@ impl<'a> Placer<'a> {
             (&mut work, &self.module.body[waferc_ir::Handle::new(i)].op)
         {
             let mut pieces = Vec::new();
+            let slots = replica_slots_in(&self.replicas, self.placements.len());
             for e in experts {
-                if let ResultLayout::Vector(l) = &self.placements[self.analysis.source[e.index()] as usize].result {
+                let source = self.analysis.source[e.index()] as usize;
+                if let ResultLayout::Vector(l) = &self.placements[source].result {
                     pieces.extend(l.segments.iter().map(|s| (s.pe, s.elements.clone())));
+                }
+                // Every copy of the expert sends its output on the same gather.
+                for (r, c, m) in self.copies_of(&slots, source) {
+                    if let ResultLayout::Vector(l) = &self.replicas[r].copies[c][m].result {
+                        pieces.extend(l.segments.iter().map(|s| (s.pe, s.elements.clone())));
+                    }
                 }
             }
             // Per segment, sources in expert order (the collect route lists each once).
@@ -956,7 +1141,7 @@ impl<'a> Placer<'a> {
             for &reader in &readers {
                 let reader = reader as usize;
                 let before = destinations.len();
-                self.reader_pes(i, reader, &seg.elements, &mut destinations, &mut reached);
+                self.reader_pes(i, reader, &self.placements[reader], &seg.elements, &mut destinations, &mut reached);
                 if destinations.len() > before {
                     reached.push((reader, None));
                 }
@@ -994,10 +1179,12 @@ impl<'a> Placer<'a> {
 
     /// Appends the PEs of `reader` that need `elements` of value `value` (an operand, possibly
     /// through `expert_dispatch` or as a `slice` of it).
+    #[allow(clippy::too_many_arguments)]
     fn reader_pes(
         &self,
         value: usize,
         reader: usize,
+        placement: &InstrPlacement,
         elements: &Range<u64>,
         out: &mut Vec<Pe>,
         reached: &mut Vec<(usize, Option<(usize, usize)>)>,
@@ -1016,7 +1203,6 @@ impl<'a> Placer<'a> {
             let (start, end) = (elements.start.max(shift), elements.end.min(shift + len));
             (start < end).then(|| start - shift..end - shift)
         };
-        let placement = &self.placements[reader];
         let op = &self.module.body[waferc_ir::Handle::new(reader)].op;
         match (&placement.work, op) {
             (Work::MatVec(mv), Op::MatVec { x, .. }) => {
@@ -1057,59 +1243,102 @@ impl<'a> Placer<'a> {
         }
     }
 
+    /// One decode step's schedule: every instruction's steps in program order. A replicated
+    /// expert's instruction has one step per phase for all its copies, listing every copy's
+    /// routes (a token runs one copy, which sends on its own).
     fn schedule(&self) -> Vec<Step> {
+        let slots = replica_slots_in(&self.replicas, self.placements.len());
         let mut steps = Vec::new();
-        let mut step = |instr: usize, phase: Phase, routes: Vec<RouteId>| {
-            steps.push(Step { instr: instr as u32, phase, routes });
-        };
         for (i, p) in self.placements.iter().enumerate() {
-            match &p.work {
-                Work::Embed { collects, .. } => step(i, Phase::Gather, collects.clone()),
-                Work::MatVec(mv) => {
-                    step(i, Phase::Compute, Vec::new());
-                    if !mv.reductions.is_empty() {
-                        step(i, Phase::Reduce, mv.reductions.clone());
+            let mut phases = steps_of(p);
+            for (r, c, m) in self.copies_of(&slots, i) {
+                for (phase, routes) in steps_of(&self.replicas[r].copies[c][m]) {
+                    match phases.iter_mut().find(|(p, _)| *p == phase) {
+                        Some((_, listed)) => listed.extend(routes),
+                        None => phases.push((phase, routes)),
                     }
-                    if !mv.broadcasts.is_empty() {
-                        step(i, Phase::Broadcast, mv.broadcasts.clone());
-                    }
-                    step(i, Phase::Collect, mv.collects.clone());
                 }
-                Work::RmsNorm(norm) => {
-                    step(i, Phase::Compute, Vec::new());
-                    if !norm.group_routes.is_empty() {
-                        step(i, Phase::Reduce, norm.group_routes.iter().map(|g| g.reduce).collect());
-                        step(i, Phase::Broadcast, norm.group_routes.iter().map(|g| g.broadcast).collect());
-                    }
-                    step(i, Phase::Finish, Vec::new());
-                }
-                Work::Attention(att) => {
-                    step(i, Phase::Compute, Vec::new());
-                    let heads = &att.kv_heads_placed;
-                    let gather = |pick: &dyn Fn(&KvHeadPlacement) -> [Option<RouteId>; 2]| -> Vec<RouteId> {
-                        heads.iter().flat_map(pick).flatten().collect()
-                    };
-                    step(i, Phase::AttentionMax, gather(&|h| [h.max_reduce, h.max_broadcast]));
-                    step(i, Phase::AttentionSum, gather(&|h| [h.sum_reduce, h.sum_broadcast]));
-                    step(i, Phase::AttentionOut, gather(&|h| [h.out_reduce, None]));
-                    step(i, Phase::Collect, att.collects.clone());
-                }
-                Work::Combine { collects, .. } => {
-                    step(i, Phase::Gather, collects.clone());
-                    step(i, Phase::Compute, Vec::new());
-                }
-                Work::Router { routing } => {
-                    step(i, Phase::Compute, Vec::new());
-                    step(i, Phase::Deliver, vec![*routing]);
-                }
-                Work::Elementwise | Work::Dispatch { .. } | Work::Slice => step(i, Phase::Compute, Vec::new()),
             }
-            if !p.deliveries.is_empty() {
-                step(i, Phase::Deliver, p.deliveries.clone());
+            let inputs: Vec<RouteId> =
+                self.copy_inputs.iter().filter(|(instr, _)| *instr == i).map(|&(_, id)| id).collect();
+            if !inputs.is_empty() {
+                match phases.iter_mut().rev().find(|(p, _)| *p == Phase::Deliver) {
+                    Some((_, listed)) => listed.extend(inputs),
+                    None => phases.push((Phase::Deliver, inputs)),
+                }
             }
+            phases.sort_by_key(|(phase, _)| phase_order(*phase));
+            steps.extend(phases.into_iter().map(|(phase, routes)| Step { instr: i as u32, phase, routes }));
         }
         steps
     }
+}
+
+/// The order of an instruction's phases in the schedule (the executor requires it).
+fn phase_order(phase: Phase) -> u8 {
+    match phase {
+        Phase::Gather => 0,
+        Phase::Compute => 1,
+        Phase::Reduce => 2,
+        Phase::Broadcast => 3,
+        Phase::Finish => 4,
+        Phase::AttentionMax => 5,
+        Phase::AttentionSum => 6,
+        Phase::AttentionOut => 7,
+        Phase::Collect => 8,
+        Phase::Deliver => 9,
+    }
+}
+
+/// The steps of one placement, in phase order: each phase with the routes it sends on.
+fn steps_of(p: &InstrPlacement) -> Vec<(Phase, Vec<RouteId>)> {
+    let mut steps = Vec::new();
+    let mut step = |phase: Phase, routes: Vec<RouteId>| steps.push((phase, routes));
+    match &p.work {
+        Work::Embed { collects, .. } => step(Phase::Gather, collects.clone()),
+        Work::MatVec(mv) => {
+            step(Phase::Compute, Vec::new());
+            if !mv.reductions.is_empty() {
+                step(Phase::Reduce, mv.reductions.clone());
+            }
+            if !mv.broadcasts.is_empty() {
+                step(Phase::Broadcast, mv.broadcasts.clone());
+            }
+            step(Phase::Collect, mv.collects.clone());
+        }
+        Work::RmsNorm(norm) => {
+            step(Phase::Compute, Vec::new());
+            if !norm.group_routes.is_empty() {
+                step(Phase::Reduce, norm.group_routes.iter().map(|g| g.reduce).collect());
+                step(Phase::Broadcast, norm.group_routes.iter().map(|g| g.broadcast).collect());
+            }
+            step(Phase::Finish, Vec::new());
+        }
+        Work::Attention(att) => {
+            step(Phase::Compute, Vec::new());
+            let heads = &att.kv_heads_placed;
+            let gather = |pick: &dyn Fn(&KvHeadPlacement) -> [Option<RouteId>; 2]| -> Vec<RouteId> {
+                heads.iter().flat_map(pick).flatten().collect()
+            };
+            step(Phase::AttentionMax, gather(&|h| [h.max_reduce, h.max_broadcast]));
+            step(Phase::AttentionSum, gather(&|h| [h.sum_reduce, h.sum_broadcast]));
+            step(Phase::AttentionOut, gather(&|h| [h.out_reduce, None]));
+            step(Phase::Collect, att.collects.clone());
+        }
+        Work::Combine { collects, .. } => {
+            step(Phase::Gather, collects.clone());
+            step(Phase::Compute, Vec::new());
+        }
+        Work::Router { routing } => {
+            step(Phase::Compute, Vec::new());
+            step(Phase::Deliver, vec![*routing]);
+        }
+        Work::Elementwise | Work::Dispatch { .. } | Work::Slice => step(Phase::Compute, Vec::new()),
+    }
+    if !p.deliveries.is_empty() {
+        step(Phase::Deliver, p.deliveries.clone());
+    }
+    steps
 }
 
 /// An elementwise op's operand buffers for result segment `seg`.

@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use waferc_ir::wafer::{
-    reduce_tree, InstrIndex, Pe, Phase, ReduceOp, ResultLayout, Route, RouteId, RouteKind, Segment, WaferProgram,
+    reduce_tree, InstrIndex, Pe, Phase, ReduceOp, ResultLayout, Route, RouteId, RouteKind, Segment, WaferProgram, Work,
 };
 
 use super::{intersect, relative, span, Data, ExecError, Executor, Held, InstrRun, InstrSite, StepState};
@@ -122,14 +122,19 @@ impl<'p> Executor<'p> {
         instr: InstrIndex,
     ) -> Result<bool, ExecError> {
         let Some(gate) = self.gates[instr as usize] else { return Ok(true) };
-        let route = self.route(run, gate.route)?;
+        // A copy of the expert learns the routing on its own route.
+        let gate_route = match self.placement(gate.dispatch).work {
+            Work::Dispatch { routing } => routing,
+            _ => gate.route,
+        };
+        let route = self.route(run, gate_route)?;
         let sender = *route.sources.first().ok_or_else(|| ExecError::Malformed {
             site: run.site.clone(),
             problem: format!("routing route {} has no source", gate.route),
         })?;
         let mut chosen = None;
-        for &pe in &self.instr_pes[instr as usize] {
-            let routing = self.receive_routing(state, run, gate.route, sender, pe)?;
+        for &pe in &self.instr_pes[instr as usize][run.copy as usize] {
+            let routing = self.receive_routing(state, run, gate_route, sender, pe)?;
             chosen = Some(routing.weight_of(gate.expert).is_some());
         }
         Ok(chosen.unwrap_or(false))
@@ -150,7 +155,7 @@ impl<'p> Executor<'p> {
         let elements = elements.start + shift..elements.end + shift;
         let mut pieces: Vec<(Range<u64>, Data)> = Vec::new();
         if let (Held::Segments(held), ResultLayout::Vector(layout)) =
-            (&state.held[source as usize], &self.program.instrs[source as usize].result)
+            (&state.held[source as usize], &self.placement(source).result)
         {
             for (segment, data) in layout.segments.iter().zip(held) {
                 if segment.pe == pe {
@@ -160,7 +165,7 @@ impl<'p> Executor<'p> {
                 }
             }
         }
-        for &id in run.operand_routes_to(self.program, pe) {
+        for &id in run.operand_routes_to(self.program, self.placement(run.instr), pe) {
             let route = self.route(run, id)?;
             let RouteKind::Operand { value: carried, elements: carried_elements } = &route.kind else {
                 return Err(route_kind_error(run, route, "an operand route"));
@@ -207,7 +212,7 @@ impl<'p> Executor<'p> {
                 });
             }
             // Name the route that carries the missing elements but does not reach this PE.
-            for &id in &self.program.instrs[run.instr as usize].operand_routes {
+            for &id in &self.placement(run.instr).operand_routes {
                 let route = self.route(run, id)?;
                 if let RouteKind::Operand { value: carried, elements: carried_elements } = &route.kind {
                     if *carried == source && intersect(carried_elements, &gap).is_some() {
@@ -307,12 +312,24 @@ impl<'p> Executor<'p> {
         segments: &[Segment],
     ) -> Result<(), ExecError> {
         run.begin(Phase::Deliver);
-        let placement = &self.program.instrs[run.instr as usize];
-        if placement.deliveries.is_empty() {
-            return Ok(());
-        }
+        let placement = self.placement(run.instr);
         let Held::Segments(held) = &state.held[run.instr as usize] else { return Ok(()) };
         let held = held.clone();
+        // The value's segments also go to the expert copies serving this step, on their own routes.
+        for (id, copies) in self.copy_inputs.get(&run.instr).map_or(&[][..], Vec::as_slice) {
+            let id = *id;
+            if !self.serves(copies) {
+                continue;
+            }
+            let route = self.route(run, id)?;
+            let RouteKind::Operand { elements, .. } = &route.kind else {
+                return Err(route_kind_error(run, route, "the delivery of a result segment to an expert copy"));
+            };
+            let Some(index) = segments.iter().position(|s| s.elements == *elements) else {
+                return Err(route_kind_error(run, route, "the delivery of a result segment to an expert copy"));
+            };
+            self.send(state, run, id, segments[index].pe, Payload::Data(held[index].clone()))?;
+        }
         // Deliveries are in segment order; a segment all of whose readers sit on its own PE has none.
         let mut next = 0;
         for &id in &placement.deliveries {

@@ -42,7 +42,7 @@ mod validate;
 use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
-use waferc_ir::wafer::{InstrIndex, Pe, RouteId, RouteKind, WaferProgram, Work};
+use waferc_ir::wafer::{InstrIndex, InstrPlacement, Pe, RouteId, RouteKind, WaferProgram, Work};
 use waferc_ir::{Module, Op};
 
 use crate::kernels::{self, Routing};
@@ -124,6 +124,8 @@ enum Held {
 struct Gate {
     route: RouteId,
     expert: u32,
+    /// The expert's `expert_dispatch`, whose copy serving the step names the routing route.
+    dispatch: InstrIndex,
 }
 
 /// One attention KV block's cache: keys then values, `head_dim` f32 per position.
@@ -151,8 +153,14 @@ pub struct Executor<'p> {
     /// Per `expert_dispatch`: how early its expert receives the input and the routing, before
     /// their multicasts end (`waferc_ir::wafer::arrival`).
     dispatch_leads: std::collections::HashMap<InstrIndex, (u64, u64)>,
-    /// The PEs that compute each instruction (tiles, segments, KV blocks, the router).
-    instr_pes: Vec<Vec<Pe>>,
+    /// The PEs that compute each instruction (tiles, segments, KV blocks, the router), per copy
+    /// (one unless the instruction belongs to a replicated expert).
+    instr_pes: Vec<Vec<Vec<Pe>>>,
+    /// Per instruction of a replicated expert: `(replica, member)` (`waferc_ir::wafer::replicas`).
+    replica_slots: Vec<Option<(u32, u32)>>,
+    /// Routes into expert copies, by the instruction whose `Deliver` step sends them, with the
+    /// copies `(replica, copy)` each reaches; sent only in a step one of them serves.
+    copy_inputs: CopyInputs,
     /// Attention's `Collect` routes (the placement does not list them), in element order.
     attention_collects: HashMap<InstrIndex, Vec<RouteId>>,
     rope_frequencies: Vec<Option<kernels::RopeTable>>,
@@ -214,7 +222,7 @@ impl<'p> Executor<'p> {
                     let Work::Dispatch { routing } = program.instrs[index as usize].work else {
                         return Err(ExecError::Malformed { site, problem: "its work is not Dispatch".into() });
                     };
-                    gates.push(Some(Gate { route: routing, expert: *expert }));
+                    gates.push(Some(Gate { route: routing, expert: *expert, dispatch: index }));
                 }
                 Op::ExpertCombine { .. } => {
                     alias.push(index);
@@ -266,7 +274,11 @@ impl<'p> Executor<'p> {
                 _ => None,
             })
             .collect();
-        let instr_pes: Vec<Vec<Pe>> = program.instrs.iter().map(|p| p.compute_pes()).collect();
+        let replica_slots = waferc_ir::wafer::replica_slots(program);
+        let instr_pes: Vec<Vec<Vec<Pe>>> = (0..program.instrs.len() as InstrIndex)
+            .map(|i| program.placements_of(&replica_slots, i).map(|p| p.compute_pes()).collect())
+            .collect();
+        let copy_inputs = copy_inputs(program, &replica_slots);
         let dispatch_leads = waferc_ir::wafer::arrival::dispatch_leads(program, module);
         let destinations = program
             .routes
@@ -289,6 +301,8 @@ impl<'p> Executor<'p> {
             gates,
             dispatch_leads,
             instr_pes,
+            replica_slots,
+            copy_inputs,
             attention_collects,
             rope_frequencies,
             kv: HashMap::default(),
@@ -305,6 +319,29 @@ impl<'p> Executor<'p> {
 
     pub fn program(&self) -> &WaferProgram {
         self.program
+    }
+
+    /// The placement of `instr` the selected sequence runs: for an instruction of a replicated
+    /// expert, the copy serving it (`waferc_ir::wafer::serving_copy`), else its only one. The
+    /// functional run and the timing model both go through here.
+    pub fn placement(&self, instr: InstrIndex) -> &'p InstrPlacement {
+        self.program.placement(&self.replica_slots, instr, self.sequence)
+    }
+
+    /// Which copy of `instr` the selected sequence runs (0 for the original).
+    fn copy_of(&self, instr: InstrIndex) -> u32 {
+        match self.replica_slots.get(instr as usize).copied().flatten() {
+            Some((r, _)) => waferc_ir::wafer::serving_copy(self.sequence, self.program.replicas[r as usize].count()),
+            None => 0,
+        }
+    }
+
+    /// Whether one of `copies` (`(replica, copy)`) serves the selected sequence.
+    fn serves(&self, copies: &[(u32, u32)]) -> bool {
+        copies.iter().any(|&(replica, copy)| {
+            let count = self.program.replicas[replica as usize].count();
+            waferc_ir::wafer::serving_copy(self.sequence, count) == copy
+        })
     }
 
     pub fn module(&self) -> &Module {
@@ -402,6 +439,8 @@ impl<'p> Executor<'p> {
         for run_index in 0..self.runs.len() {
             let (instr, steps) = self.runs[run_index].clone();
             let mut run = InstrRun::new(self.program, instr, steps);
+            let copy = self.copy_of(instr);
+            run.copy = copy;
             let open = self.gate_open(&state, &mut run, instr)?;
             if open {
                 self.execute(&mut state, &mut run)?;
@@ -415,7 +454,7 @@ impl<'p> Executor<'p> {
                 &mut run,
                 open,
                 ready,
-                &self.instr_pes[instr as usize],
+                &self.instr_pes[instr as usize][copy as usize],
             );
         }
         let logits = self.output_logits(&state)?;
@@ -453,7 +492,9 @@ impl<'p> Executor<'p> {
     fn done_cycle(&self, state: &StepState, value: InstrIndex) -> (u64, Option<InstrIndex>) {
         match &self.module.body[waferc_ir::Handle::new(value as usize)].op {
             Op::ExpertDispatch { x, routing, .. } => {
-                let (x_lead, routing_lead) = self.dispatch_leads.get(&value).copied().unwrap_or((0, 0));
+                // A copy of an expert gets its inputs on routes of its own: no lead.
+                let leads = if self.copy_of(value) == 0 { self.dispatch_leads.get(&value).copied() } else { None };
+                let (x_lead, routing_lead) = leads.unwrap_or((0, 0));
                 let (x_done, x_by) = self.done_cycle(state, x.index() as InstrIndex);
                 let (routing_done, routing_by) = self.done_cycle(state, routing.index() as InstrIndex);
                 let (x_done, routing_done) = (x_done.saturating_sub(x_lead), routing_done.saturating_sub(routing_lead));
@@ -543,6 +584,41 @@ struct StepState {
     messages: HashMap<(RouteId, Pe), Payload>,
     token: u32,
     timeline: timing::Timeline,
+}
+
+/// The routes into expert copies (`Executor::copy_inputs`): each copy's routing route (its
+/// dispatch's), sent by the router, and its operand routes from outside the expert, sent by
+/// the value's producer.
+type CopyInputs = HashMap<InstrIndex, Vec<(RouteId, Vec<(u32, u32)>)>>;
+
+fn copy_inputs(program: &WaferProgram, slots: &[Option<(u32, u32)>]) -> CopyInputs {
+    let mut inputs: CopyInputs = HashMap::default();
+    for (r, replica) in program.replicas.iter().enumerate() {
+        for (c, copy) in replica.copies.iter().enumerate() {
+            let mut routes: Vec<(InstrIndex, RouteId)> = Vec::new();
+            for placement in copy {
+                if let Work::Dispatch { routing } = placement.work {
+                    routes.push((replica.router, routing));
+                }
+                for &id in &placement.operand_routes {
+                    let Some(route) = program.routes.get(id as usize) else { continue };
+                    if slots.get(route.instr as usize).copied().flatten().map(|(s, _)| s) != Some(r as u32) {
+                        routes.push((route.instr, id));
+                    }
+                }
+            }
+            routes.sort_unstable();
+            routes.dedup();
+            for (instr, id) in routes {
+                let list = inputs.entry(instr).or_default();
+                match list.iter_mut().find(|(route, _)| *route == id) {
+                    Some((_, copies)) => copies.push((r as u32, c as u32 + 1)),
+                    None => list.push((id, vec![(r as u32, c as u32 + 1)])),
+                }
+            }
+        }
+    }
+    inputs
 }
 
 pub(crate) fn site_of(program: &WaferProgram, instr: InstrIndex) -> InstrSite {

@@ -12,6 +12,14 @@
 //! region's cycles (that region must serve all `A`): the model takes the larger of the two
 //! bounds, i.e. perfect staggering with the busiest region as the pipeline's bottleneck.
 //! A finished sequence frees its slot for the next one at the end of the round.
+//!
+//! MoE layers: a layer's experts run on PEs of their own, so an MoE layer's region is split into
+//! units that serve sequences independently: the layer's other instructions (busy for the union
+//! of their spans, which leaves out the stretch in which only experts work) and each copy of
+//! each expert (busy from its first span to its last). A round also lasts at least, for every
+//! expert copy, the sum of its busy cycles over the sequences it serves in the round: sequences
+//! that pick the same hot expert queue on it, and copies of that expert
+//! (`waferc_ir::wafer::replicas`) split the queue.
 
 use std::collections::BTreeMap;
 
@@ -20,12 +28,14 @@ use serde::Serialize;
 use super::timing::StepTiming;
 
 /// One decode step of one sequence, as the pipeline model sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepCost {
     /// The step's critical path.
     pub cycles: u64,
-    /// The busiest region's busy cycles in the step.
+    /// The busiest region's busy cycles in the step (an MoE layer's experts left out).
     pub bottleneck: u64,
+    /// Busy cycles of each expert copy that worked: `((layer, expert, copy), cycles)`.
+    pub experts: Vec<((u32, u32, u32), u64)>,
 }
 
 impl StepCost {
@@ -35,20 +45,55 @@ impl StepCost {
         let first_layer_instr = step.spans.iter().filter(|s| s.layer.is_some()).map(|s| s.instr).min();
         // Region key: (0, layer) for layers, (-1, 0) before them, (1, 0) after them.
         let mut regions: BTreeMap<(i8, u32), (u64, u64)> = BTreeMap::new();
+        let mut experts: BTreeMap<(u32, u32, u32), (u64, u64)> = BTreeMap::new();
+        // Per MoE layer, its non-expert spans' intervals.
+        let mut moe_spans: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
         for span in &step.spans {
+            let end = span.start_cycle + span.duration_cycles;
+            if let (Some(layer), Some(expert)) = (span.layer, span.expert) {
+                let entry = experts.entry((layer, expert, span.copy)).or_insert((span.start_cycle, end));
+                entry.0 = entry.0.min(span.start_cycle);
+                entry.1 = entry.1.max(end);
+                continue;
+            }
+            if let Some(layer) = span.layer {
+                moe_spans.entry(layer).or_default().push((span.start_cycle, end));
+            }
             let key = match (span.layer, first_layer_instr) {
                 (Some(layer), _) => (0, layer),
                 (None, Some(first)) if span.instr < first => (-1, 0),
                 (None, _) => (1, 0),
             };
-            let end = span.start_cycle + span.duration_cycles;
             let entry = regions.entry(key).or_insert((span.start_cycle, end));
             entry.0 = entry.0.min(span.start_cycle);
             entry.1 = entry.1.max(end);
         }
-        let bottleneck = regions.values().map(|(start, end)| end - start).max().unwrap_or(0);
-        StepCost { cycles: step.cycles, bottleneck: bottleneck.min(step.cycles) }
+        let moe_layers: std::collections::BTreeSet<u32> = experts.keys().map(|&(layer, _, _)| layer).collect();
+        let bottleneck = regions
+            .iter()
+            .map(|(&(kind, layer), (start, end))| match (kind, moe_layers.contains(&layer)) {
+                (0, true) => union_length(moe_spans.remove(&layer).unwrap_or_default()),
+                _ => end - start,
+            })
+            .max()
+            .unwrap_or(0);
+        let experts = experts.into_iter().map(|(key, (start, end))| (key, end - start)).collect();
+        StepCost { cycles: step.cycles, bottleneck: bottleneck.min(step.cycles), experts }
     }
+}
+
+/// Cycles covered by the union of `intervals` (`(start, end)`).
+fn union_length(mut intervals: Vec<(u64, u64)>) -> u64 {
+    intervals.sort_unstable();
+    let (mut total, mut reached) = (0, 0);
+    for (start, end) in intervals {
+        let start = start.max(reached);
+        if end > start {
+            total += end - start;
+            reached = end;
+        }
+    }
+    total
 }
 
 /// A sequence to run: its steps' costs (prompt positions, then one per generated token but the
@@ -100,11 +145,18 @@ pub fn pipeline(sequences: &[SequenceCosts], in_flight: usize, clock_hz: f64) ->
         if active.is_empty() {
             break;
         }
-        let last_step = |s: usize| sequences[s].steps.last().copied().unwrap_or(StepCost { cycles: 0, bottleneck: 0 });
-        let cost = |s: usize| sequences[s].steps.get(position[s]).copied().unwrap_or_else(|| last_step(s));
-        let longest = active.iter().map(|&s| cost(s).cycles).max().unwrap_or(0);
-        let busiest = active.iter().map(|&s| cost(s).bottleneck).max().unwrap_or(0);
-        let round = longest.max(active.len() as u64 * busiest);
+        let cost = |s: usize| sequences[s].steps.get(position[s]).or(sequences[s].steps.last());
+        let longest = active.iter().filter_map(|&s| cost(s)).map(|c| c.cycles).max().unwrap_or(0);
+        let busiest = active.iter().filter_map(|&s| cost(s)).map(|c| c.bottleneck).max().unwrap_or(0);
+        // Sequences picking the same expert copy queue on it.
+        let mut queued: BTreeMap<(u32, u32, u32), u64> = BTreeMap::new();
+        for c in active.iter().filter_map(|&s| cost(s)) {
+            for &(unit, cycles) in &c.experts {
+                *queued.entry(unit).or_insert(0) += cycles;
+            }
+        }
+        let expert_queue = queued.values().copied().max().unwrap_or(0);
+        let round = longest.max(active.len() as u64 * busiest).max(expert_queue);
         now += round;
         let mut tokens = 0;
         for &s in &active {
@@ -144,7 +196,22 @@ mod tests {
     use super::*;
 
     fn seq(steps: usize, cycles: u64, bottleneck: u64) -> SequenceCosts {
-        SequenceCosts { prompt_tokens: 1, new_tokens: steps, steps: vec![StepCost { cycles, bottleneck }; steps] }
+        let step = StepCost { cycles, bottleneck, experts: Vec::new() };
+        SequenceCosts { prompt_tokens: 1, new_tokens: steps, steps: vec![step; steps] }
+    }
+
+    #[test]
+    fn sequences_queue_on_a_shared_expert_and_copies_split_the_queue() {
+        // Eight sequences whose steps all use expert 3 of layer 0 for 400 cycles.
+        let on = |copy: u32| StepCost { cycles: 1000, bottleneck: 100, experts: vec![((0, 3, copy), 400)] };
+        let one_copy: Vec<SequenceCosts> =
+            (0..8).map(|_| SequenceCosts { prompt_tokens: 1, new_tokens: 2, steps: vec![on(0); 2] }).collect();
+        // 8 x 400 on the one copy bounds the round (above 1000 and 8 x 100).
+        assert_eq!(pipeline(&one_copy, 8, 1e6).aggregate_modeled_tok_s, 8.0 / 3200e-6);
+        // Two copies, sequences alternating: 4 x 400 each.
+        let two_copies: Vec<SequenceCosts> =
+            (0..8).map(|s| SequenceCosts { prompt_tokens: 1, new_tokens: 2, steps: vec![on(s % 2); 2] }).collect();
+        assert_eq!(pipeline(&two_copies, 8, 1e6).aggregate_modeled_tok_s, 8.0 / 1600e-6);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::ops::Range;
 
-use waferc_ir::wafer::{InstrIndex, Pe, Phase, RouteId, Step, WaferProgram, Work};
+use waferc_ir::wafer::{InstrIndex, InstrPlacement, Pe, Phase, RouteId, Step, WaferProgram, Work};
 
 use super::{site_of, ExecError, InstrSite};
 
@@ -43,6 +43,8 @@ pub(crate) struct InstrRun {
     route_slots: Vec<HashMap<RouteId, usize>>,
     /// Per step, the routes the schedule lists for it.
     listed: Vec<HashSet<RouteId>>,
+    /// The copy of a replicated expert's instruction that runs (0: the original).
+    pub(crate) copy: u32,
 }
 
 impl InstrRun {
@@ -61,15 +63,16 @@ impl InstrRun {
             work,
             orphan: HashMap::default(),
             operand_routes_to: OnceLock::new(),
+            copy: 0,
         }
     }
 
     /// The instruction's operand routes with `pe` among their destinations, in the order the
     /// placement lists them (a route listed twice, twice).
-    pub(super) fn operand_routes_to(&self, program: &WaferProgram, pe: Pe) -> &[RouteId] {
+    pub(super) fn operand_routes_to(&self, program: &WaferProgram, placement: &InstrPlacement, pe: Pe) -> &[RouteId] {
         let index = self.operand_routes_to.get_or_init(|| {
             let mut index: HashMap<Pe, Vec<RouteId>> = HashMap::default();
-            for &id in &program.instrs[self.instr as usize].operand_routes {
+            for &id in &placement.operand_routes {
                 let Some(route) = program.routes.get(id as usize) else { continue };
                 // A destination a route names twice still gets the listing once.
                 let mut destinations = route.destinations.clone();

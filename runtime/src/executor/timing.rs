@@ -148,6 +148,9 @@ pub struct StepSpan {
     pub op: String,
     pub layer: Option<u32>,
     pub expert: Option<u32>,
+    /// Which copy of a replicated expert ran (0: the original, or not an expert).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub copy: u32,
     pub phase: Phase,
     pub start_cycle: u64,
     /// `compute_cycles + comm_cycles + wait_cycles`.
@@ -826,6 +829,7 @@ impl Timeline {
                 op: placement.op.clone(),
                 layer: placement.layer,
                 expert: placement.expert,
+                copy: run.copy,
                 phase: step.phase,
                 start_cycle: at,
                 duration_cycles: duration,
@@ -1081,4 +1085,8 @@ pub(crate) fn report(
         busiest_links,
         steps: last.spans.clone(),
     }
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }

@@ -177,7 +177,8 @@ fn first_mismatch(
     let program = executor.program();
     for &instr in order {
         let (a, b) = (&ours[instr as usize], &theirs[instr as usize]);
-        let placement = &program.instrs[instr as usize];
+        // The copy that computed it, for an instruction of a replicated expert.
+        let placement = executor.placement(instr);
         let (difference, pe) = match (a, b) {
             (InstrValue::Tensor(x), InstrValue::Tensor(y)) => {
                 if x.len() != y.len() {

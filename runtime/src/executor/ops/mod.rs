@@ -18,7 +18,7 @@ impl Executor<'_> {
     /// Runs instruction `run.instr` on its PEs: the op's work as its placement lays it out.
     pub(super) fn execute(&mut self, state: &mut StepState, run: &mut InstrRun) -> Result<(), ExecError> {
         let instr = run.instr;
-        let placement = &self.program.instrs[instr as usize];
+        let placement = self.placement(instr);
         let op = self.module.body[waferc_ir::Handle::new(instr as usize)].op.clone();
         let segments = match &placement.result {
             ResultLayout::Vector(layout) => layout.segments.clone(),

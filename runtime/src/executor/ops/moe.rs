@@ -52,6 +52,12 @@ impl Executor<'_> {
         run.compute(pe, self.costs.flops(experts * (timing::EXP_FLOPS + timing::DIVIDE_FLOPS + 1)));
         state.held[run.instr as usize] = Held::Routing(routing.clone());
         run.begin(Phase::Deliver);
+        // The expert copies serving this step learn the decision on their own routes.
+        for (id, copies) in self.copy_inputs.get(&run.instr).map_or(&[][..], Vec::as_slice) {
+            if self.serves(copies) {
+                self.send(state, run, *id, pe, Payload::Routing(routing.clone()))?;
+            }
+        }
         self.send(state, run, route, pe, Payload::Routing(routing))
     }
 
@@ -79,7 +85,7 @@ impl Executor<'_> {
             for &expert_value in experts {
                 let value = expert_value.index();
                 let (Held::Segments(held), ResultLayout::Vector(layout)) =
-                    (&state.held[value], &self.program.instrs[value].result)
+                    (&state.held[value], &self.placement(value as InstrIndex).result)
                 else {
                     continue;
                 };
@@ -103,7 +109,7 @@ impl Executor<'_> {
                     site: run.site.clone(),
                     problem: format!("the routing chose expert {expert} of {}", experts.len()),
                 })?;
-                let ResultLayout::Vector(layout) = &self.program.instrs[value.index()].result else {
+                let ResultLayout::Vector(layout) = &self.placement(value.index() as InstrIndex).result else {
                     return Err(ExecError::Malformed {
                         site: run.site.clone(),
                         problem: format!("expert {expert}'s output is not a vector"),
