@@ -65,6 +65,10 @@ const MAX_CHUNKS_PER_TILE: u64 = 4;
 /// segment is one multicast to the PEs that read it, and multicasts to readers spread over the
 /// area cross each other, so they need a colour each.
 const MAX_SEGMENTS: u64 = 16;
+/// The most panels a tile grid is folded into: a PE row holds a row block of each panel, their
+/// reductions interleaved along it, and the reductions of sibling matvecs (separate q, k and v)
+/// run at the same time, so each panel costs a colour per sibling on every PE of the row.
+const MAX_PANELS: u64 = 4;
 /// The longest segment (8 KiB of f32): only the logits are long enough to need more than
 /// [`MAX_SEGMENTS`] of these, and nothing reads them on the wafer.
 const MAX_SEGMENT_ELEMENTS: u64 = 512;
@@ -365,7 +369,7 @@ impl Grid {
     /// the area's width.
     fn over(rows: u64, cols: u64, area: Rect, chunks_per_tile: u64) -> Option<Grid> {
         let col_blocks = cols.div_ceil(CHUNK).div_ceil(chunks_per_tile);
-        let panels = area.w as u64 / col_blocks;
+        let panels = (area.w as u64 / col_blocks).min(MAX_PANELS);
         if panels == 0 {
             return None;
         }
