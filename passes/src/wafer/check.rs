@@ -151,7 +151,15 @@ impl Visited {
     fn new(program: &WaferProgram) -> Self {
         let t = &program.target;
         let (cols, rows, wafers) = (t.grid_cols as usize, t.grid_rows as usize, t.wafers as usize);
-        Visited { cols, rows, wafers, mark: vec![0; cols * rows * wafers], walk: 0, outside: Vec::new(), pes: Vec::new() }
+        Visited {
+            cols,
+            rows,
+            wafers,
+            mark: vec![0; cols * rows * wafers],
+            walk: 0,
+            outside: Vec::new(),
+            pes: Vec::new(),
+        }
     }
 
     fn dense(&self, pe: Pe) -> Option<usize> {

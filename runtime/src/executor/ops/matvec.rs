@@ -107,10 +107,10 @@ impl Executor<'_> {
             };
             let root = single_source(run, route)?;
             let row_block = total_on.get(&root).copied().ok_or_else(|| ExecError::MalformedOnPe {
-                    site: run.site.clone(),
-                    pe: root,
-                    problem: format!("broadcast route {id} starts here, but no row block's total is here"),
-                })?;
+                site: run.site.clone(),
+                pe: root,
+                problem: format!("broadcast route {id} starts here, but no row block's total is here"),
+            })?;
             self.send(state, run, id, root, Payload::Data(partials[total_at[row_block]].clone()))?;
             for &pe in &route.destinations {
                 self.receive_data(state, run, id, root, pe, elements as usize)?;
