@@ -210,9 +210,14 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
             }
             report.records.push(record);
             report.records.extend(write_record);
-            std::fs::rename(&pending, &args.output).with_context(|| {
-                format!("could not move the chosen plan's artifact {} to {}", pending.display(), args.output.display())
-            })?;
+            if let Err(e) = std::fs::rename(&pending, &args.output) {
+                let _ = std::fs::remove_file(&pending);
+                return Err(anyhow::Error::new(e).context(format!(
+                    "could not move the chosen plan's artifact {} to {}",
+                    pending.display(),
+                    args.output.display()
+                )));
+            }
             (found.program, found.candidates)
         }
     };
@@ -229,11 +234,13 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Where the plan search keeps the best candidate's artifact so far: a hidden file beside the
-/// output (the same file system, so the final rename is atomic).
+/// Where the plan search keeps the best candidate's artifact so far: a temporary file beside the
+/// output (the same file system, so the final rename is atomic), named like the artifact
+/// writer's own temporary files.
 fn search_file(output: &std::path::Path) -> PathBuf {
-    let name = output.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    output.with_file_name(format!(".{name}.plan-search"))
+    let mut name = output.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}-plan-search", std::process::id()));
+    output.with_file_name(name)
 }
 
 fn pipeline_names(passes: &[Box<dyn waferc_passes::Pass>]) -> String {
