@@ -6,9 +6,10 @@
 //! shares (a small model's layers run faster on small regions, whose collectives are short; a
 //! large one needs the whole wafer's SRAM). A candidate whose weights cannot fit the PEs it may
 //! use is skipped without lowering. The search is deterministic: candidates are evaluated one
-//! after another (so memory holds at most two lowered programs), and the winner is the one with
-//! the fewest modeled cycles, ties going to the earlier candidate.
-
+//! after another, and the winner is the one with the fewest modeled cycles, ties going to the
+//! earlier candidate. A candidate faster than every one so far is checked at once and handed to
+//! the caller's `keep` (the compile command writes its artifact then), so no lowered program is
+//! held while the next candidate lowers: memory holds one program at a time.
 use std::time::Instant;
 
 use serde::Serialize;
@@ -65,9 +66,10 @@ pub fn candidates(module: &Module) -> Vec<Plan> {
     plans
 }
 
-/// What the search found: the chosen program and every candidate's record.
-pub struct Found {
-    pub program: WaferProgram,
+/// What the search found: the chosen program (or what `keep` made of it) and every candidate's
+/// record.
+pub struct Found<T = WaferProgram> {
+    pub program: T,
     pub plan: Plan,
     pub candidates: Vec<Candidate>,
 }
@@ -75,23 +77,34 @@ pub struct Found {
 /// Lowers `module` with each candidate plan (the other options as in `base`), times each, and
 /// returns the fastest the checker accepts. Fails with the first candidate's error when none lowers.
 pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow::Result<Found> {
+    search_keeping(module, target, base, |program| Ok(program))
+}
+
+/// [`search`], handing each candidate that is faster than all before it and passes the checker
+/// to `keep` at once and holding only what `keep` returns (the last such is the winner's).
+pub fn search_keeping<T>(
+    module: &Module,
+    target: &Target,
+    base: &CompileOptions,
+    mut keep: impl FnMut(WaferProgram) -> anyhow::Result<T>,
+) -> anyhow::Result<Found<T>> {
     let plans = candidates(module);
     let weight_bytes: u64 = module.weights.iter().filter_map(|(_, w)| w.ty.bytes()).sum();
     let params = target.params();
     let wafer_bytes = params.grid_cols as u64 * params.grid_rows as u64 * params.usable_bytes_per_pe() as u64;
 
-    struct Lowered {
+    struct Kept<T> {
         index: usize,
         cycles: u64,
-        program: WaferProgram,
+        kept: T,
     }
-    // One candidate at a time, each program dropped as soon as a faster one is timed: memory
-    // holds at most the best program so far and the one being lowered (a lowered 8B program
-    // is about a gigabyte; lowering candidates side by side on threads held several). The
-    // last candidates go first: the stacked plan's larger groups are the largest lowerings,
-    // best done while no program is held yet. The order changes nothing else.
+    // One candidate at a time; a program is dropped once it is timed, or once `keep` has it
+    // (a lowered 8B program is gigabytes). The last candidates go first: the stacked plan's
+    // larger groups are the largest lowerings, and usually the fastest, so later candidates are
+    // rarely faster and rarely checked. The order changes nothing else: the winner is the least
+    // (cycles, index) that the checker accepts.
     let mut records: Vec<Option<Record>> = (0..plans.len()).map(|_| None).collect();
-    let mut best: Option<Lowered> = None;
+    let mut best: Option<Kept<T>> = None;
     for (index, &plan) in plans.iter().enumerate().rev() {
         let start = Instant::now();
         let mut candidate = Candidate {
@@ -139,7 +152,13 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
                     candidate.pes_used = Some(program.pes.len());
                     // A tie goes to the earlier candidate.
                     if best.as_ref().is_none_or(|b| (cycles, index) < (b.cycles, b.index)) {
-                        best = Some(Lowered { index, cycles, program });
+                        match lowering::check(&program, module) {
+                            Ok(()) => best = Some(Kept { index, cycles, kept: keep(program)? }),
+                            Err(e) => {
+                                candidate.lost_because = Some(format!("rejected by the placement checker: {e}"));
+                                error = Some(anyhow::Error::new(e));
+                            }
+                        }
                     }
                 }
                 Err(e) => {
@@ -152,31 +171,15 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
         records[index] = Some((candidate, error));
     }
     let mut records: Vec<Record> = records.into_iter().map(|r| r.expect("every plan ran")).collect();
-    let Some(mut best) = best else {
+    let Some(best) = best else {
+        let rejected = records.iter().any(|(c, _)| c.lost_because.as_ref().is_some_and(|w| w.starts_with("rejected")));
         let first = records.iter_mut().find_map(|(_, e)| e.take());
-        return Err(first.unwrap_or_else(|| anyhow::anyhow!("no candidate plan fits {}", target.name)));
+        return Err(match (first, rejected) {
+            (Some(e), true) => e.context("the placement checker rejected every candidate plan that lowered"),
+            (Some(e), false) => e,
+            (None, _) => anyhow::anyhow!("no candidate plan fits {}", target.name),
+        });
     };
-    // Only the winner is checked; if the checker rejects it, the next fastest is lowered again.
-    loop {
-        match lowering::check(&best.program, module) {
-            Ok(()) => break,
-            Err(e) => {
-                records[best.index].0.lost_because = Some(format!("rejected by the placement checker: {e}"));
-                let next = records
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, (c, _))| c.lost_because.is_none())
-                    .filter(|(i, _)| *i != best.index)
-                    .filter_map(|(i, (c, _))| c.cycles_per_token.map(|cycles| (cycles, i)))
-                    .min();
-                let Some((cycles, index)) = next else {
-                    return Err(anyhow::Error::new(e).context("the placement checker rejected every candidate plan"));
-                };
-                let (program, _) = evaluate(module, target, base, plans[index])?;
-                best = Lowered { index, cycles, program };
-            }
-        }
-    }
     for (i, (c, _)) in records.iter_mut().enumerate() {
         if i == best.index {
             c.chosen = true;
@@ -189,11 +192,7 @@ pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow
             ));
         }
     }
-    Ok(Found {
-        program: best.program,
-        plan: plans[best.index],
-        candidates: records.into_iter().map(|(c, _)| c).collect(),
-    })
+    Ok(Found { program: best.kept, plan: plans[best.index], candidates: records.into_iter().map(|(c, _)| c).collect() })
 }
 
 /// Lowers `module` with `plan` and times one decode step (position 0, token 0) on the
@@ -206,10 +205,8 @@ fn evaluate(
 ) -> anyhow::Result<(WaferProgram, u64)> {
     let program = lowering::compile(module, target, &CompileOptions { plan, ..base.clone() })?;
     let options = ExecOptions { timing_only: true, record_values: false };
-    let cycles = {
-        let mut wafer = Executor::new(&program, module, None, options)?;
-        wafer.step(0)?;
-        wafer.timing_report(1).map(|r| r.cycles_per_token).unwrap_or(u64::MAX)
-    };
+    // The step's cycles are the timing report's cycles per token for a one-token run; the
+    // report's other views (prefill, busiest links) are not needed to rank plans.
+    let cycles = Executor::new(&program, module, None, options)?.step(0)?.timing.cycles.max(1);
     Ok((program, cycles))
 }

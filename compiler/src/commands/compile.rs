@@ -156,7 +156,7 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
         expert_order,
         ..CompileOptions::default()
     };
-    let (program, candidates) = match plan {
+    let (summary, candidates) = match plan {
         Some(plan) => {
             let options = CompileOptions { plan, ..base };
             let bar = session::spinner(format!("lowering onto {}", target.name));
@@ -168,33 +168,79 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
             checked
                 .with_context(|| format!("the placement checker rejected the compiled program for {}", target.name))?;
             report.records.push(record);
-            (program, Vec::new())
+            let summary = Summary::of(&program, &module, &args);
+            let compiled = artifact::Artifact::new(program, module).with_tokenizer(tokenizer_json);
+            let (written, record) = timed("write-artifact", || artifact::write(&args.output, &compiled));
+            written?;
+            report.records.push(record);
+            (summary, Vec::new())
         }
         None => {
+            // Each candidate faster than all before it is written at once to a file beside the
+            // output (so no lowered program is held while the next one lowers); the winner's
+            // file is renamed to the output at the end, and any other is removed.
+            let pending = search_file(&args.output);
+            // The writes are timed on their own row (all of them, when several candidates were
+            // the fastest so far in turn), and taken out of the search's row.
+            let mut write_record: Option<PassRecord> = None;
+            let write_candidate = |program: WaferProgram| -> anyhow::Result<Summary> {
+                let summary = Summary::of(&program, &module, &args);
+                let compiled = artifact::Artifact::new(program, module.clone()).with_tokenizer(tokenizer_json.clone());
+                let (written, mut record) = timed("write-artifact", || artifact::write(&pending, &compiled));
+                if let Some(earlier) = &write_record {
+                    record.wall += earlier.wall;
+                }
+                write_record = Some(record);
+                written?;
+                Ok(summary)
+            };
             let bar = session::spinner(format!("searching plans for {}", target.name));
-            let (found, record) = timed("plan-search", || plan_search::search(&module, &target, &base));
+            let (found, mut record) =
+                timed("plan-search", || plan_search::search_keeping(&module, &target, &base, write_candidate));
             bar.finish_and_clear();
-            let found = found?;
+            let found = match found {
+                Ok(found) => found,
+                Err(e) => {
+                    let _ = std::fs::remove_file(&pending);
+                    return Err(e);
+                }
+            };
+            if let Some(write) = &write_record {
+                record.wall = record.wall.saturating_sub(write.wall);
+            }
             report.records.push(record);
+            report.records.extend(write_record);
+            if let Err(e) = std::fs::rename(&pending, &args.output) {
+                let _ = std::fs::remove_file(&pending);
+                return Err(anyhow::Error::new(e).context(format!(
+                    "could not move the chosen plan's artifact {} to {}",
+                    pending.display(),
+                    args.output.display()
+                )));
+            }
             (found.program, found.candidates)
         }
     };
 
-    let compiled = artifact::Artifact::new(program, module).with_tokenizer(tokenizer_json);
-    let (written, record) = timed("write-artifact", || artifact::write(&args.output, &compiled));
-    written?;
-    report.records.push(record);
-
     if args.time_passes {
         eprint!("{}", report.time_table());
     }
-    let summary = Summary::of(&compiled.program, &compiled.module, &args, &report, start.elapsed(), candidates);
+    let summary = summary.finish(&args, &report, start.elapsed(), candidates);
     if args.json {
         println!("{}", summary.json());
     } else {
         println!("{}", summary.text());
     }
     Ok(())
+}
+
+/// Where the plan search keeps the best candidate's artifact so far: a temporary file beside the
+/// output (the same file system, so the final rename is atomic), named like the artifact
+/// writer's own temporary files.
+fn search_file(output: &std::path::Path) -> PathBuf {
+    let mut name = output.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}-plan-search", std::process::id()));
+    output.with_file_name(name)
 }
 
 fn pipeline_names(passes: &[Box<dyn waferc_passes::Pass>]) -> String {
@@ -312,14 +358,8 @@ fn weight_formats(program: &WaferProgram, module: &Module) -> (Vec<FormatUse>, u
 }
 
 impl Summary {
-    fn of(
-        program: &WaferProgram,
-        module: &Module,
-        args: &CompileArgs,
-        report: &PassReport,
-        elapsed: Duration,
-        candidates: Vec<Candidate>,
-    ) -> Summary {
+    /// What the program tells (the rest is filled in by [`Summary::finish`] once it is written).
+    fn of(program: &WaferProgram, module: &Module, args: &CompileArgs) -> Summary {
         let t = &program.target;
         let (formats, pes_without_weights) = weight_formats(program, module);
         Summary {
@@ -334,6 +374,19 @@ impl Summary {
             routes: program.routes.len(),
             tile_bytes: program.tile_blob_len,
             weights_present: program.weights_present,
+            artifact_bytes: 0,
+            seconds: 0.0,
+            passes: Vec::new(),
+            formats,
+            pes_without_weights,
+            candidates: Vec::new(),
+        }
+    }
+
+    /// The summary with the written artifact's size, the passes' records, the time taken and
+    /// the plan search's candidates.
+    fn finish(self, args: &CompileArgs, report: &PassReport, elapsed: Duration, candidates: Vec<Candidate>) -> Summary {
+        Summary {
             artifact_bytes: std::fs::metadata(&args.output).map(|m| m.len()).unwrap_or(0),
             seconds: elapsed.as_secs_f64(),
             passes: report
@@ -355,9 +408,8 @@ impl Summary {
                     })
                 })
                 .collect(),
-            formats,
-            pes_without_weights,
             candidates,
+            ..self
         }
     }
 

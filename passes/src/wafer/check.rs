@@ -135,6 +135,103 @@ impl<'a> Images<'a> {
     }
 }
 
+/// The PEs one route's walk has visited, each once: a mark per PE of the target (a set per
+/// route rehashes as long routes grow), a list for a PE off the target.
+struct Visited {
+    cols: usize,
+    rows: usize,
+    wafers: usize,
+    /// Per dense PE index, the walk that last visited it.
+    mark: Vec<u32>,
+    walk: u32,
+    outside: Vec<Pe>,
+    /// The visited PEs, in visiting order.
+    pes: Vec<Pe>,
+}
+
+impl Visited {
+    fn new(program: &WaferProgram) -> Self {
+        let t = &program.target;
+        let (cols, rows, wafers) = (t.grid_cols as usize, t.grid_rows as usize, t.wafers as usize);
+        Visited {
+            cols,
+            rows,
+            wafers,
+            mark: vec![0; cols * rows * wafers],
+            walk: 0,
+            outside: Vec::new(),
+            pes: Vec::new(),
+        }
+    }
+
+    fn dense(&self, pe: Pe) -> Option<usize> {
+        let (x, y, w) = (pe.x as usize, pe.y as usize, pe.wafer as usize);
+        (x < self.cols && y < self.rows && w < self.wafers).then_some((w * self.rows + y) * self.cols + x)
+    }
+
+    /// Starts the next walk with nothing visited.
+    fn start(&mut self) {
+        self.walk += 1;
+        self.outside.clear();
+        self.pes.clear();
+    }
+
+    fn contains(&self, pe: Pe) -> bool {
+        match self.dense(pe) {
+            Some(d) => self.mark[d] == self.walk,
+            None => self.outside.contains(&pe),
+        }
+    }
+
+    fn insert(&mut self, pe: Pe) {
+        if self.contains(pe) {
+            return;
+        }
+        match self.dense(pe) {
+            Some(d) => self.mark[d] = self.walk,
+            None => self.outside.push(pe),
+        }
+        self.pes.push(pe);
+    }
+}
+
+/// Per PE image (position in `program.pes`), the instructions its regions serve, sorted: a
+/// reduction's every leaf is checked to hold its instruction's state, and scanning the image's
+/// regions for each leaf costs as much as the image is large (a stacked region's PE holds tiles
+/// of every layer of its group).
+struct InstrsHeld {
+    starts: Vec<u32>,
+    instrs: Vec<u32>,
+}
+
+impl InstrsHeld {
+    fn new(program: &WaferProgram) -> Self {
+        let mut starts = Vec::with_capacity(program.pes.len() + 1);
+        let mut instrs = Vec::new();
+        starts.push(0);
+        for image in &program.pes {
+            let start = instrs.len();
+            instrs.extend(image.regions.iter().filter_map(|r| r.instr));
+            instrs[start..].sort_unstable();
+            let mut kept = start;
+            for i in start..instrs.len() {
+                if kept == start || instrs[kept - 1] != instrs[i] {
+                    instrs[kept] = instrs[i];
+                    kept += 1;
+                }
+            }
+            instrs.truncate(kept);
+            starts.push(instrs.len() as u32);
+        }
+        InstrsHeld { starts, instrs }
+    }
+
+    /// Whether image `at` holds a region of `instr`.
+    fn holds(&self, at: usize, instr: u32) -> bool {
+        self.instrs[self.starts[at] as usize..self.starts[at + 1] as usize].binary_search(&instr).is_ok()
+    }
+}
+
 /// Whether one instruction reads another's result, through any chain of operands: a search in
 /// the module's dependency graph, remembered per pair.
 struct Reads<'g> {
@@ -724,12 +821,16 @@ impl<'a> Checker<'a> {
         by_id
     }
 
-    /// The PEs a route's runs visit, in order, or the problem with its path.
-    fn walk(&self, route: &Route) -> Result<HashSet<Pe>, (Option<Pe>, String)> {
+    /// Walks a route's runs, leaving the PEs they visit in `visited`, or gives the problem with
+    /// its path.
+    fn walk(&self, route: &Route, visited: &mut Visited) -> Result<(), (Option<Pe>, String)> {
         let params = &self.program.target;
-        let mut at: HashSet<Pe> = route.sources.iter().copied().collect();
+        visited.start();
+        for &pe in &route.sources {
+            visited.insert(pe);
+        }
         for run in &route.path {
-            if !at.contains(&run.from) {
+            if !visited.contains(run.from) {
                 return Err((Some(run.from), format!("a run starts at {} where the route has not been", run.from)));
             }
             if !params.contains(run.from) || !params.contains(run.to) {
@@ -739,7 +840,7 @@ impl<'a> Checker<'a> {
                 if run.from.wafer.abs_diff(run.to.wafer) != 1 {
                     return Err((Some(run.from), "an inter-wafer hop skips a wafer".into()));
                 }
-                at.insert(run.to);
+                visited.insert(run.to);
                 continue;
             }
             if run.from.x != run.to.x && run.from.y != run.to.y {
@@ -751,16 +852,16 @@ impl<'a> Checker<'a> {
             let (a, b) = (run.from, run.to);
             for x in a.x.min(b.x)..=a.x.max(b.x) {
                 for y in a.y.min(b.y)..=a.y.max(b.y) {
-                    at.insert(Pe::new(a.wafer, x, y));
+                    visited.insert(Pe::new(a.wafer, x, y));
                 }
             }
         }
         for d in &route.destinations {
-            if !at.contains(d) {
+            if !visited.contains(*d) {
                 return Err((Some(*d), "the route never reaches this destination".into()));
             }
         }
-        Ok(at)
+        Ok(())
     }
 
     /// Route endpoints hold what the route moves: a reduction's and a broadcast's PEs hold state
@@ -769,8 +870,8 @@ impl<'a> Checker<'a> {
     fn endpoints(&mut self) {
         let program = self.program;
         let images = self.images;
-        let holds_instr =
-            |pe: Pe, instr: u32| images.get(pe).is_some_and(|img| img.regions.iter().any(|r| r.instr == Some(instr)));
+        let held = InstrsHeld::new(program);
+        let holds_instr = |pe: Pe, instr: u32| images.position(pe).is_some_and(|at| held.holds(at, instr));
         let holds_output = |pe: Pe, instr: u32, elements: &Range<u64>| {
             images.get(pe).is_some_and(|img| {
                 img.regions.iter().any(|r| {
@@ -827,6 +928,7 @@ impl<'a> Checker<'a> {
         order.sort_by_key(|(_, r)| (r.instr, step(r), r.id));
         let graph = DependencyGraph::new(self.module);
         let mut reads = Reads::new(&graph);
+        let mut visited = Visited::new(self.program);
         for (position, route) in order {
             if route.sources.is_empty() || route.destinations.is_empty() {
                 self.report(None, Some(route.id), Some(route.instr), "has no source or no destination".into());
@@ -841,15 +943,12 @@ impl<'a> Checker<'a> {
                 );
                 continue;
             }
-            let pes = match self.walk(route) {
-                Ok(pes) => pes,
-                Err((pe, message)) => {
-                    self.report(pe, Some(route.id), Some(route.instr), message);
-                    continue;
-                }
-            };
+            if let Err((pe, message)) = self.walk(route, &mut visited) {
+                self.report(pe, Some(route.id), Some(route.instr), message);
+                continue;
+            }
             let mut clash: Option<(Pe, &Route)> = None;
-            for pe in &pes {
+            for pe in &visited.pes {
                 let slot = &mut last[index(*pe, route.colour)];
                 if *slot != u32::MAX && *slot != position as u32 {
                     let other = &self.program.routes[*slot as usize];

@@ -326,12 +326,17 @@ fn conflict_graph_of(routes: &[Route], pes: &[Vec<u32>], params: &TargetParams, 
     }
     // `seen_by[s] == r`: the pair (r, s) was already considered.
     let mut seen_by = vec![u32::MAX; routes.len()];
+    // Each PE's routes are listed in increasing order and routes are taken in that order, so
+    // the routes after `r` at `p` start past the `done[p]` routes already taken there.
+    let mut done = vec![0u32; pe_count];
     let mut later = Vec::new();
     for (r, list) in pes.iter().enumerate() {
         later.clear();
         for &p in list {
-            for &s in &pe_routes[starts[p as usize] as usize..starts[p as usize + 1] as usize] {
-                if s as usize > r && seen_by[s as usize] != r as u32 {
+            let p = p as usize;
+            done[p] += 1;
+            for &s in &pe_routes[(starts[p] + done[p]) as usize..starts[p + 1] as usize] {
+                if seen_by[s as usize] != r as u32 {
                     seen_by[s as usize] = r as u32;
                     later.push(s);
                 }

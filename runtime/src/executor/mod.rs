@@ -169,6 +169,10 @@ pub struct Executor<'p> {
     kv: HashMap<(InstrIndex, usize, usize), KvBlockState>,
     /// Destinations of each route, sorted (membership tests on big multicasts).
     destinations: Vec<Vec<Pe>>,
+    /// The most messages a step can send: one per route source. A step's message map is made
+    /// this large at once, so it never rehashes (on a large program, growing it held the old
+    /// and the new table together, hundreds of megabytes).
+    most_messages: usize,
     costs: timing::CostModel,
     /// The sequence the steps feed, and its position.
     sequence: u32,
@@ -289,6 +293,7 @@ impl<'p> Executor<'p> {
                 d
             })
             .collect();
+        let most_messages = program.routes.iter().map(|r| r.sources.len()).sum();
         let costs = timing::CostModel::new(program)?;
         Ok(Executor {
             program,
@@ -307,6 +312,7 @@ impl<'p> Executor<'p> {
             rope_frequencies,
             kv: HashMap::default(),
             destinations,
+            most_messages,
             costs,
             sequence: 0,
             position: 0,
@@ -432,7 +438,7 @@ impl<'p> Executor<'p> {
     fn run_step(&mut self, token: u32) -> Result<StepResult, ExecError> {
         let mut state = StepState {
             held: vec![Held::Pending; self.module.body.len()],
-            messages: HashMap::default(),
+            messages: HashMap::with_capacity_and_hasher(self.most_messages, Default::default()),
             token,
             timeline: timing::Timeline::new(self.program, &self.costs),
         };

@@ -754,19 +754,25 @@ impl Timeline {
         reach: &[(RouteId, u64)],
         comm_start: u64,
     ) -> (u64, u64) {
-        // (destination, end with contention, end without) of the reductions and broadcasts so
-        // far: later ones may wait on them.
-        let mut collective_ends: Vec<(Pe, u64, u64)> = Vec::new();
+        // Per destination PE of the reductions and broadcasts so far, the latest end with
+        // contention and without: later ones starting there wait on them. (Kept as the latest
+        // per PE, not a list scanned per route: a large matvec has thousands of reductions.)
+        let mut collective_ends: HashMap<Pe, (u64, u64)> = HashMap::default();
+        // The first reach listed for each route.
+        let mut reach_of: HashMap<RouteId, u64> = HashMap::default();
+        for &(r, latency) in reach {
+            reach_of.entry(r).or_insert(latency);
+        }
         let (mut end, mut free_end) = (comm_start, comm_start);
         for &(id, messages) in routes {
             let route = &program.routes[id as usize];
-            let farthest = reach.iter().find(|(r, _)| *r == id).map(|&(_, latency)| latency);
+            let farthest = reach_of.get(&id).copied();
             let cycles = costs.route_cycles(route, messages, farthest);
             let collective = matches!(route.kind, RouteKind::Reduce { .. } | RouteKind::Statistic { .. });
             let (mut after, mut after_free) = (comm_start, comm_start);
             if collective {
-                for &(pe, e, f) in &collective_ends {
-                    if route.sources.contains(&pe) {
+                for pe in &route.sources {
+                    if let Some(&(e, f)) = collective_ends.get(pe) {
                         after = after.max(e);
                         after_free = after_free.max(f);
                     }
@@ -775,7 +781,11 @@ impl Timeline {
             self.gather_links(costs, route, messages);
             let start = self.occupy(costs, route.kind.is_multicast(), after);
             if collective {
-                collective_ends.extend(route.destinations.iter().map(|&pe| (pe, start + cycles, after_free + cycles)));
+                for &pe in &route.destinations {
+                    let latest = collective_ends.entry(pe).or_insert((0, 0));
+                    latest.0 = latest.0.max(start + cycles);
+                    latest.1 = latest.1.max(after_free + cycles);
+                }
             }
             end = end.max(start + cycles);
             free_end = free_end.max(after_free + cycles);

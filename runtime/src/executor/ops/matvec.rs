@@ -1,6 +1,7 @@
 //! Matrix-vector product: per-tile dot products, row-block reductions and broadcasts, then the
 //! bias and the collect into result segments.
 
+use rustc_hash::FxHashMap as HashMap;
 use waferc_ir::wafer::{MatVecPlacement, Pe, Phase, Route, RouteKind, Segment};
 use waferc_ir::BLOCK;
 
@@ -70,13 +71,14 @@ impl Executor<'_> {
 
         // Where each row block's running total is: its first tile until a reduction moves it.
         let mut total_at: Vec<usize> = (0..p.row_blocks as usize).map(|r| r * p.col_blocks as usize).collect();
+        let tiles_by_pe = TilesByPe::new(p);
         run.begin(Phase::Reduce);
         for &id in &p.reductions {
             let route = self.route(run, id)?;
-            let row_block = reduction_row_block(run, route, p)?;
+            let row_block = reduction_row_block(run, route, p, &tiles_by_pe)?;
             let site = run.site.clone();
             let tile_on = |pe: Pe| -> Result<usize, ExecError> {
-                tile_of_row_block(p, row_block, pe).ok_or_else(|| ExecError::MalformedOnPe {
+                tiles_by_pe.in_row_block(p, row_block, pe).ok_or_else(|| ExecError::MalformedOnPe {
                     site: site.clone(),
                     pe,
                     problem: format!("reduction route {id} reaches it, but it holds no tile of row block {row_block}"),
@@ -91,18 +93,24 @@ impl Executor<'_> {
         }
 
         run.begin(Phase::Broadcast);
+        // The first row block whose total is on each PE (what a broadcast's root sends).
+        let mut total_on: HashMap<Pe, usize> = HashMap::default();
+        if !p.broadcasts.is_empty() {
+            for (row_block, &t) in total_at.iter().enumerate() {
+                total_on.entry(p.tiles[t].pe).or_insert(row_block);
+            }
+        }
         for &id in &p.broadcasts {
             let route = self.route(run, id)?;
             let RouteKind::Statistic { elements } = route.kind else {
                 return Err(route_kind_error(run, route, "a broadcast of reduced rows"));
             };
             let root = single_source(run, route)?;
-            let row_block =
-                total_at.iter().position(|&t| p.tiles[t].pe == root).ok_or_else(|| ExecError::MalformedOnPe {
-                    site: run.site.clone(),
-                    pe: root,
-                    problem: format!("broadcast route {id} starts here, but no row block's total is here"),
-                })?;
+            let row_block = total_on.get(&root).copied().ok_or_else(|| ExecError::MalformedOnPe {
+                site: run.site.clone(),
+                pe: root,
+                problem: format!("broadcast route {id} starts here, but no row block's total is here"),
+            })?;
             self.send(state, run, id, root, Payload::Data(partials[total_at[row_block]].clone()))?;
             for &pe in &route.destinations {
                 self.receive_data(state, run, id, root, pe, elements as usize)?;
@@ -142,25 +150,57 @@ impl Executor<'_> {
     }
 }
 
-/// The row block a matvec reduction combines: the one with a tile on every source.
-fn reduction_row_block(run: &InstrRun, route: &Route, p: &MatVecPlacement) -> Result<usize, ExecError> {
+/// A matvec's tile indices by PE, in tile order per PE: the reductions look tiles up by PE for
+/// every leaf, and a scan of a row block (or of every row block) per leaf grows as the square of
+/// the grid on a large region.
+struct TilesByPe(Vec<(Pe, usize)>);
+
+impl TilesByPe {
+    fn new(p: &MatVecPlacement) -> Self {
+        let mut by_pe: Vec<(Pe, usize)> = p.tiles.iter().enumerate().map(|(t, tile)| (tile.pe, t)).collect();
+        by_pe.sort_unstable();
+        TilesByPe(by_pe)
+    }
+
+    /// The tiles on `pe`, in tile order.
+    fn on(&self, pe: Pe) -> impl Iterator<Item = usize> + '_ {
+        let start = self.0.partition_point(|(q, _)| *q < pe);
+        self.0[start..].iter().take_while(move |(q, _)| *q == pe).map(|&(_, t)| t)
+    }
+
+    /// The first tile of row block `row_block` on `pe`.
+    fn in_row_block(&self, p: &MatVecPlacement, row_block: usize, pe: Pe) -> Option<usize> {
+        let cols = p.col_blocks as usize;
+        let first = (pe, row_block * cols);
+        let at = self.0.partition_point(|entry| *entry < first);
+        self.0.get(at).filter(|&&(q, t)| q == pe && t < (row_block + 1) * cols).map(|&(_, t)| t)
+    }
+}
+
+/// The row block a matvec reduction combines: the first one with a tile on every source (and,
+/// with sources, one of the row blocks of the first source's tiles).
+fn reduction_row_block(
+    run: &InstrRun,
+    route: &Route,
+    p: &MatVecPlacement,
+    tiles_by_pe: &TilesByPe,
+) -> Result<usize, ExecError> {
     let elements = match route.kind {
         RouteKind::Reduce { elements, .. } => elements as u64,
         _ => return Err(route_kind_error(run, route, "a reduction")),
     };
-    (0..p.row_blocks as usize)
-        .find(|&r| {
-            let first = &p.tiles[r * p.col_blocks as usize];
-            first.rows.end - first.rows.start == elements
-                && route.sources.iter().all(|&pe| tile_of_row_block(p, r, pe).is_some())
-        })
-        .ok_or_else(|| ExecError::Malformed {
-            site: run.site.clone(),
-            problem: format!("reduction route {} does not match the tiles of any row block", route.id),
-        })
-}
-
-fn tile_of_row_block(p: &MatVecPlacement, row_block: usize, pe: Pe) -> Option<usize> {
     let cols = p.col_blocks as usize;
-    (row_block * cols..(row_block + 1) * cols).find(|&t| p.tiles[t].pe == pe)
+    let fits = |r: usize| {
+        let first = &p.tiles[r * cols];
+        first.rows.end - first.rows.start == elements
+            && route.sources.iter().all(|&pe| tiles_by_pe.in_row_block(p, r, pe).is_some())
+    };
+    let found = match route.sources.first() {
+        Some(&pe) => tiles_by_pe.on(pe).map(|t| t / cols).find(|&r| fits(r)),
+        None => (0..p.row_blocks as usize).find(|&r| fits(r)),
+    };
+    found.ok_or_else(|| ExecError::Malformed {
+        site: run.site.clone(),
+        problem: format!("reduction route {} does not match the tiles of any row block", route.id),
+    })
 }
