@@ -77,7 +77,7 @@ pub struct Found<T = WaferProgram> {
 /// Lowers `module` with each candidate plan (the other options as in `base`), times each, and
 /// returns the fastest the checker accepts. Fails with the first candidate's error when none lowers.
 pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow::Result<Found> {
-    search_keeping(module, target, base, |program| Ok(program))
+    search_keeping(module, target, base, Ok)
 }
 
 /// [`search`], handing each candidate that is faster than all before it and passes the checker
