@@ -699,8 +699,9 @@ pub struct Step {
     pub routes: Vec<RouteId>,
 }
 
-/// What a step does. An instruction's steps are consecutive, in the order listed here.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// What a step does. An instruction's steps are consecutive, in the order listed here (the
+/// derived `Ord`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Phase {
     /// `expert_combine` and the embedding: gather inputs along the `Collect` routes.
     Gather,

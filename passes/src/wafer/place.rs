@@ -478,21 +478,7 @@ impl<'a> Placer<'a> {
                         readers.push((r, c, m));
                     }
                 }
-                destinations.sort_unstable();
-                destinations.dedup();
-                destinations.retain(|d| *d != seg.pe);
-                if destinations.is_empty() {
-                    continue;
-                }
-                let path = route::multicast(seg.pe, &destinations, self.route_band);
-                let id = self.add_route(
-                    value,
-                    RouteKind::Operand { value: value as u32, elements: seg.elements.clone() },
-                    vec![seg.pe],
-                    destinations,
-                    vec![path],
-                    (seg.elements.end - seg.elements.start) * F32,
-                );
+                let Some(id) = self.operand_multicast(value, seg, destinations) else { continue };
                 self.copy_inputs.push((value, id));
                 for (r, c, m) in readers {
                     push_unique(&mut self.replicas[r].copies[c][m].operand_routes, id);
@@ -1124,6 +1110,26 @@ impl<'a> Placer<'a> {
         mv.collects = self.collect_routes(i, layout, &pieces);
     }
 
+    /// One multicast of `seg` of value `value` to `destinations` (sorted, deduplicated, the
+    /// segment's own PE left out); `None` when no destination is left.
+    fn operand_multicast(&mut self, value: usize, seg: &Segment, mut destinations: Vec<Pe>) -> Option<RouteId> {
+        destinations.sort_unstable();
+        destinations.dedup();
+        destinations.retain(|d| *d != seg.pe);
+        if destinations.is_empty() {
+            return None;
+        }
+        let path = route::multicast(seg.pe, &destinations, self.route_band);
+        Some(self.add_route(
+            value,
+            RouteKind::Operand { value: value as u32, elements: seg.elements.clone() },
+            vec![seg.pe],
+            destinations,
+            vec![path],
+            (seg.elements.end - seg.elements.start) * F32,
+        ))
+    }
+
     /// The deliveries of instruction `i`'s result: per segment, one multicast to every PE of every
     /// reader that needs part of it.
     fn deliver(&mut self, i: usize) {
@@ -1146,21 +1152,7 @@ impl<'a> Placer<'a> {
                     reached.push((reader, None));
                 }
             }
-            destinations.sort_unstable();
-            destinations.dedup();
-            destinations.retain(|d| *d != seg.pe);
-            if destinations.is_empty() {
-                continue;
-            }
-            let path = route::multicast(seg.pe, &destinations, self.route_band);
-            let id = self.add_route(
-                i,
-                RouteKind::Operand { value: i as u32, elements: seg.elements.clone() },
-                vec![seg.pe],
-                destinations,
-                vec![path],
-                (seg.elements.end - seg.elements.start) * F32,
-            );
+            let Some(id) = self.operand_multicast(i, seg, destinations) else { continue };
             self.placements[i].deliveries.push(id);
             for (reader, head_role) in reached {
                 match head_role {
@@ -1267,26 +1259,10 @@ impl<'a> Placer<'a> {
                     None => phases.push((Phase::Deliver, inputs)),
                 }
             }
-            phases.sort_by_key(|(phase, _)| phase_order(*phase));
+            phases.sort_by_key(|(phase, _)| *phase);
             steps.extend(phases.into_iter().map(|(phase, routes)| Step { instr: i as u32, phase, routes }));
         }
         steps
-    }
-}
-
-/// The order of an instruction's phases in the schedule (the executor requires it).
-fn phase_order(phase: Phase) -> u8 {
-    match phase {
-        Phase::Gather => 0,
-        Phase::Compute => 1,
-        Phase::Reduce => 2,
-        Phase::Broadcast => 3,
-        Phase::Finish => 4,
-        Phase::AttentionMax => 5,
-        Phase::AttentionSum => 6,
-        Phase::AttentionOut => 7,
-        Phase::Collect => 8,
-        Phase::Deliver => 9,
     }
 }
 

@@ -157,7 +157,7 @@ pub(super) fn schedule_runs(program: &WaferProgram) -> Result<Vec<(InstrIndex, R
         match runs.last_mut() {
             Some((instr, range)) if *instr == step.instr => {
                 let previous = &program.schedule[i - 1];
-                if phase_rank(previous.phase) >= phase_rank(step.phase) {
+                if previous.phase >= step.phase {
                     return Err(ExecError::Schedule {
                         problem: format!(
                             "step {i} of %{} is {:?} after {:?}: phases must be in order, one step each",
@@ -186,19 +186,4 @@ pub(super) fn schedule_runs(program: &WaferProgram) -> Result<Vec<(InstrIndex, R
         }
     }
     Ok(runs)
-}
-
-fn phase_rank(phase: Phase) -> u8 {
-    match phase {
-        Phase::Gather => 0,
-        Phase::Compute => 1,
-        Phase::Reduce => 2,
-        Phase::Broadcast => 3,
-        Phase::Finish => 4,
-        Phase::AttentionMax => 5,
-        Phase::AttentionSum => 6,
-        Phase::AttentionOut => 7,
-        Phase::Collect => 8,
-        Phase::Deliver => 9,
-    }
 }
