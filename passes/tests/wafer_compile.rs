@@ -145,14 +145,7 @@ fn stacked_tile_estimate_bounds_the_lowered_tiles() {
             let plan = Plan::Stacked { layers_per_region: k, wafer_percent: 100 };
             let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
             let program = compile(&module, &target, &options).unwrap_or_else(|e| panic!("{shape:?} {plan}: {e}"));
-            let tiles: usize = program
-                .instrs
-                .iter()
-                .map(|p| match &p.work {
-                    waferc_ir::wafer::Work::MatVec(m) => m.tiles.len(),
-                    _ => 0,
-                })
-                .sum();
+            let tiles = program.matvec_tiles();
             let estimate = waferc_passes::wafer::stacked_tiles_estimate(&module, k, 48 * 48) as usize;
             assert!(tiles <= estimate, "{shape:?} {plan}: {tiles} tiles, estimate {estimate}");
         }

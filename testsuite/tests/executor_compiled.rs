@@ -52,15 +52,7 @@ fn logits_on(module: &waferc_ir::Module, target: &str, plan: Plan, tokens: &[u32
         .iter()
         .map(|&t| executor.step(t).unwrap().logits.unwrap().iter().map(|v| v.to_bits()).collect())
         .collect();
-    let tiles = program
-        .instrs
-        .iter()
-        .map(|p| match &p.work {
-            waferc_ir::wafer::Work::MatVec(m) => m.tiles.len(),
-            _ => 0,
-        })
-        .sum();
-    (bits, program.pes.len(), tiles)
+    (bits, program.pes.len(), program.matvec_tiles())
 }
 
 #[test]

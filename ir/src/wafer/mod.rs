@@ -199,6 +199,17 @@ pub struct WaferProgram {
 }
 
 impl WaferProgram {
+    /// How many matvec tiles the program places, over all its matvecs.
+    pub fn matvec_tiles(&self) -> usize {
+        self.instrs
+            .iter()
+            .map(|p| match &p.work {
+                Work::MatVec(m) => m.tiles.len(),
+                _ => 0,
+            })
+            .sum()
+    }
+
     /// The image of `pe`, if it holds anything.
     pub fn pe(&self, pe: Pe) -> Option<&PeImage> {
         self.pes.binary_search_by(|image| image.pe.cmp(&pe)).ok().map(|i| &self.pes[i])
