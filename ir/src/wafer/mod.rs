@@ -606,9 +606,11 @@ pub enum RouteKind {
     Collect { elements: Range<u64> },
     /// A reduction: `sources` hold the leaves in chunk order (each an aligned power-of-two run of
     /// equal length, the last possibly short), combined by the chunk tree as [`reduce_tree`]
-    /// lists its edges: the partial of `sources[sender]` (the subtree starting there) is sent to
-    /// `sources[receiver]`, which adds it to its own (left + right). Then, if the destination is
-    /// not `sources[0]`, `sources[0]` sends the total there. `op` says how partials combine.
+    /// lists its edges toward the root leaf ([`Route::reduce_root`]: the destination if it is a
+    /// source, else `sources[0]`): the partial of `sources[sender]` (its subtree's) is sent to
+    /// `sources[receiver]`, which combines the two in leaf order (lower leaves' partial on the
+    /// left). Then, if the destination is not a source, `sources[0]` sends the total there.
+    /// `op` says how partials combine.
     Reduce { op: ReduceOp, elements: u32 },
     /// A per-group statistic (norm `1/rms`, softmax max or sum) from the one source to every
     /// destination: `elements` f32 values.
@@ -645,7 +647,7 @@ pub struct Route {
     pub destinations: Vec<Pe>,
     /// Runs in order; each starts at a source or at a PE an earlier run visited, and every
     /// destination is a source or is visited by some run. For a reduction, the runs of each tree
-    /// edge in [`reduce_tree`] order, then the final forward.
+    /// edge in [`Route::reduce_edges`] order, then the final forward.
     pub path: Vec<Run>,
     /// Payload bytes of one message.
     pub message_bytes: u32,
@@ -669,6 +671,18 @@ impl Route {
         messages
     }
 
+    /// A reduction's root leaf, where its tree's total ends: the destination's position among
+    /// the sources, or 0 (then `sources[0]` forwards the total to the destination).
+    pub fn reduce_root(&self) -> usize {
+        let destination = self.destinations.first();
+        self.sources.iter().position(|pe| Some(pe) == destination).unwrap_or(0)
+    }
+
+    /// The reduction's tree edges ([`reduce_tree`] toward [`Route::reduce_root`]).
+    pub fn reduce_edges(&self) -> Vec<(usize, usize)> {
+        reduce_tree(self.sources.len(), self.reduce_root())
+    }
+
     /// Every PE on the route (sources, destinations, and PEs its runs pass), sorted, deduplicated:
     /// each needs the route's colour in its router.
     pub fn pes(&self) -> Vec<Pe> {
@@ -682,22 +696,27 @@ impl Route {
     }
 }
 
-/// The combine order of a reduction over `leaves` leaves: `(receiver, sender)` pairs, executed in
-/// order. The chunk tree of NUMERICS.md over leaves of equal power-of-two chunk runs: for leaves
-/// `lo..hi` with `p` the smallest power of two `>= hi - lo`, the left subtree is `lo..lo + p/2`
-/// and the right `lo + p/2..hi`; each subtree's value accumulates on its first leaf.
-pub fn reduce_tree(leaves: usize) -> Vec<(usize, usize)> {
-    fn walk(lo: usize, hi: usize, edges: &mut Vec<(usize, usize)>) {
+/// The combine order of a reduction over `leaves` leaves whose total ends on leaf `root`:
+/// `(receiver, sender)` pairs, executed in order. The chunk tree of NUMERICS.md over leaves of
+/// equal power-of-two chunk runs: for leaves `lo..hi` with `p` the smallest power of two
+/// `>= hi - lo`, the left subtree is `lo..lo + p/2` and the right `lo + p/2..hi`. Each subtree's
+/// value accumulates on its leaf nearest `root` (`root` clamped into it), so the tree's edges
+/// lead toward `root` and the total ends there. The tree, not the place, decides which partial
+/// is the left operand: the one from the lower leaves, i.e. the sender's when
+/// `sender < receiver`. With `root` 0 every subtree accumulates on its first leaf.
+pub fn reduce_tree(leaves: usize, root: usize) -> Vec<(usize, usize)> {
+    fn walk(lo: usize, hi: usize, root: usize, edges: &mut Vec<(usize, usize)>) {
         if hi - lo <= 1 {
             return;
         }
         let mid = lo + (hi - lo).next_power_of_two() / 2;
-        walk(lo, mid, edges);
-        walk(mid, hi, edges);
-        edges.push((lo, mid));
+        walk(lo, mid, root, edges);
+        walk(mid, hi, root, edges);
+        let (left, right) = (root.clamp(lo, mid - 1), root.clamp(mid, hi - 1));
+        edges.push(if root < mid { (left, right) } else { (right, left) });
     }
     let mut edges = Vec::with_capacity(leaves.saturating_sub(1));
-    walk(0, leaves, &mut edges);
+    walk(0, leaves, root.min(leaves.saturating_sub(1)), &mut edges);
     edges
 }
 
@@ -764,12 +783,26 @@ mod tests {
 
     #[test]
     fn reduce_tree_follows_the_chunk_tree() {
-        assert!(reduce_tree(1).is_empty());
-        assert_eq!(reduce_tree(2), [(0, 1)]);
-        assert_eq!(reduce_tree(3), [(0, 1), (0, 2)]);
+        assert!(reduce_tree(1, 0).is_empty());
+        assert_eq!(reduce_tree(2, 0), [(0, 1)]);
+        assert_eq!(reduce_tree(3, 0), [(0, 1), (0, 2)]);
         // 5 leaves: p = 8, so [0..4] + [4..5]; the lone right leaf joins last.
-        assert_eq!(reduce_tree(5), [(0, 1), (2, 3), (0, 2), (0, 4)]);
-        assert_eq!(reduce_tree(8).len(), 7);
+        assert_eq!(reduce_tree(5, 0), [(0, 1), (2, 3), (0, 2), (0, 4)]);
+        assert_eq!(reduce_tree(8, 0).len(), 7);
+    }
+
+    #[test]
+    fn reduce_tree_leads_toward_its_root() {
+        // The same subtrees as with root 0; each accumulates on its leaf nearest the root.
+        assert_eq!(reduce_tree(2, 1), [(1, 0)]);
+        assert_eq!(reduce_tree(5, 2), [(1, 0), (2, 3), (2, 1), (2, 4)]);
+        assert_eq!(reduce_tree(5, 4), [(1, 0), (3, 2), (3, 1), (4, 3)]);
+        // Every leaf but the root sends exactly once, whatever the root.
+        for root in 0..8 {
+            let mut senders: Vec<usize> = reduce_tree(8, root).iter().map(|&(_, s)| s).collect();
+            senders.sort_unstable();
+            assert_eq!(senders, (0..8).filter(|&l| l != root).collect::<Vec<_>>(), "root {root}");
+        }
     }
 
     #[test]

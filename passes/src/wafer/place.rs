@@ -987,8 +987,12 @@ impl<'a> Placer<'a> {
                     let members: Vec<Pe> =
                         layout.overlapping(group * g..(group + 1) * g).map(|(seg, _)| seg.pe).collect();
                     if members.len() > 1 {
-                        let reduce = self.reduce_route(i, ReduceOp::Sum, 1, members.clone(), members[0]);
-                        let broadcast = self.statistic_route(i, 1, members[0], members[1..].to_vec());
+                        // The statistic goes back to every member, so the tree ends on the most
+                        // central one: the broadcast's reach and the tree's last edges halve.
+                        let root = central(&members);
+                        let reduce = self.reduce_route(i, ReduceOp::Sum, 1, members.clone(), root);
+                        let others = members.iter().copied().filter(|&pe| pe != root).collect();
+                        let broadcast = self.statistic_route(i, 1, root, others);
                         norm.group_routes.push(GroupRoutes { group, reduce, broadcast });
                     }
                 }
@@ -1071,17 +1075,32 @@ impl<'a> Placer<'a> {
         };
         let rows_of =
             |mv: &MatVecPlacement, r: usize| mv.tiles[r * c_count].rows.end - mv.tiles[r * c_count].rows.start;
+        // Per row block, the PE its reduced rows end on (its reduction's destination).
+        let mut roots: Vec<Pe> = Vec::with_capacity(mv.row_blocks as usize);
         match self.options.plan {
             Plan::Tiled | Plan::Stacked { .. } => {
                 for r in 0..mv.row_blocks as usize {
                     let leaves = row_pes(mv, r);
+                    // The row block's total goes to the segments holding its rows: the tree ends
+                    // on the tile nearest them, so the collect after it is short. A biased
+                    // matvec's total ends on the first tile, which holds the bias slice.
+                    let root = match mv.bias {
+                        Some(_) => leaves[0],
+                        None => {
+                            let rows = &mv.tiles[r * c_count].rows;
+                            let targets: Vec<Pe> = layout.overlapping(rows.clone()).map(|(seg, _)| seg.pe).collect();
+                            nearest(&leaves, &targets)
+                        }
+                    };
+                    roots.push(root);
                     if leaves.len() > 1 {
-                        let id = self.reduce_route(i, ReduceOp::Sum, rows_of(mv, r), leaves.clone(), leaves[0]);
+                        let id = self.reduce_route(i, ReduceOp::Sum, rows_of(mv, r), leaves, root);
                         mv.reductions.push(id);
                     }
                 }
             }
             Plan::MeshGemv { group_num, .. } => {
+                roots.extend((0..mv.row_blocks as usize).map(|r| mv.tiles[r * c_count].pe));
                 let group = c_count.div_ceil(group_num as usize).next_power_of_two();
                 for r in 0..mv.row_blocks as usize {
                     let leaves = row_pes(mv, r);
@@ -1104,9 +1123,8 @@ impl<'a> Placer<'a> {
                 }
             }
         }
-        let pieces: Vec<(Pe, Range<u64>)> = (0..mv.row_blocks as usize)
-            .map(|r| (mv.tiles[r * c_count].pe, mv.tiles[r * c_count].rows.clone()))
-            .collect();
+        let pieces: Vec<(Pe, Range<u64>)> =
+            roots.into_iter().enumerate().map(|(r, pe)| (pe, mv.tiles[r * c_count].rows.clone())).collect();
         mv.collects = self.collect_routes(i, layout, &pieces);
     }
 
@@ -1343,6 +1361,19 @@ pub(super) fn norm_requests(module: &Module, i: usize, seg: &Range<u64>, len: u6
     requests.push((RegionKind::Weight { weight: weight.index() as u32, rows: 0..1, cols, blob: 0..0 }, bytes));
     requests.push((RegionKind::Scratch, 2 * n.div_ceil(g.min(n)) * F32));
     requests
+}
+
+/// The PE of `pes` with the least Manhattan distance to its farthest other (the first of equals).
+fn central(pes: &[Pe]) -> Pe {
+    let reach = |pe: &Pe| pes.iter().map(|q| pe.distance(*q).unwrap_or(u32::MAX)).max().unwrap_or(0);
+    *pes.iter().min_by_key(|pe| reach(pe)).expect("a group has members")
+}
+
+/// The PE of `leaves` with the least total Manhattan distance to `targets` (the first of equals;
+/// the first leaf when there is no target).
+fn nearest(leaves: &[Pe], targets: &[Pe]) -> Pe {
+    let cost = |pe: &Pe| targets.iter().map(|t| pe.distance(*t).map_or(u64::MAX / 4, u64::from)).sum::<u64>();
+    *leaves.iter().min_by_key(|pe| cost(pe)).expect("a row block has tiles")
 }
 
 /// A matvec tile's regions (the weight block first): weight rows `rows` by elements `cols`,

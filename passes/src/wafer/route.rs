@@ -204,17 +204,17 @@ fn lines_then_cross(sources: &[Pe], dest: Pe, rows_first: bool, runs: &mut Vec<R
     }
 }
 
-/// The path of a reduction: each edge of the chunk tree over `leaves` in order, then the total
-/// from the first leaf to `destination` if that is elsewhere.
+/// The path of a reduction: each edge of the chunk tree over `leaves` in order, toward
+/// `destination` if it is a leaf (then the tree's total ends there), else toward the first leaf,
+/// which then forwards the total to `destination`.
 pub(super) fn reduction(leaves: &[Pe], destination: Pe) -> Vec<Run> {
+    let root = leaves.iter().position(|&pe| pe == destination).unwrap_or(0);
     let mut runs = Vec::new();
-    for (receiver, sender) in reduce_tree(leaves.len()) {
+    for (receiver, sender) in reduce_tree(leaves.len(), root) {
         unicast(leaves[sender], leaves[receiver], &mut runs);
     }
-    if leaves.first() != Some(&destination) {
-        if let Some(first) = leaves.first() {
-            unicast(*first, destination, &mut runs);
-        }
+    if let Some(&last) = leaves.get(root).filter(|&&pe| pe != destination) {
+        unicast(last, destination, &mut runs);
     }
     runs
 }
@@ -415,7 +415,7 @@ pub(super) fn assign_colours(
 
 /// The point-to-point legs a detour may re-route `route` by, in path order, when every run of
 /// the route carries one message (so separate paths per leg keep its traffic): a multicast's
-/// source to each destination, or a reduction's tree edges in [`reduce_tree`] order and then
+/// source to each destination, or a reduction's tree edges in [`Route::reduce_edges`] order and then
 /// the forward to the destination. `None` for a gather (its runs count the sources they carry)
 /// and for a route that leaves its wafer.
 fn legs(route: &Route) -> Option<Vec<(Pe, Pe)>> {
@@ -431,11 +431,10 @@ fn legs(route: &Route) -> Option<Vec<(Pe, Pe)>> {
         }
         RouteKind::Reduce { .. } => {
             let leaves = &route.sources;
-            let mut legs: Vec<(Pe, Pe)> = reduce_tree(leaves.len())
-                .into_iter()
-                .map(|(receiver, sender)| (leaves[sender], leaves[receiver]))
-                .collect();
-            legs.extend(route.destinations.iter().filter(|&&d| d != leaves[0]).map(|&d| (leaves[0], d)));
+            let root = leaves[route.reduce_root()];
+            let mut legs: Vec<(Pe, Pe)> =
+                route.reduce_edges().into_iter().map(|(receiver, sender)| (leaves[sender], leaves[receiver])).collect();
+            legs.extend(route.destinations.iter().filter(|&&d| d != root).map(|&d| (root, d)));
             Some(legs)
         }
         _ => None,

@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use waferc_ir::wafer::{
-    reduce_tree, InstrIndex, Pe, Phase, ReduceOp, ResultLayout, Route, RouteId, RouteKind, Segment, WaferProgram, Work,
+    InstrIndex, Pe, Phase, ReduceOp, ResultLayout, Route, RouteId, RouteKind, Segment, WaferProgram, Work,
 };
 
 use super::{intersect, relative, span, Data, ExecError, Executor, Held, InstrRun, InstrSite, StepState};
@@ -235,8 +235,9 @@ impl<'p> Executor<'p> {
     }
 
     /// Runs one reduction: `leaves[i]` is the partial held by `route.sources[i]`; partials are
-    /// combined along [`reduce_tree`] (receiver's own partial on the left), then sources[0]
-    /// forwards the total to the destination if it is elsewhere. Returns the total.
+    /// combined along [`Route::reduce_edges`] (the lower leaves' partial on the left, wherever
+    /// the combine happens), then the root leaf forwards the total to the destination if it is
+    /// elsewhere. Returns the total.
     pub(super) fn reduce(
         &self,
         state: &mut StepState,
@@ -275,18 +276,29 @@ impl<'p> Executor<'p> {
             });
         }
         let destination = single_destination(run, route)?;
-        for (receiver, sender) in reduce_tree(leaves.len()) {
+        let root_leaf = route.reduce_root();
+        if sending < leaves.len() && root_leaf != 0 {
+            // Skipping the trailing subtrees keeps the tree only when they do not hold the root.
+            return Err(ExecError::Malformed {
+                site: run.site.clone(),
+                problem: format!("reduction route {id} ends on leaf {root_leaf}, but only its leading leaves send"),
+            });
+        }
+        for (receiver, sender) in route.reduce_edges() {
             if sender >= sending {
                 continue;
             }
             let (from, to) = (route.sources[sender], route.sources[receiver]);
             self.send(state, run, id, from, Payload::Data(leaves[sender].clone()))?;
-            let right = data_of(run, id, from, to, self.message(state, run, id, from, to)?, elements as usize)?;
+            let sent = data_of(run, id, from, to, self.message(state, run, id, from, to)?, elements as usize)?;
             run.compute(to, self.costs.flops(elements as u64));
-            leaves[receiver] = self.combine(op, &leaves[receiver], &right);
+            leaves[receiver] = match sender < receiver {
+                true => self.combine(op, &sent, &leaves[receiver]),
+                false => self.combine(op, &leaves[receiver], &sent),
+            };
         }
-        let total = leaves.swap_remove(0);
-        let root = route.sources[0];
+        let total = leaves.swap_remove(root_leaf);
+        let root = route.sources[root_leaf];
         if destination == root {
             return Ok((root, total));
         }
@@ -295,7 +307,7 @@ impl<'p> Executor<'p> {
         Ok((destination, total))
     }
 
-    /// One edge of a reduction tree: `left` (the receiver's subtree) combined with `right`.
+    /// One edge of a reduction tree: `left` (the lower leaves' subtree) combined with `right`.
     fn combine(&self, op: ReduceOp, left: &Data, right: &Data) -> Data {
         self.compute_data(left.len(), || match op {
             ReduceOp::Sum => kernels::add(left.values(), right.values()),

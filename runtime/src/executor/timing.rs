@@ -41,7 +41,7 @@
 //! it adds to the latency once rather than per hop; a multicast's message crosses each link once
 //! (the routers replicate it where the tree branches), a reduction's and a gather's messages add
 //! up on the links they share. A reduction route is timed edge by edge along
-//! [`reduce_tree`]: an edge starts when the sender's subtree is complete, costs its runs' hops,
+//! [`Route::reduce_edges`]: an edge starts when the sender's subtree is complete, costs its runs' hops,
 //! one message's serialisation and the receiver's adds, and the route ends when the root has its
 //! total (plus the forward to the destination, if any): its cost is the tree's critical path,
 //! `~ depth x (distance + message)`. In one step, a reduction or broadcast whose sources include
@@ -115,9 +115,7 @@ use std::ops::Range;
 
 use serde::Serialize;
 use waferc_ir::wafer::arrival::multicast_depths;
-use waferc_ir::wafer::{
-    reduce_tree, InstrIndex, Pe, Phase, Route, RouteId, RouteKind, Run, TargetParams, WaferProgram, Work,
-};
+use waferc_ir::wafer::{InstrIndex, Pe, Phase, Route, RouteId, RouteKind, Run, TargetParams, WaferProgram, Work};
 
 use super::error::ExecError;
 use super::{site_of, InstrRun};
@@ -362,7 +360,7 @@ struct RouteCost {
 /// A reduction's tree edges, timed, and which runs of its path each uses.
 #[derive(Clone, Debug, Default)]
 struct ReduceShape {
-    /// `(receiver, sender, cycles of the edge, its runs)` in [`reduce_tree`] order.
+    /// `(receiver, sender, cycles of the edge, its runs)` in [`Route::reduce_edges`] order.
     edges: Vec<(usize, usize, u64, Range<usize>)>,
     /// The root's forward to the destination: cycles and runs.
     forward: (u64, Range<usize>),
@@ -398,10 +396,10 @@ impl CostModel {
     }
 
     /// How many leading sources of reduction `route` sent, from the `messages` sent on it: the
-    /// edges among the first `a` leaves of [`reduce_tree`] are `a - 1` (every leaf but the first
-    /// sends exactly once), plus the forward when the destination is not the root.
+    /// edges among the first `a` leaves of [`Route::reduce_edges`] are `a - 1` (every leaf but
+    /// the root sends exactly once), plus the forward when the destination is not a leaf.
     fn reduce_leaves(route: &Route, messages: u32) -> usize {
-        let forward = route.destinations.first().is_some_and(|&d| Some(&d) != route.sources.first());
+        let forward = route.destinations.first().is_some_and(|d| !route.sources.contains(d));
         (messages as usize + 1).saturating_sub(forward as usize).clamp(1, route.sources.len().max(1))
     }
 
@@ -430,7 +428,8 @@ impl CostModel {
                         ready[*receiver] = ready[*receiver].max(ready[*sender] + cycles);
                     }
                 }
-                ready[0] + shape.forward.0
+                // Only attention's reductions send from leading leaves, and they end on leaf 0.
+                ready[route.reduce_root().min(leaves - 1)] + shape.forward.0
             }
             _ => cost.latency + cost.serial,
         }
@@ -534,9 +533,11 @@ fn route_cost(
     };
     let bytes = route.message_bytes as u64;
     if let RouteKind::Reduce { elements, .. } = route.kind {
-        let Some(&root) = route.sources.first() else {
+        if route.sources.is_empty() {
             return Err(path_error(program, route, "the reduction has no sources".into()));
-        };
+        }
+        let root_leaf = route.reduce_root();
+        let root = route.sources[root_leaf];
         let mut next_run = 0usize;
         // Walks the runs of one edge `from -> to`: (latency, serialisation, its runs).
         let walk = |next_run: &mut usize, from: Pe, to: Pe| -> Result<(u64, u64, Range<usize>), ExecError> {
@@ -562,7 +563,7 @@ fn route_cost(
         let add = (elements as f64 / params.f32_fma_per_cycle).ceil() as u64;
         let mut shape = ReduceShape::default();
         let mut ready = vec![0u64; route.sources.len()];
-        for (receiver, sender) in reduce_tree(route.sources.len()) {
+        for (receiver, sender) in route.reduce_edges() {
             let (latency, serial, runs) = walk(&mut next_run, route.sources[sender], route.sources[receiver])?;
             let cycles = latency + serial + add;
             ready[receiver] = ready[receiver].max(ready[sender] + cycles);
@@ -577,7 +578,7 @@ fn route_cost(
         if next_run < route.path.len() {
             return Err(path_error(program, route, format!("run {next_run} is not on any edge of the tree")));
         }
-        return Ok((RouteCost { latency: ready[0] + forward, serial: 0, bytes_per_cycle }, shape));
+        return Ok((RouteCost { latency: ready[root_leaf] + forward, serial: 0, bytes_per_cycle }, shape));
     }
     let (mut latency, _) = multicast_depths(params, route).map_err(|index| {
         let from = route.path[index].from;
