@@ -297,8 +297,9 @@ fn unit_wafers(units: &[Unit], wafers: u16) -> Vec<u16> {
 /// Rectangles for the units of one wafer, areas in proportion to their bytes: the block of
 /// `wafer_percent` of the wafer at its north-west corner (both sides scaled alike) is cut into
 /// vertical strips about as wide as a unit's square side, and units fill the strips in a snake
-/// (down the first, up the next), so consecutive units are neighbours. A unit gets at least the
-/// rows that hold its `min_pes`. `None` when the units do not fit the block.
+/// (down the first, up the next), so consecutive units are neighbours; the units of a strip then
+/// share the rows it has left. A unit gets at least the rows that hold its `min_pes`. `None`
+/// when the units do not fit the block.
 fn rectangles(
     params: &TargetParams,
     wafer_percent: u8,
@@ -342,11 +343,38 @@ fn rectangles(
             }
         }
         if fits {
+            stretch_strips(&mut out, rows);
             return Some(out);
         }
         scale *= 0.97;
     }
     None
+}
+
+/// Gives the rows a strip has left once the snake is laid (units never straddle strips, so a
+/// strip may end short by up to a unit's height) to the strip's units, in proportion to their
+/// heights, keeping the snake's order and direction: no row of the block is left idle.
+fn stretch_strips(rects: &mut [Rect], rows: u64) {
+    let mut start = 0;
+    while start < rects.len() {
+        let x = rects[start].x;
+        let end = start + rects[start..].iter().take_while(|r| r.x == x).count();
+        let strip = &mut rects[start..end];
+        let down = strip.len() < 2 || strip[1].y > strip[0].y;
+        let used: u64 = strip.iter().map(|r| r.h as u64).sum::<u64>().max(1);
+        let (mut before, mut stretched_before) = (0u64, 0u64);
+        for r in strip.iter_mut() {
+            before += r.h as u64;
+            let stretched = before * rows / used;
+            r.h = (stretched - stretched_before) as u16;
+            r.y = match down {
+                true => stretched_before,
+                false => rows - stretched,
+            } as u16;
+            stretched_before = stretched;
+        }
+        start = end;
+    }
 }
 
 /// The tiling of a `rows x cols` matvec over `area`.
