@@ -106,6 +106,14 @@ impl Rect {
         self.at(cell / self.h as u64, cell % self.h as u64)
     }
 
+    /// [`Rect::walk`] with each column's cells starting at its middle row (and wrapping to its
+    /// top).
+    fn walk_from_middle(&self, cell: u64) -> Pe {
+        let h = self.h as u64;
+        let cell = cell % self.pes().max(1);
+        self.at(cell / h, (cell + h / 2) % h)
+    }
+
     /// Band `index` of `count` horizontal bands.
     fn band(&self, index: u64, count: u64) -> Rect {
         let h = self.h as u64;
@@ -1112,7 +1120,9 @@ impl Stacked<'_> {
                 let mut blocks = Vec::new();
                 for b in 0..kv.blocks_per_head() {
                     let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
-                    let pe = band.walk(sequence * kv.blocks_per_head() + b);
+                    // The first block (where the head's reductions end and its output leaves)
+                    // in the band's middle row, so it has rows both ways.
+                    let pe = band.walk_from_middle(sequence * kv.blocks_per_head() + b);
                     let index = self.placer.fill(pe, i as u32, kv_block_requests(module, i, h, positions.clone()))?[0];
                     blocks.push(KvBlock { pe, positions, region: index });
                 }
@@ -1121,7 +1131,8 @@ impl Stacked<'_> {
         }
         let piece = kv.q_per_kv * kv.head_dim;
         // An output that feeds matvecs only is cut for them (`columns`), each KV head's segments
-        // on rows of their own in the head's band: the collects from the heads' roots run along
+        // on rows of their own in the head's band, nearest its middle row (where the head's root
+        // block is) first: the collects from the root leave north, south and west and run along
         // those rows, side by side.
         if let Some(cut) = self.aligned_cut(i, len) {
             let area = self.region(unit).area;
@@ -1132,7 +1143,8 @@ impl Stacked<'_> {
                 let h = seg.start / piece;
                 let band = area.band(h, kv.kv_heads);
                 let slot = in_band.entry(h).or_default();
-                let row = (band.y - area.y) as u64 + *slot % band.h as u64;
+                let middle = nearest_first(band.h as u64 / 2, band.h as u64).nth((*slot % band.h as u64) as usize);
+                let row = (band.y - area.y) as u64 + middle.unwrap_or(0);
                 *slot += 1;
                 let bytes = (seg.end - seg.start) * F32;
                 let pe = self.column_pe(i, unit, column, row, bytes, &taken)?;
