@@ -109,7 +109,7 @@ fn replicas(module: &Module, target: &Target, steps: u32, zipf_path: &Path) -> R
                         moe_cycles += cycles;
                         moe_layers += layers;
                     }
-                    step_costs.push(StepCost::of(&step.timing));
+                    step_costs.push(StepCost::of(&step.timing, &program.plan));
                 }
                 costs.push(SequenceCosts { prompt_tokens: 1, new_tokens: steps as usize, steps: step_costs });
             }

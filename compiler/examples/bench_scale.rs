@@ -26,10 +26,14 @@
 //!
 //! For Llama-3.1-8B (wse3) and Llama-3.1-70B (wse3x4) a second table, with 1, 4 and 16
 //! sequences in flight: each N compiled with KV capacity for N sequences (`max_sequences`, every
-//! sequence's KV blocks on PEs of their own) at the case's KV capacity, one timing-only token
-//! timed in every sequence slot (their KV blocks sit in different places), and those steps
-//! through the pipeline model (`executor::pipeline`, 32 tokens per sequence): aggregate modeled
-//! tok/s and the slowest and fastest sequence's. A case that does not fit says by how much.
+//! sequence's KV blocks on PEs of their own) at the case's KV capacity, under the plan the search
+//! picks for one sequence (the search runs once, at N = 1; larger N pin its plan, since every
+//! search lowers several full-size candidates), one timing-only token timed in every sequence
+//! slot (their KV blocks sit in different places), and those steps through the pipeline model
+//! (`executor::pipeline`, 32 tokens per sequence): aggregate modeled tok/s and the slowest and
+//! fastest sequence's. A case that does not fit says by how much.
+//!
+//! `-- --sequences-only [PRESET...]` prints only this table.
 
 use std::error::Error;
 use std::path::Path;
@@ -87,6 +91,8 @@ const IN_FLIGHT: [usize; 3] = [1, 4, 16];
 struct SequenceRow {
     model: String,
     target: String,
+    /// The plan: the search's pick for one sequence.
+    plan: String,
     kv: u32,
     in_flight: usize,
     pes: usize,
@@ -117,18 +123,21 @@ struct Row {
 }
 
 fn main() -> Result<(), Box<dyn Error>> {
-    let wanted: Vec<String> = std::env::args().skip(1).collect();
+    let mut wanted: Vec<String> = std::env::args().skip(1).collect();
+    let sequences_only = wanted.iter().any(|w| w == "--sequences-only");
+    wanted.retain(|w| w != "--sequences-only");
     let scratch = std::env::temp_dir().join(format!("waferc-bench-scale-{}", std::process::id()));
-    let result = run(&wanted, &scratch);
+    let result = run(&wanted, &scratch, sequences_only);
     let _ = std::fs::remove_dir_all(&scratch);
     result
 }
 
-fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
+fn run(wanted: &[String], scratch: &Path, sequences_only: bool) -> Result<(), Box<dyn Error>> {
     let mut rows = Vec::new();
     let mut sequence_rows = Vec::new();
     let mut notes = Vec::new();
-    for case in CASES.iter().filter(|c| wanted.is_empty() || wanted.iter().any(|w| w == c.preset)) {
+    let cases = CASES.iter().filter(|c| !sequences_only || SEQUENCE_CASES.iter().any(|s| s.0 == c.preset));
+    for case in cases.filter(|c| wanted.is_empty() || wanted.iter().any(|w| w == c.preset)) {
         let dir = scratch.join(case.preset);
         synth(&Preset::by_name(case.preset)?, &dir, true)?;
         let mut module = waferc::frontend::load(&dir)?.module;
@@ -148,6 +157,9 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
                 (SEQUENCE_CASES.iter().find(|c| (c.0, c.1) == (case.preset, name)), case.quantize)
             {
                 sequences_in_flight(&module, &target, case.preset, kv, &mut sequence_rows, &mut notes)?;
+            }
+            if sequences_only {
+                break;
             }
             reset_peak_rss();
             let start = Instant::now();
@@ -210,23 +222,36 @@ fn run(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
             notes.push(format!("{label}: no target tried fits; see above for what would"));
         }
     }
-    print_table(&rows);
+    if !sequences_only {
+        print_table(&rows);
+    }
     if !sequence_rows.is_empty() {
         println!(
             "\nsequences in flight (each sequence's KV on PEs of its own; a token timed per slot, pipeline model):"
         );
         println!(
-            "model         target  KV    in flight        PEs  aggregate tok/s  per-sequence tok/s (slowest-fastest)"
+            "model         target  plan        KV    in flight        PEs  aggregate tok/s  per-sequence tok/s (slowest-fastest)"
         );
         for r in &sequence_rows {
             println!(
-                "{:<13} {:<7} {:<5} {:>9}  {:>9}  {:>15.0}  {:>9.0}-{:.0}",
-                r.model, r.target, r.kv, r.in_flight, r.pes, r.aggregate, r.per_sequence.0, r.per_sequence.1
+                "{:<13} {:<7} {:<11} {:<5} {:>9}  {:>9}  {:>15.0}  {:>9.0}-{:.0}",
+                r.model,
+                r.target,
+                r.plan,
+                r.kv,
+                r.in_flight,
+                r.pes,
+                r.aggregate,
+                r.per_sequence.0,
+                r.per_sequence.1
             );
         }
     }
     for note in notes {
         println!("note: {note}");
+    }
+    if sequences_only {
+        return Ok(());
     }
     rewrite_effect(wanted, scratch)
 }
@@ -359,7 +384,8 @@ fn peak_rss_mib() -> f64 {
 }
 
 /// Compiles `module` for each of [`IN_FLIGHT`] sequences in flight (KV capacity for all of
-/// them), times a token in every sequence slot and runs the pipeline model over those steps.
+/// them) under the plan the search picks for one, times a token in every sequence slot and runs
+/// the pipeline model over those steps.
 fn sequences_in_flight(
     module: &Module,
     target: &Target,
@@ -368,9 +394,20 @@ fn sequences_in_flight(
     rows: &mut Vec<SequenceRow>,
     notes: &mut Vec<String>,
 ) -> Result<(), Box<dyn Error>> {
+    let mut plan = None;
     for in_flight in IN_FLIGHT {
         let options = CompileOptions { max_sequences: in_flight as u32, ..CompileOptions::new(kv) };
-        let program = match compile(module, target, &options) {
+        let start = Instant::now();
+        let compiled = match plan {
+            None => plan_search::search(module, target, &options).map(|found| found.program).map_err(|e| {
+                match e.downcast::<WaferError>() {
+                    Ok(e) => e,
+                    Err(e) => WaferError::Options(format!("{e:#}")),
+                }
+            }),
+            Some(plan) => compile(module, target, &CompileOptions { plan, ..options }),
+        };
+        let program = match compiled {
             Ok(program) => program,
             Err(WaferError::DoesNotFit(not_fit)) => {
                 notes.push(format!("{preset}, {in_flight} sequences in flight, KV {kv}: {not_fit}"));
@@ -378,13 +415,18 @@ fn sequences_in_flight(
             }
             Err(other) => return Err(format!("{preset}, {in_flight} sequences: {other}").into()),
         };
-        eprintln!("{preset} with {in_flight} sequences in flight: timing a token in each slot");
+        plan.get_or_insert(program.plan);
+        eprintln!(
+            "{preset} with {in_flight} sequences in flight: {} plan compiled in {:.0} s; timing a token in each slot",
+            program.plan,
+            start.elapsed().as_secs_f64()
+        );
         let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
         let mut executor = Executor::new(&program, module, None, options)?;
         let mut sequences = Vec::with_capacity(in_flight);
         for slot in 0..in_flight as u32 {
             executor.select_sequence(slot)?;
-            let cost = StepCost::of(&executor.step(module.meta.bos_token_id.unwrap_or(0))?.timing);
+            let cost = StepCost::of(&executor.step(module.meta.bos_token_id.unwrap_or(0))?.timing, &program.plan);
             // A one-token prompt whose step gives the first token, then 31 more decode steps
             // costed like it.
             sequences.push(SequenceCosts { prompt_tokens: 1, new_tokens: 32, steps: vec![cost; 32] });
@@ -394,6 +436,7 @@ fn sequences_in_flight(
         rows.push(SequenceRow {
             model: preset.to_string(),
             target: program.target.name.clone(),
+            plan: program.plan.to_string(),
             kv,
             in_flight,
             pes: program.pes.len(),

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use serde_json::json;
-use waferc_ir::wafer::artifact;
+use waferc_ir::wafer::{artifact, WaferProgram};
 use waferc_runtime::executor::{
     self, ExecError, ExecOptions, Executor, PipelineTiming, SequenceCosts, StepCost, StepTiming, TimingReport,
     ValidationOptions,
@@ -140,7 +140,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // Executor errors name the instruction and PE; this names the artifact they came from.
     let outcomes = execute_in_flight(&compiled, &executions, in_flight)
         .with_context(|| format!("running {}", args.artifact.display()))?;
-    let pipelined = pipeline_timing(&prompts, &outcomes, in_flight, program.target.clock_hz);
+    let pipelined = pipeline_timing(&prompts, &outcomes, in_flight, program);
     let outcome = &outcomes[0];
     let prompt = &prompts[0];
     if let Some(path) = &args.logits {
@@ -231,17 +231,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 /// The pipeline model over every sequence's modeled steps.
-fn pipeline_timing(prompts: &[Vec<u32>], outcomes: &[Outcome], in_flight: usize, clock_hz: f64) -> PipelineTiming {
+fn pipeline_timing(prompts: &[Vec<u32>], outcomes: &[Outcome], in_flight: usize, program: &WaferProgram) -> PipelineTiming {
     let costs: Vec<SequenceCosts> = prompts
         .iter()
         .zip(outcomes)
         .map(|(prompt, outcome)| SequenceCosts {
             prompt_tokens: prompt.len(),
             new_tokens: outcome.tokens.len(),
-            steps: outcome.steps.iter().map(StepCost::of).collect(),
+            steps: outcome.steps.iter().map(|step| StepCost::of(step, &program.plan)).collect(),
         })
         .collect();
-    executor::pipeline(&costs, in_flight, clock_hz)
+    executor::pipeline(&costs, in_flight, program.target.clock_hz)
 }
 
 fn describe_pipeline(p: &PipelineTiming, in_flight: usize) -> String {

@@ -13,17 +13,25 @@
 //! bounds, i.e. perfect staggering with the busiest region as the pipeline's bottleneck.
 //! A finished sequence frees its slot for the next one at the end of the round.
 //!
-//! MoE layers: a layer's experts run on PEs of their own, so an MoE layer's region is split into
+//! Regions are the placement's: under the tiled plan each layer has PEs of its own; under the
+//! stacked plan (`stacked:K`) `K` consecutive layers share one rectangle of PEs, so their group is
+//! one region, busy from its first layer's first span to its last layer's last span (a second
+//! sequence cannot use the group's PEs while a first walks through its layers).
+//!
+//! MoE layers (tiled plan): a layer's experts run on PEs of their own, so an MoE layer's region is split into
 //! units that serve sequences independently: the layer's other instructions (busy for the union
 //! of their spans, which leaves out the stretch in which only experts work) and each copy of
 //! each expert (busy from its first span to its last). A round also lasts at least, for every
 //! expert copy, the sum of its busy cycles over the sequences it serves in the round: sequences
 //! that pick the same hot expert queue on it, and copies of that expert
-//! (`waferc_ir::wafer::replicas`) split the queue.
+//! (`waferc_ir::wafer::replicas`) split the queue. Under the stacked plan an MoE layer's experts
+//! run in lanes of the group's own rectangle, so they count to the group's region.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
+
+use waferc_ir::wafer::Plan;
 
 use super::timing::StepTiming;
 
@@ -39,9 +47,14 @@ pub struct StepCost {
 }
 
 impl StepCost {
-    /// The step's cycles and its busiest region: regions are layers, plus the instructions
-    /// before the first layer (the embedding) and those after the last (the output head).
-    pub fn of(step: &StepTiming) -> StepCost {
+    /// The step's cycles and its busiest region: regions are the `plan`'s layer regions (a
+    /// layer, or a stacked plan's group of layers), plus the instructions before the first layer
+    /// (the embedding) and those after the last (the output head).
+    pub fn of(step: &StepTiming, plan: &Plan) -> StepCost {
+        let (layers_per_region, experts_apart) = match *plan {
+            Plan::Stacked { layers_per_region, .. } => (layers_per_region.max(1) as u32, false),
+            Plan::Tiled | Plan::MeshGemv { .. } => (1, true),
+        };
         let first_layer_instr = step.spans.iter().filter(|s| s.layer.is_some()).map(|s| s.instr).min();
         // Region key: (0, layer) for layers, (-1, 0) before them, (1, 0) after them.
         let mut regions: BTreeMap<(i8, u32), (u64, u64)> = BTreeMap::new();
@@ -50,7 +63,7 @@ impl StepCost {
         let mut moe_spans: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
         for span in &step.spans {
             let end = span.start_cycle + span.duration_cycles;
-            if let (Some(layer), Some(expert)) = (span.layer, span.expert) {
+            if let (Some(layer), Some(expert), true) = (span.layer, span.expert, experts_apart) {
                 let entry = experts.entry((layer, expert, span.copy)).or_insert((span.start_cycle, end));
                 entry.0 = entry.0.min(span.start_cycle);
                 entry.1 = entry.1.max(end);
@@ -60,7 +73,7 @@ impl StepCost {
                 moe_spans.entry(layer).or_default().push((span.start_cycle, end));
             }
             let key = match (span.layer, first_layer_instr) {
-                (Some(layer), _) => (0, layer),
+                (Some(layer), _) => (0, layer / layers_per_region),
                 (None, Some(first)) if span.instr < first => (-1, 0),
                 (None, _) => (1, 0),
             };
@@ -212,6 +225,50 @@ mod tests {
         let two_copies: Vec<SequenceCosts> =
             (0..8).map(|s| SequenceCosts { prompt_tokens: 1, new_tokens: 2, steps: vec![on(s % 2); 2] }).collect();
         assert_eq!(pipeline(&two_copies, 8, 1e6).aggregate_modeled_tok_s, 8.0 / 1600e-6);
+    }
+
+    /// A step through `layers` layers of 100 cycles each, one after another.
+    fn walk(layers: u32) -> StepTiming {
+        let spans = (0..layers)
+            .map(|layer| super::super::timing::StepSpan {
+                step: layer as usize,
+                instr: layer,
+                op: "matvec".into(),
+                layer: Some(layer),
+                expert: None,
+                copy: 0,
+                phase: waferc_ir::wafer::Phase::Compute,
+                start_cycle: 100 * layer as u64,
+                duration_cycles: 100,
+                compute_cycles: 100,
+                comm_cycles: 0,
+                wait_cycles: 0,
+                pes: 1,
+                routes: 0,
+            })
+            .collect();
+        StepTiming {
+            position: 0,
+            cycles: 100 * layers as u64,
+            spans,
+            layers: Vec::new(),
+            pe_cycles: Default::default(),
+            pe_attention_cycles: Default::default(),
+            active_routes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_stacked_group_of_layers_is_one_region() {
+        let step = walk(8);
+        assert_eq!(StepCost::of(&step, &Plan::Tiled).bottleneck, 100);
+        let stacked = |layers_per_region| Plan::Stacked { layers_per_region, wafer_percent: 100 };
+        // Four layers share one rectangle of PEs: a second sequence waits for all four.
+        assert_eq!(StepCost::of(&step, &stacked(4)).bottleneck, 400);
+        assert_eq!(StepCost::of(&step, &stacked(1)).bottleneck, 100);
+        // So 16 sequences in flight on two groups are bound by the groups, not by one layer.
+        let costs = vec![SequenceCosts { prompt_tokens: 1, new_tokens: 2, steps: vec![StepCost::of(&step, &stacked(4)); 2] }; 16];
+        assert_eq!(pipeline(&costs, 16, 1e6).aggregate_modeled_tok_s, 16.0 / 6400e-6);
     }
 
     #[test]
