@@ -14,16 +14,19 @@
 //! to combine end, mean over the MoE layers and the timed steps) and the modeled decode tok/s
 //! (mean over STEPS decode steps, default 4).
 //!
-//! Then replicas: with the Zipf profile, compiled for 1, 4 and 16 sequences in flight with and
-//! without copies of hot experts on the free PEs, every sequence slot timed (timing only) and
-//! the steps put through the pipeline model (`waferc_runtime::executor::pipeline`), where
-//! sequences picking the same expert copy queue on it. It prints the copies placed, the mean
-//! MoE-layer cycles, and aggregate and per-sequence modeled tok/s. `--replicas-only` skips the
-//! first table.
+//! Then replicas: with the Zipf profile, compiled for 1, 4 and 16 sequences in flight under each
+//! `--expert-replicas` mode (`off`: no copies; `always`: copies of hot experts on all the free
+//! PEs; `auto`: copies only where the pipeline model says a sequence waits for an expert,
+//! `waferc::replica_choice`), every sequence slot timed (timing only) and the steps put through
+//! the pipeline model (`waferc_runtime::executor::pipeline`), where sequences picking the same
+//! expert copy queue on it. It prints the copies placed, the mean MoE-layer cycles, and
+//! aggregate and per-sequence modeled tok/s. `--replicas-only` skips the first table;
+//! `--sequences N` (repeatable) times only those numbers of sequences in flight.
 
 use std::error::Error;
 use std::path::{Path, PathBuf};
 
+use waferc::replica_choice::{self, ReplicaMode};
 use waferc::synth::{synth, Preset};
 use waferc_ir::wafer::{profile::splitmix64, LayerProfile, RoutingProfile};
 use waferc_ir::{Module, Op, ValueType};
@@ -40,7 +43,19 @@ const SEED: u64 = 0x5eed_2026;
 fn main() -> Result<(), Box<dyn Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let regenerate = args.iter().any(|a| a == "--regenerate");
-    let steps: u32 = args.iter().find_map(|a| a.parse().ok()).unwrap_or(4);
+    let mut in_flight: Vec<u32> = Vec::new();
+    let mut rest: Vec<&String> = Vec::new();
+    let mut words = args.iter();
+    while let Some(word) = words.next() {
+        match word.as_str() {
+            "--sequences" => in_flight.push(words.next().and_then(|n| n.parse().ok()).ok_or("--sequences N")?),
+            _ => rest.push(word),
+        }
+    }
+    if in_flight.is_empty() {
+        in_flight = vec![1, 4, 16];
+    }
+    let steps: u32 = rest.iter().find_map(|a| a.parse().ok()).unwrap_or(4);
     let scratch = std::env::temp_dir().join(format!("waferc-bench-experts-{}", std::process::id()));
     synth(&Preset::by_name(PRESET)?, &scratch, true)?;
     let module = waferc::frontend::load(&scratch)?.module;
@@ -58,7 +73,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     if !args.iter().any(|a| a == "--replicas-only") {
         orders(&module, &target, steps, &zipf_path, &uniform_path)?;
     }
-    replicas(&module, &target, steps, &zipf_path)
+    replicas(&module, &target, steps, &zipf_path, &in_flight)
 }
 
 /// Mean MoE-layer span (router start to combine end) over a step's MoE layers: (sum, layers).
@@ -76,23 +91,33 @@ fn moe_layer_cycles(step: &waferc_runtime::executor::StepTiming) -> (u64, u64) {
 }
 
 /// Sequences in flight with and without replicas of hot experts (module docs).
-fn replicas(module: &Module, target: &Target, steps: u32, zipf_path: &Path) -> Result<(), Box<dyn Error>> {
+fn replicas(
+    module: &Module,
+    target: &Target,
+    steps: u32,
+    zipf_path: &Path,
+    in_flight: &[u32],
+) -> Result<(), Box<dyn Error>> {
     let profile: RoutingProfile = serde_json::from_str(&std::fs::read_to_string(zipf_path)?)?;
     println!();
     println!(
         "| sequences | replicas | extra copies | MoE-layer cycles | aggregate modeled tok/s | per-sequence tok/s |"
     );
     println!("|---|---|---|---|---|---|");
-    for sequences in [1u32, 4, 16] {
-        for expert_replicas in [false, true] {
+    for &sequences in in_flight {
+        for mode in [ReplicaMode::Off, ReplicaMode::Always, ReplicaMode::Auto] {
             let options = CompileOptions {
                 max_context: 64,
                 max_sequences: sequences,
                 profile: Some(profile.clone()),
-                expert_replicas,
+                expert_replicas: mode.policy(),
                 ..CompileOptions::default()
             };
             let program = compile(module, target, &options)?;
+            let (program, choice) = replica_choice::apply(program, module, target, &options, mode)?;
+            if let Some(decision) = &choice.decision {
+                eprintln!("{sequences} sequences, --expert-replicas auto: {decision}");
+            }
             let copies: usize = program.replicas.iter().map(|r| r.copies.len()).sum();
             let mut executor =
                 Executor::new(&program, module, None, ExecOptions { timing_only: true, ..Default::default() })?;
@@ -117,7 +142,7 @@ fn replicas(module: &Module, target: &Target, steps: u32, zipf_path: &Path) -> R
             let per_sequence = timing.sequences.iter().map(|s| s.modeled_tok_s).sum::<f64>() / sequences as f64;
             println!(
                 "| {sequences} | {} | {copies} | {:.0} | {:.1} | {:.1} |",
-                if expert_replicas { "yes" } else { "no" },
+                format!("{mode:?}").to_lowercase(),
                 moe_cycles as f64 / moe_layers.max(1) as f64,
                 timing.aggregate_modeled_tok_s,
                 per_sequence

@@ -159,6 +159,7 @@ fn run(wanted: &[String], scratch: &Path, sequences_only: bool) -> Result<(), Bo
                 sequences_in_flight(&module, &target, case.preset, kv, &mut sequence_rows, &mut notes)?;
             }
             if sequences_only {
+                placed = true;
                 break;
             }
             reset_peak_rss();
@@ -235,15 +236,7 @@ fn run(wanted: &[String], scratch: &Path, sequences_only: bool) -> Result<(), Bo
         for r in &sequence_rows {
             println!(
                 "{:<13} {:<7} {:<11} {:<5} {:>9}  {:>9}  {:>15.0}  {:>9.0}-{:.0}",
-                r.model,
-                r.target,
-                r.plan,
-                r.kv,
-                r.in_flight,
-                r.pes,
-                r.aggregate,
-                r.per_sequence.0,
-                r.per_sequence.1
+                r.model, r.target, r.plan, r.kv, r.in_flight, r.pes, r.aggregate, r.per_sequence.0, r.per_sequence.1
             );
         }
     }
@@ -399,12 +392,19 @@ fn sequences_in_flight(
         let options = CompileOptions { max_sequences: in_flight as u32, ..CompileOptions::new(kv) };
         let start = Instant::now();
         let compiled = match plan {
-            None => plan_search::search(module, target, &options).map(|found| found.program).map_err(|e| {
-                match e.downcast::<WaferError>() {
+            None => plan_search::search(module, target, &options)
+                .map(|found| {
+                    for c in &found.candidates {
+                        let rate = c.modeled_tok_s.map_or("-".into(), |r| format!("{r:.0} tok/s"));
+                        let verdict = c.lost_because.as_deref().unwrap_or("chosen");
+                        eprintln!("  plan search, {preset} KV {kv}: {} {rate}: {verdict}", c.plan);
+                    }
+                    found.program
+                })
+                .map_err(|e| match e.downcast::<WaferError>() {
                     Ok(e) => e,
                     Err(e) => WaferError::Options(format!("{e:#}")),
-                }
-            }),
+                }),
             Some(plan) => compile(module, target, &CompileOptions { plan, ..options }),
         };
         let program = match compiled {

@@ -4,4 +4,5 @@ pub mod commands;
 pub mod frontend;
 pub mod inspect;
 pub mod plan_search;
+pub mod replica_choice;
 pub mod synth;

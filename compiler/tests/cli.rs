@@ -511,8 +511,18 @@ fn replicas_of_hot_experts_are_reported_shown_and_bit_exact_with_three_sequences
     let prompts = dir.join("prompts.txt");
     std::fs::write(&prompts, "1,17,5,42,9\n300,2\n7,7,7,100,64,3,250,11\n").unwrap();
     let artifact = dir.join("r.wafer");
-    let args =
-        ["--max-context", "64", "--max-sequences", "3", "--calibrate", prompts.to_str().unwrap(), "--plan", "tiled"];
+    let args = [
+        "--max-context",
+        "64",
+        "--max-sequences",
+        "3",
+        "--calibrate",
+        prompts.to_str().unwrap(),
+        "--plan",
+        "tiled",
+        "--expert-replicas",
+        "always",
+    ];
     let out = ok(&compile(&model, "grid:64x64", &artifact, &args));
     assert!(out.contains("extra copies of hot experts on free PEs"), "{out}");
     assert!(out.contains("no more because"), "{out}");
@@ -543,6 +553,60 @@ fn replicas_of_hot_experts_are_reported_shown_and_bit_exact_with_three_sequences
         &args[..2].iter().chain(&args[4..]).copied().collect::<Vec<_>>(),
     ));
     assert!(out.contains("with --max-sequences 1 a copy would serve no sequence"), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--expert-replicas auto` (the default) asks the pipeline model: on a fixture a token's walk
+/// through the layers is far longer than any expert's queue of three sequences, so no sequence
+/// would wait for an expert and no copy is placed; the program is the one `off` gives.
+#[test]
+fn auto_declines_replicas_where_no_sequence_waits_for_an_expert() {
+    let dir = scratch("replicas-auto");
+    let model = fixture("qwen3-moe-tiny");
+    let prompts = dir.join("prompts.txt");
+    std::fs::write(&prompts, "1,17,5,42,9\n300,2\n7,7,7,100,64,3,250,11\n").unwrap();
+    let args = |mode: &'static str| {
+        vec![
+            "--max-context".to_string(),
+            "64".into(),
+            "--max-sequences".into(),
+            "3".into(),
+            "--calibrate".into(),
+            prompts.to_str().unwrap().into(),
+            "--plan".into(),
+            "tiled".into(),
+            "--json".into(),
+            "--expert-replicas".into(),
+            mode.into(),
+        ]
+    };
+    let compiled = |mode: &'static str| -> (Value, Vec<u8>) {
+        let artifact = dir.join(format!("{mode}.wafer"));
+        let args = args(mode);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let json = serde_json::from_str(&ok(&compile(&model, "grid:64x64", &artifact, &args))).unwrap();
+        (json, std::fs::read(&artifact).unwrap())
+    };
+    let (auto, auto_bytes) = compiled("auto");
+    let (off, off_bytes) = compiled("off");
+    let (always, _) = compiled("always");
+    assert_eq!(auto["expert_replicas"]["mode"], "auto", "{auto}");
+    assert_eq!(auto["expert_replicas"]["copies"], 0, "{auto}");
+    let decision = auto["expert_replicas"]["decision"].as_str().unwrap();
+    assert!(decision.starts_with("no copies: with 3 sequences in flight a round lasts"), "{decision}");
+    assert!(decision.contains("so no sequence waits for an expert"), "{decision}");
+    assert!(auto["expert_placement"].as_str().unwrap().contains("--expert-replicas auto"), "{auto}");
+    assert_eq!(off["expert_replicas"]["copies"], 0);
+    assert!(auto_bytes == off_bytes, "auto without copies writes the artifact off writes");
+    assert!(always["expert_replicas"]["copies"].as_u64().unwrap() > 0, "{always}");
+    // The default is auto.
+    let without_flag = args("auto");
+    let without_flag: Vec<&str> = without_flag[..without_flag.len() - 2].iter().map(String::as_str).collect();
+    let default: Value =
+        serde_json::from_str(&ok(&compile(&model, "grid:64x64", &dir.join("default.wafer"), &without_flag))).unwrap();
+    assert_eq!(default["expert_replicas"], auto["expert_replicas"]);
+    let bad = compile(&model, "grid:64x64", &dir.join("bad.wafer"), &["--expert-replicas", "some"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("--expert-replicas"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

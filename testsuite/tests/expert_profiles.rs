@@ -6,7 +6,7 @@ mod executor_common;
 use executor_common::{compile_with, pack_tile_blob};
 use waferc_ir::wafer::{ResultLayout, RoutingProfile, WaferProgram};
 use waferc_ir::{Module, Op};
-use waferc_passes::wafer::{expert_order, CompileOptions, ExpertOrder};
+use waferc_passes::wafer::{expert_order, CompileOptions, ExpertOrder, ReplicaPolicy};
 use waferc_runtime::executor::{validate, ExecOptions, Executor, ValidationOptions};
 use waferc_runtime::profile::record_profile;
 use waferc_runtime::reference::ReferenceDecoder;
@@ -110,7 +110,7 @@ fn qwen3_moe_tiny_profile_guided_placement_is_bit_exact() {
 }
 
 /// Compiles `name` with a profile from its golden prompts and KV room for `sequences`
-/// sequences, so the placer gives hot experts copies on the free PEs.
+/// sequences, with hot experts' copies on all the free PEs (`--expert-replicas always`).
 fn replicated(name: &str, target: &str, sequences: u32) -> (Module, WaferProgram) {
     let model = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap();
     let module = model.module;
@@ -119,6 +119,7 @@ fn replicated(name: &str, target: &str, sequences: u32) -> (Module, WaferProgram
         max_context: 64,
         max_sequences: sequences,
         profile: Some(profile),
+        expert_replicas: ReplicaPolicy::Fill,
         ..CompileOptions::default()
     };
     let program = compile_with(&module, target, options);

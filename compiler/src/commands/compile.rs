@@ -1,6 +1,6 @@
 //! `waferc compile MODEL --target T [--max-context N] [--max-sequences N] -o OUT [--passes P]
 //! [--plan PLAN] [--profile PROFILE.json | --calibrate PROMPTS] [--expert-order profile|index]
-//! [--dump-ir DIR] [--print-after PASS] [--time-passes] [--json]`
+//! [--expert-replicas auto|off|always] [--dump-ir DIR] [--print-after PASS] [--time-passes] [--json]`
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -15,6 +15,7 @@ use waferc_targets::Target;
 
 use super::session;
 use crate::plan_search::{self, Candidate};
+use crate::replica_choice::{self, ReplicaChoice, ReplicaMode};
 
 #[derive(clap::Args, Debug)]
 pub struct CompileArgs {
@@ -39,6 +40,12 @@ pub struct CompileArgs {
     /// How experts are ordered in a layer's region: by the profile, or by index (the baseline).
     #[arg(long, value_enum, default_value_t = ExpertOrderArg::Profile)]
     pub expert_order: ExpertOrderArg,
+    /// Copies of hot experts on free PEs, for sequences in flight that pick the same expert:
+    /// `auto` only where the pipeline model says a sequence would wait for an expert, `off`
+    /// none, `always` as many as the free PEs hold (tiled plan, with a profile and
+    /// --max-sequences above 1).
+    #[arg(long, value_enum, default_value_t = ReplicaMode::Auto)]
+    pub expert_replicas: ReplicaMode,
     /// The artifact file to write.
     #[arg(short, long)]
     pub output: PathBuf,
@@ -154,6 +161,7 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
         max_sequences: args.max_sequences,
         profile,
         expert_order,
+        expert_replicas: args.expert_replicas.policy(),
         ..CompileOptions::default()
     };
     let (summary, candidates) = match plan {
@@ -164,11 +172,16 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
             bar.finish_and_clear();
             let program = program?;
             report.records.push(record);
+            let (chosen, record) = timed("expert-replicas", || {
+                replica_choice::apply(program, &module, &target, &options, args.expert_replicas)
+            });
+            let (program, replicas) = chosen?;
+            report.records.push(record);
             let (checked, record) = timed("check", || lowering::check(&program, &module));
             checked
                 .with_context(|| format!("the placement checker rejected the compiled program for {}", target.name))?;
             report.records.push(record);
-            let summary = Summary::of(&program, &module, &args);
+            let summary = Summary::of(&program, &module, &args, replicas);
             let compiled = artifact::Artifact::new(program, module).with_tokenizer(tokenizer_json);
             let (written, record) = timed("write-artifact", || artifact::write(&args.output, &compiled));
             written?;
@@ -184,7 +197,9 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
             // the fastest so far in turn), and taken out of the search's row.
             let mut write_record: Option<PassRecord> = None;
             let write_candidate = |program: WaferProgram| -> anyhow::Result<Summary> {
-                let summary = Summary::of(&program, &module, &args);
+                let (program, replicas) =
+                    replica_choice::apply(program, &module, &target, &base, args.expert_replicas)?;
+                let summary = Summary::of(&program, &module, &args, replicas);
                 let compiled = artifact::Artifact::new(program, module.clone()).with_tokenizer(tokenizer_json.clone());
                 let (written, mut record) = timed("write-artifact", || artifact::write(&pending, &compiled));
                 if let Some(earlier) = &write_record {
@@ -278,6 +293,8 @@ struct Summary {
     max_sequences: u32,
     /// How experts were placed (`None` for a model without MoE layers).
     expert_placement: Option<String>,
+    /// What `--expert-replicas` did (`None` for a model without MoE layers).
+    expert_replicas: Option<ReplicaChoice>,
     pes_used: usize,
     grid_pes: u64,
     routes: usize,
@@ -359,8 +376,9 @@ fn weight_formats(program: &WaferProgram, module: &Module) -> (Vec<FormatUse>, u
 
 impl Summary {
     /// What the program tells (the rest is filled in by [`Summary::finish`] once it is written).
-    fn of(program: &WaferProgram, module: &Module, args: &CompileArgs) -> Summary {
+    fn of(program: &WaferProgram, module: &Module, args: &CompileArgs, replicas: ReplicaChoice) -> Summary {
         let t = &program.target;
+        let has_experts = program.instrs.iter().any(|p| p.expert.is_some());
         let (formats, pes_without_weights) = weight_formats(program, module);
         Summary {
             output: args.output.clone(),
@@ -368,7 +386,8 @@ impl Summary {
             plan: program.plan.to_string(),
             max_context: program.max_context,
             max_sequences: program.max_sequences,
-            expert_placement: expert_placement(program, args),
+            expert_placement: expert_placement(program, args, &replicas),
+            expert_replicas: has_experts.then_some(replicas),
             pes_used: program.pes.len(),
             grid_pes: t.grid_cols as u64 * t.grid_rows as u64 * t.wafers as u64,
             routes: program.routes.len(),
@@ -421,6 +440,7 @@ impl Summary {
             "max_context": self.max_context,
             "max_sequences": self.max_sequences,
             "expert_placement": self.expert_placement,
+            "expert_replicas": self.expert_replicas,
             "pes_used": self.pes_used,
             "grid_pes": self.grid_pes,
             "routes": self.routes,
@@ -498,7 +518,11 @@ impl Summary {
 }
 
 /// The copies of hot experts the placer added, per MoE layer, and why it added no more.
-fn replica_summary(program: &WaferProgram, profile: &waferc_ir::wafer::RoutingProfile) -> String {
+fn replica_summary(
+    program: &WaferProgram,
+    profile: &waferc_ir::wafer::RoutingProfile,
+    choice: &ReplicaChoice,
+) -> String {
     let sequences = program.max_sequences;
     if sequences < 2 {
         return "no replicas of hot experts: with --max-sequences 1 a copy would serve no sequence".into();
@@ -508,6 +532,13 @@ fn replica_summary(program: &WaferProgram, profile: &waferc_ir::wafer::RoutingPr
             "no replicas of hot experts: the {} plan does not place them (the tiled plan does)",
             program.plan
         );
+    }
+    match (choice.mode, &choice.decision) {
+        (ReplicaMode::Off, _) => return "no replicas of hot experts (--expert-replicas off)".into(),
+        (ReplicaMode::Auto, Some(decision)) if choice.copies == 0 => {
+            return format!("no replicas of hot experts (--expert-replicas auto): {decision}")
+        }
+        _ => {}
     }
     let mut per_layer: std::collections::BTreeMap<u32, usize> = std::collections::BTreeMap::new();
     for replica in &program.replicas {
@@ -525,7 +556,9 @@ fn replica_summary(program: &WaferProgram, profile: &waferc_ir::wafer::RoutingPr
     let capped = program.replicas.iter().filter(|r| r.count() >= sequences).count();
     let free = (program.target.grid_cols as u64 * program.target.grid_rows as u64 * program.target.wafers as u64)
         .saturating_sub(program.pes.len() as u64);
-    let why = if capped == picked {
+    let why = if let (ReplicaMode::Auto, Some(decision)) = (choice.mode, &choice.decision) {
+        format!("--expert-replicas auto placed {decision}")
+    } else if capped == picked {
         format!("every picked expert has {sequences} copies, one per sequence slot (--max-sequences)")
     } else {
         let size = program.replicas.first().and_then(|r| r.copies.first()).map(|copy| {
@@ -545,7 +578,7 @@ fn replica_summary(program: &WaferProgram, profile: &waferc_ir::wafer::RoutingPr
 }
 
 /// How the experts were placed, for the report (`None` without MoE layers).
-fn expert_placement(program: &WaferProgram, args: &CompileArgs) -> Option<String> {
+fn expert_placement(program: &WaferProgram, args: &CompileArgs, replicas: &ReplicaChoice) -> Option<String> {
     if !program.instrs.iter().any(|p| p.expert.is_some()) {
         return None;
     }
@@ -560,7 +593,7 @@ fn expert_placement(program: &WaferProgram, args: &CompileArgs) -> Option<String
             "experts placed by the routing profile from {} ({} MoE layers): hottest beside the combine, co-picked experts adjacent; {}",
             profile.source,
             profile.layers.len(),
-            replica_summary(program, profile)
+            replica_summary(program, profile, replicas)
         ),
     })
 }

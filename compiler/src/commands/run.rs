@@ -231,7 +231,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 /// The pipeline model over every sequence's modeled steps.
-fn pipeline_timing(prompts: &[Vec<u32>], outcomes: &[Outcome], in_flight: usize, program: &WaferProgram) -> PipelineTiming {
+fn pipeline_timing(
+    prompts: &[Vec<u32>],
+    outcomes: &[Outcome],
+    in_flight: usize,
+    program: &WaferProgram,
+) -> PipelineTiming {
     let costs: Vec<SequenceCosts> = prompts
         .iter()
         .zip(outcomes)

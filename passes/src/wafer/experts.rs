@@ -17,7 +17,11 @@
 //! (`waferc_ir::wafer::replicas`: sequence slot `s` uses copy `s mod copies`). Copies go one at a
 //! time to the expert with the most expected picks per copy, so the hottest expert's load is
 //! split first and no copy stays busier than it must; an expert gets at most `max_sequences`
-//! copies (more would serve no sequence), and copies stop when the next does not fit.
+//! copies (more would serve no sequence), and copies stop when the next does not fit. Which
+//! experts may have copies, and how many, is the [`ReplicaPolicy`]: none, as many as the free
+//! PEs hold, or the counts `compile --expert-replicas auto` finds worth their distance.
+
+use std::collections::BTreeMap;
 
 use waferc_ir::wafer::{LayerProfile, RoutingProfile};
 use waferc_ir::{Module, Op, ValueType};
@@ -37,6 +41,31 @@ pub enum ExpertOrder {
     /// Index order whatever the profile says (the baseline profile-guided placement is measured
     /// against).
     Index,
+}
+
+/// Which hot experts get copies on the PEs left free ([`place_replicas`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ReplicaPolicy {
+    /// No copies.
+    #[default]
+    Off,
+    /// Copies while the free PEs hold them, at most `max_sequences` per expert.
+    Fill,
+    /// At most this many copies in all (the original included) of each listed `(layer,
+    /// expert)`, while the free PEs hold them; no copies of the others.
+    Limited(BTreeMap<(u32, u32), u32>),
+}
+
+impl ReplicaPolicy {
+    /// The most copies (the original included) expert `expert` of `layer` may have with
+    /// `max_sequences` sequences in flight.
+    fn cap(&self, layer: u32, expert: u32, max_sequences: u32) -> u32 {
+        match self {
+            ReplicaPolicy::Off => 1,
+            ReplicaPolicy::Fill => max_sequences,
+            ReplicaPolicy::Limited(limits) => limits.get(&(layer, expert)).copied().unwrap_or(1).min(max_sequences),
+        }
+    }
 }
 
 /// The order in which a layer's `experts` are placed (first placed first: with a profile, the
@@ -163,12 +192,13 @@ fn expert_groups(module: &Module, analysis: &Analysis) -> Vec<(u32, Vec<Vec<usiz
     layers
 }
 
-/// Places copies of hot experts on the PEs the placement left free (module docs). Only with a
-/// profile that guides the order (`--expert-order profile`) and room for several sequences.
+/// Places copies of hot experts on the PEs the placement left free (module docs), as the
+/// options' [`ReplicaPolicy`] allows. Only with a profile that guides the order
+/// (`--expert-order profile`) and room for several sequences.
 pub(super) fn place_replicas(placer: &mut Placer, sizes: &Sizes, wafer_of: &[u16]) {
     let options = placer.options;
     let (Some(profile), ExpertOrder::Profile) = (&options.profile, options.expert_order) else { return };
-    if options.max_sequences < 2 || !options.expert_replicas {
+    if options.max_sequences < 2 || options.expert_replicas == ReplicaPolicy::Off {
         return;
     }
     // Candidates: every picked expert of a guided layer, with its expected picks per token.
@@ -179,6 +209,8 @@ pub(super) fn place_replicas(placer: &mut Placer, sizes: &Sizes, wafer_of: &[u16
         group: Vec<usize>,
         picks: u64,
         tokens: u64,
+        /// The most copies it may have, the original included.
+        cap: usize,
         copies: Vec<Vec<waferc_ir::wafer::InstrPlacement>>,
         full: bool,
     }
@@ -188,7 +220,8 @@ pub(super) fn place_replicas(placer: &mut Placer, sizes: &Sizes, wafer_of: &[u16
         let Some(guide) = guiding(profile.layer(layer), groups.len() as u32) else { continue };
         for (expert, group) in groups.into_iter().enumerate() {
             let picks = guide.picks[expert];
-            if picks > 0 && !group.is_empty() {
+            let cap = options.expert_replicas.cap(layer, expert as u32, options.max_sequences) as usize;
+            if picks > 0 && !group.is_empty() && cap > 1 {
                 let tokens = guide.tokens.max(1);
                 candidates.push(Candidate {
                     layer,
@@ -197,20 +230,20 @@ pub(super) fn place_replicas(placer: &mut Placer, sizes: &Sizes, wafer_of: &[u16
                     group,
                     picks,
                     tokens,
+                    cap,
                     copies: Vec::new(),
                     full: false,
                 });
             }
         }
     }
-    let cap = options.max_sequences as usize;
     loop {
         // The most expected picks per copy (picks / tokens / copies, compared exactly), ties to
         // the earlier layer and expert.
         let next = candidates
             .iter()
             .enumerate()
-            .filter(|(_, c)| !c.full && c.copies.len() + 1 < cap)
+            .filter(|(_, c)| !c.full && c.copies.len() + 1 < c.cap)
             .max_by(|(_, a), (_, b)| {
                 let load =
                     |c: &Candidate| c.picks as u128 * 1_000_000 / (c.tokens as u128 * (c.copies.len() as u128 + 1));

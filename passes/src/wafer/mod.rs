@@ -42,7 +42,7 @@ mod stacked;
 use std::fmt;
 
 pub use check::{check, CheckError, Problem, MAX_PROBLEMS};
-pub use experts::{expert_order, ExpertOrder};
+pub use experts::{expert_order, ExpertOrder, ReplicaPolicy};
 pub use stacked::{tiles_estimate as stacked_tiles_estimate, TILE_SHARE as STACKED_TILE_SHARE};
 use waferc_ir::wafer::{Pe, Plan, RoutingProfile, WaferProgram};
 use waferc_ir::{IrError, Module};
@@ -62,9 +62,10 @@ pub struct CompileOptions {
     pub profile: Option<RoutingProfile>,
     /// How experts are ordered within an MoE layer's region.
     pub expert_order: ExpertOrder,
-    /// Whether hot experts get copies on free PEs (with a guiding profile and `max_sequences`
-    /// above 1; `experts::place_replicas`).
-    pub expert_replicas: bool,
+    /// Which hot experts get copies on free PEs (with a guiding profile and `max_sequences`
+    /// above 1; `experts::place_replicas`). `compile --expert-replicas auto` decides it from
+    /// the pipeline model (`waferc::replica_choice`).
+    pub expert_replicas: ReplicaPolicy,
 }
 
 impl CompileOptions {
@@ -76,7 +77,7 @@ impl CompileOptions {
             max_sequences: 1,
             profile: None,
             expert_order: ExpertOrder::Profile,
-            expert_replicas: true,
+            expert_replicas: ReplicaPolicy::Off,
         }
     }
 }

@@ -54,7 +54,7 @@ use schedule::{schedule_runs, InstrRun};
 use sram::load_sram;
 
 pub use error::{ExecError, InstrSite, WeightRegionError};
-pub use pipeline::{pipeline, PipelineTiming, SequenceCosts, SequenceTiming, StepCost};
+pub use pipeline::{pipeline, replica_need, PipelineTiming, ReplicaNeed, SequenceCosts, SequenceTiming, StepCost};
 pub use timing::{LayerTime, LinkLoad, PeLoad, PrefillTime, StepSpan, StepTiming, TimingReport, PREFILL_PROMPTS};
 pub use validate::{validate, Mismatch, Validation, ValidationOptions};
 

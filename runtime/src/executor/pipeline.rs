@@ -95,6 +95,60 @@ impl StepCost {
     }
 }
 
+/// What copies of hot experts can do for a pipeline of sequences, by this model: the answer of
+/// [`replica_need`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReplicaNeed {
+    /// A round's length without copies from its other bounds: the larger of one sequence's step
+    /// and the sequences in flight times the busiest region.
+    pub round_cycles: u64,
+    /// The expert with the longest expected queue per round, and that queue in cycles.
+    pub longest_queue: Option<((u32, u32), u64)>,
+    /// Copies (the original included) each expert needs so that its expected queue fits in the
+    /// round: only experts needing more than one, by `(layer, expert)`.
+    pub copies: BTreeMap<(u32, u32), u32>,
+}
+
+/// Which experts' copies can shorten a round of `sequences` in flight (module documentation),
+/// from one sequence's step on the copy-free placement. A round lasts at least one sequence's
+/// step `T` and `sequences` times the busiest region `B`; an expert picked with probability
+/// `p` per token (`pick_rate(layer, expert)`: the routing profile's picks over its tokens) and
+/// busy `b` cycles when it runs queues on average `sequences x p x b` cycles a round. Only
+/// where that queue is longer than `max(T, sequences x B)` can copies shorten the round, and
+/// `ceil(queue / round)` copies (at most one per sequence) bring it back within the round. An
+/// expert that did not run in the step is taken to be as busy as the busiest of its layer that
+/// did (a layer's experts have one shape). `experts` lists the candidates, `(layer, expert)`.
+pub fn replica_need(
+    step: &StepCost,
+    sequences: u32,
+    experts: &[(u32, u32)],
+    pick_rate: impl Fn(u32, u32) -> f64,
+) -> ReplicaNeed {
+    let round_cycles = step.cycles.max(sequences as u64 * step.bottleneck);
+    let mut busy: BTreeMap<(u32, u32), u64> = BTreeMap::new();
+    let mut layer_busy: BTreeMap<u32, u64> = BTreeMap::new();
+    for &((layer, expert, copy), cycles) in &step.experts {
+        if copy == 0 {
+            busy.insert((layer, expert), cycles);
+        }
+        let widest = layer_busy.entry(layer).or_insert(0);
+        *widest = (*widest).max(cycles);
+    }
+    let mut need = ReplicaNeed { round_cycles, longest_queue: None, copies: BTreeMap::new() };
+    for &(layer, expert) in experts {
+        let Some(&cycles) = busy.get(&(layer, expert)).or(layer_busy.get(&layer)) else { continue };
+        let queue = (sequences as f64 * pick_rate(layer, expert) * cycles as f64).ceil() as u64;
+        if need.longest_queue.is_none_or(|(_, longest)| queue > longest) {
+            need.longest_queue = Some(((layer, expert), queue));
+        }
+        let copies = queue.div_ceil(round_cycles.max(1)).min(sequences as u64) as u32;
+        if copies > 1 {
+            need.copies.insert((layer, expert), copies);
+        }
+    }
+    need
+}
+
 /// Cycles covered by the union of `intervals` (`(start, end)`).
 fn union_length(mut intervals: Vec<(u64, u64)>) -> u64 {
     intervals.sort_unstable();
@@ -227,6 +281,29 @@ mod tests {
         assert_eq!(pipeline(&two_copies, 8, 1e6).aggregate_modeled_tok_s, 8.0 / 1600e-6);
     }
 
+    #[test]
+    fn copies_are_needed_only_where_an_expert_queue_outlasts_the_round() {
+        // A token's walk of 10,000 cycles, the busiest region 500, expert 3 of layer 0 busy
+        // 400 and picked by every token, expert 5 by a quarter of them.
+        let step = StepCost { cycles: 10_000, bottleneck: 500, experts: vec![((0, 3, 0), 400), ((0, 5, 0), 400)] };
+        let rate = |_: u32, expert: u32| if expert == 3 { 1.0 } else { 0.25 };
+        let experts = [(0, 3), (0, 5), (0, 7)];
+        // 16 sequences: the round is 16 x 500 = 8,000 < 10,000; expert 3 queues 6,400: no copy pays.
+        let need = replica_need(&step, 16, &experts, rate);
+        assert_eq!(need.round_cycles, 10_000);
+        assert_eq!(need.longest_queue, Some(((0, 3), 6_400)));
+        assert!(need.copies.is_empty());
+        // A walk of 2,000 and a busiest region of 100: 16 sequences make a round of 2,000, and
+        // expert 3 queues 6,400 (4 copies), expert 5 1,600 (none), expert 7, which did not run,
+        // is taken as busy as its layer's busiest, at expert 5's rate: none either.
+        let short = StepCost { cycles: 2_000, bottleneck: 100, ..step };
+        let need = replica_need(&short, 16, &experts, rate);
+        assert_eq!(need.copies, BTreeMap::from([((0, 3), 4)]));
+        // Never more copies than sequences.
+        let need = replica_need(&short, 2, &experts, |_, _| 100.0);
+        assert!(need.copies.values().all(|&c| c == 2));
+    }
+
     /// A step through `layers` layers of 100 cycles each, one after another.
     fn walk(layers: u32) -> StepTiming {
         let spans = (0..layers)
@@ -267,7 +344,11 @@ mod tests {
         assert_eq!(StepCost::of(&step, &stacked(4)).bottleneck, 400);
         assert_eq!(StepCost::of(&step, &stacked(1)).bottleneck, 100);
         // So 16 sequences in flight on two groups are bound by the groups, not by one layer.
-        let costs = vec![SequenceCosts { prompt_tokens: 1, new_tokens: 2, steps: vec![StepCost::of(&step, &stacked(4)); 2] }; 16];
+        let costs =
+            vec![
+                SequenceCosts { prompt_tokens: 1, new_tokens: 2, steps: vec![StepCost::of(&step, &stacked(4)); 2] };
+                16
+            ];
         assert_eq!(pipeline(&costs, 16, 1e6).aggregate_modeled_tok_s, 16.0 / 6400e-6);
     }
 
