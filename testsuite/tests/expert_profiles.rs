@@ -191,6 +191,30 @@ fn replicas_are_bit_exact(name: &str, target: &str) {
     }
 }
 
+/// The copies `--expert-replicas auto` asks for (`ReplicaPolicy::Limited`): only the listed
+/// experts get copies, no more than listed, and the program passes the checker.
+#[test]
+fn limited_replicas_copy_only_the_listed_experts() {
+    let name = "qwen3-moe-tiny";
+    let model = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap();
+    let module = model.module;
+    let profile = record_profile(&module, &golden_prompts(name), name).unwrap();
+    let heat = &profile.layers[0];
+    let hottest = expert_order(Some(heat), heat.experts)[0];
+    let limits = std::collections::BTreeMap::from([((heat.layer, hottest), 2)]);
+    let options = CompileOptions {
+        max_context: 64,
+        max_sequences: 3,
+        profile: Some(profile.clone()),
+        expert_replicas: ReplicaPolicy::Limited(limits),
+        ..CompileOptions::default()
+    };
+    let program = compile_with(&module, "grid:64x64", options);
+    let copied: Vec<(u32, u32, u32)> = program.replicas.iter().map(|r| (r.layer, r.expert, r.count())).collect();
+    assert_eq!(copied, [(heat.layer, hottest, 2)]);
+    waferc_passes::wafer::check(&program, &module).unwrap();
+}
+
 /// The checker rejects a copy whose tile is not the original's, and a copy whose routing
 /// route does not reach it.
 #[test]
