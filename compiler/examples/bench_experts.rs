@@ -105,7 +105,7 @@ fn replicas(
     );
     println!("|---|---|---|---|---|---|");
     for &sequences in in_flight {
-        for mode in [ReplicaMode::Off, ReplicaMode::Always, ReplicaMode::Auto] {
+        for mode in [ReplicaMode::Off, ReplicaMode::Auto, ReplicaMode::Always] {
             let options = CompileOptions {
                 max_context: 64,
                 max_sequences: sequences,
@@ -113,8 +113,13 @@ fn replicas(
                 expert_replicas: mode.policy(),
                 ..CompileOptions::default()
             };
+            let start = std::time::Instant::now();
             let program = compile(module, target, &options)?;
             let (program, choice) = replica_choice::apply(program, module, target, &options, mode)?;
+            eprintln!(
+                "{sequences} sequences, --expert-replicas {mode:?}: compiled in {:.0} s; timing every slot",
+                start.elapsed().as_secs_f64()
+            );
             if let Some(decision) = &choice.decision {
                 eprintln!("{sequences} sequences, --expert-replicas auto: {decision}");
             }
