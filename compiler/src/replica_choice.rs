@@ -9,9 +9,9 @@
 //! round outlasts the round (`waferc_runtime::executor::replica_need`): `sequences x picks per
 //! token x the expert's busy cycles` against `max(one token's walk, sequences x the busiest
 //! region)`. Only those experts get copies, as many as bring their queue within the round; when
-//! none does, the copy-free program is kept. With the tiled plan a token's walk is hundreds of
-//! times an expert's busy time (Qwen3-30B-A3B: about 11.6M cycles against a few thousand), so
-//! `auto` declines copies there. `always` fills the free PEs as before (the bit-exact replica tests
+//! none does, the copy-free program is kept. With the tiled plan a token's walk is far longer
+//! than any expert's queue (Qwen3-30B-A3B at 16 sequences: a round of 11.35M cycles against a
+//! longest expected queue of 0.75M), so `auto` declines copies there. `always` fills the free PEs as before (the bit-exact replica tests
 //! use it); `off` never places copies.
 
 use serde::Serialize;
