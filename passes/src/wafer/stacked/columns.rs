@@ -24,6 +24,11 @@ use crate::wafer::WaferError;
 /// The most segments of one vector per column block: each multicasts down all of the block's
 /// columns, so they take a colour each there.
 pub(super) const SEGMENTS_PER_COLUMN: u64 = 4;
+/// The shortest segment of a matvec's result that reaches matvecs through elementwise ops alone
+/// (half a chunk). A norm's partial sums must be whole chunks of the chunk tree, and an
+/// attention output's collects crowd its KV band's colours, so only these get it: SiLU and the
+/// product before the down projection then run on twice the PEs.
+const MIN_ELEMENTWISE_SEGMENT: u64 = CHUNK / 2;
 /// How many values a search for a vector's consumers looks through before it gives up.
 const SEARCH_LIMIT: usize = 64;
 
@@ -41,14 +46,16 @@ impl Stacked<'_> {
     /// The matvecs that read instruction `i`'s result, looking through the elementwise ops and
     /// norms that run in place on it (in `i`'s unit and the next), each with the elements it
     /// reads. `None` when something else reads it too (rope, attention, an expert, a router's
-    /// top-k): then the vector keeps the plan's general layout.
-    fn consumers(&mut self, i: usize) -> Option<Vec<Consumer>> {
+    /// top-k): then the vector keeps the plan's general layout. Also whether a norm reads it on
+    /// the way.
+    fn consumers(&mut self, i: usize) -> Option<(Vec<Consumer>, bool)> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
         let unit = self.unit_of[i];
         let mut found = Vec::new();
         // (value, where its element 0 lies in `i`'s result)
         let mut frontier = VecDeque::from([(i, 0u64)]);
         let mut seen = HashSet::new();
+        let mut through_norm = false;
         while let Some((value, base)) = frontier.pop_front() {
             if !seen.insert((value, base)) {
                 continue;
@@ -68,6 +75,7 @@ impl Stacked<'_> {
                 };
                 match op {
                     Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } | Op::RmsNorm { .. } => {
+                        through_norm |= matches!(op, Op::RmsNorm { .. });
                         for operand in op.operands() {
                             frontier.extend(at(operand).map(|b| (r, b)));
                         }
@@ -82,21 +90,24 @@ impl Stacked<'_> {
                 }
             }
         }
-        Some(found)
+        Some((found, through_norm))
     }
 
     /// Instruction `i`'s `len`-element result cut to suit the matvecs that read it: segments of
-    /// a column block, or a [`SEGMENTS_PER_COLUMN`]th of one (at least a chunk), each with its
+    /// a column block, or a [`SEGMENTS_PER_COLUMN`]th of one (at least a chunk, or
+    /// [`MIN_ELEMENTWISE_SEGMENT`] for a matvec's result that no norm reads), each with its
     /// PE column in the area ([`Grid::chunk_column`] of its first chunk). The
     /// first consumer (in program order, nearest first) that reads an element decides its
     /// segment. `None` when the result does not feed only matvecs, or some element feeds none.
     pub(super) fn aligned_cut(&mut self, i: usize, len: u64) -> Option<Vec<(Range<u64>, u64)>> {
-        let consumers = self.consumers(i)?;
+        let (consumers, through_norm) = self.consumers(i)?;
+        let from_matvec = matches!(self.placer.module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. });
+        let shortest = if from_matvec && !through_norm { MIN_ELEMENTWISE_SEGMENT } else { CHUNK };
         let mut cut = Vec::new();
         let mut at = 0;
         while at < len {
             let c = consumers.iter().find(|c| c.base <= at && at < c.base + c.cols)?;
-            let per_column = SEGMENTS_PER_COLUMN.min(c.width / CHUNK).max(1);
+            let per_column = SEGMENTS_PER_COLUMN.min(c.width / shortest).max(1);
             let piece = c.width / per_column;
             let offset = at - c.base;
             let end = (c.base + (offset / piece + 1) * piece).min(c.base + c.cols).min(len);
