@@ -1,7 +1,7 @@
 mod wafer_common;
 
 use wafer_common::{build, Shape};
-use waferc_ir::wafer::{Pe, Region, RegionKind, WaferProgram, Work};
+use waferc_ir::wafer::{Pe, Plan, Region, RegionKind, ResultLayout, WaferProgram, Work};
 use waferc_ir::Module;
 use waferc_passes::wafer::{check, compile, CheckError, CompileOptions, WaferError};
 use waferc_targets::Target;
@@ -239,6 +239,39 @@ fn a_collect_aimed_at_the_wrong_pe_is_named() {
     let err = problems(&program, &module);
     assert!(
         err.problems.iter().any(|p| p.route == Some(victim) && p.message.contains("holds nothing of what it carries")),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_norm_group_cut_off_chunk_boundaries_is_caught() {
+    // The stacked plan cuts norms over many segments.
+    let module = build(&Shape::tiny());
+    let options =
+        CompileOptions { plan: Plan::Stacked { layers_per_region: 1, wafer_percent: 100 }, ..CompileOptions::new(64) };
+    let mut program = compile(&module, &Target::resolve("grid:16x16").unwrap(), &options).unwrap();
+    check(&program, &module).unwrap();
+    // Move the boundary between a norm's first two segments of one group by half a chunk: the
+    // reduction's leaves are then no longer subtrees of the chunk tree.
+    let (instr, pe) = program
+        .instrs
+        .iter_mut()
+        .find_map(|p| {
+            let (Work::RmsNorm(norm), ResultLayout::Vector(layout)) = (&p.work, &mut p.result) else { return None };
+            let [a, b, ..] = &mut layout.segments[..] else { return None };
+            let same_group = a.elements.start / norm.group_len == b.elements.start / norm.group_len;
+            (same_group && a.elements.end - a.elements.start > 16).then(|| {
+                a.elements.end -= 16;
+                b.elements.start -= 16;
+                (p.instr, a.pe)
+            })
+        })
+        .expect("a norm group over two segments");
+    let err = problems(&program, &module);
+    assert!(
+        err.problems.iter().any(|p| p.instr == Some(instr)
+            && p.pe == Some(pe)
+            && p.message.contains("are not an aligned power-of-two run of 32-element chunks")),
         "{err}"
     );
 }

@@ -262,6 +262,7 @@ pub fn check(program: &WaferProgram, module: &Module) -> Result<(), CheckError> 
         c.sram();
         c.replicas();
         c.weights();
+        c.norm_groups();
         c.kv();
         let routes = c.routes_by_id();
         c.paths_and_colours();
@@ -632,6 +633,44 @@ impl<'a> Checker<'a> {
                         None,
                         Some(p.instr),
                         format!("tile rows {:?} x chunks {:?} is placed twice", t.rows, t.chunks),
+                    );
+                }
+            }
+        }
+    }
+
+    /// A norm group split over several segments: each segment's part is a leaf of the chunk tree
+    /// (an aligned power-of-two run of whole 32-element chunks, all of one length but the last),
+    /// so the reduction combines the contract's subtrees of the sum of squares.
+    fn norm_groups(&mut self) {
+        let program = self.program;
+        for p in &program.instrs {
+            let (Work::RmsNorm(norm), ResultLayout::Vector(layout)) = (&p.work, &p.result) else { continue };
+            let g = norm.group_len.max(1);
+            for group in 0..layout.len().div_ceil(g) {
+                let parts: Vec<(Pe, Range<u64>)> =
+                    layout.overlapping(group * g..(group + 1) * g).map(|(seg, part)| (seg.pe, part)).collect();
+                let Some(run) = parts.first().map(|(_, part)| part.end - part.start) else { continue };
+                if parts.len() < 2 {
+                    continue;
+                }
+                let chunks = run / 32;
+                let bad = parts.iter().enumerate().find(|(k, (_, part))| {
+                    let (start, len) = (part.start - group * g, part.end - part.start);
+                    !run.is_multiple_of(32)
+                        || !chunks.is_power_of_two()
+                        || !start.is_multiple_of(run)
+                        || (len != run && *k + 1 != parts.len())
+                });
+                if let Some((_, (pe, part))) = bad {
+                    self.report(
+                        Some(*pe),
+                        None,
+                        Some(p.instr),
+                        format!(
+                            "elements {part:?} of norm group {group} are not an aligned power-of-two run of \
+                             32-element chunks like the group's other segments"
+                        ),
                     );
                 }
             }
