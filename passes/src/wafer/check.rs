@@ -5,7 +5,8 @@
 //! Checked: instruction placements match the IR; every PE's SRAM regions are disjoint and within
 //! the budget, the code reserve first; every matvec and embedding weight element is held exactly
 //! once, as a grid of row blocks x aligned power-of-two chunk runs, every norm weight and bias
-//! element at least once, and every tile the placement lists is such a region; KV blocks cover
+//! element at least once, and every tile the placement lists is such a region; a norm group
+//! split over several segments is cut in aligned power-of-two chunk runs; KV blocks cover
 //! `0..max_context` exactly once in aligned power-of-two chunk runs; every route's path is made of
 //! straight neighbour runs (or hops between consecutive wafers), each starting where the route
 //! already is, and reaches every destination; route endpoints hold what the route moves (a
