@@ -671,11 +671,9 @@ impl Route {
         messages
     }
 
-    /// A reduction's root leaf, where its tree's total ends: the destination's position among
-    /// the sources, or 0 (then `sources[0]` forwards the total to the destination).
+    /// A reduction's root leaf, where its tree's total ends ([`reduce_root`]).
     pub fn reduce_root(&self) -> usize {
-        let destination = self.destinations.first();
-        self.sources.iter().position(|pe| Some(pe) == destination).unwrap_or(0)
+        self.destinations.first().map_or(0, |&destination| reduce_root(&self.sources, destination))
     }
 
     /// The reduction's tree edges ([`reduce_tree`] toward [`Route::reduce_root`]).
@@ -694,6 +692,12 @@ impl Route {
         pes.dedup();
         pes
     }
+}
+
+/// The root leaf of a reduction over `leaves` into `destination`: the destination's position
+/// among the leaves, or 0 when it is not one (then the first leaf forwards the total there).
+pub fn reduce_root(leaves: &[Pe], destination: Pe) -> usize {
+    leaves.iter().position(|&pe| pe == destination).unwrap_or(0)
 }
 
 /// The combine order of a reduction over `leaves` leaves whose total ends on leaf `root`:

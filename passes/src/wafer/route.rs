@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BinaryHeap};
 
 use petgraph::graph::{NodeIndex, UnGraph};
 
-use waferc_ir::wafer::{reduce_tree, Pe, Route, RouteKind, Run, TargetParams};
+use waferc_ir::wafer::{reduce_root, reduce_tree, Pe, Route, RouteKind, Run, TargetParams};
 
 use super::detour::{paths_for_legs, MeshView};
 use super::precedence::Precedence;
@@ -208,7 +208,7 @@ fn lines_then_cross(sources: &[Pe], dest: Pe, rows_first: bool, runs: &mut Vec<R
 /// `destination` if it is a leaf (then the tree's total ends there), else toward the first leaf,
 /// which then forwards the total to `destination`.
 pub(super) fn reduction(leaves: &[Pe], destination: Pe) -> Vec<Run> {
-    let root = leaves.iter().position(|&pe| pe == destination).unwrap_or(0);
+    let root = reduce_root(leaves, destination);
     let mut runs = Vec::new();
     for (receiver, sender) in reduce_tree(leaves.len(), root) {
         unicast(leaves[sender], leaves[receiver], &mut runs);

@@ -362,7 +362,10 @@ struct RouteCost {
 struct ReduceShape {
     /// `(receiver, sender, cycles of the edge, its runs)` in [`Route::reduce_edges`] order.
     edges: Vec<(usize, usize, u64, Range<usize>)>,
-    /// The root's forward to the destination: cycles and runs.
+    /// The root leaf ([`Route::reduce_root`]), where the tree's total ends.
+    root: usize,
+    /// The root's forward to the destination (none when the destination is the root): cycles
+    /// and runs.
     forward: (u64, Range<usize>),
 }
 
@@ -398,8 +401,8 @@ impl CostModel {
     /// How many leading sources of reduction `route` sent, from the `messages` sent on it: the
     /// edges among the first `a` leaves of [`Route::reduce_edges`] are `a - 1` (every leaf but
     /// the root sends exactly once), plus the forward when the destination is not a leaf.
-    fn reduce_leaves(route: &Route, messages: u32) -> usize {
-        let forward = route.destinations.first().is_some_and(|d| !route.sources.contains(d));
+    fn reduce_leaves(route: &Route, shape: &ReduceShape, messages: u32) -> usize {
+        let forward = !shape.forward.1.is_empty();
         (messages as usize + 1).saturating_sub(forward as usize).clamp(1, route.sources.len().max(1))
     }
 
@@ -417,11 +420,11 @@ impl CostModel {
                 latency + cost.serial.min(sent.ceil() as u64)
             }
             RouteKind::Reduce { .. } => {
-                let leaves = Self::reduce_leaves(route, messages);
+                let shape = &self.reduce_edges[route.id as usize];
+                let leaves = Self::reduce_leaves(route, shape, messages);
                 if leaves >= route.sources.len() {
                     return cost.latency;
                 }
-                let shape = &self.reduce_edges[route.id as usize];
                 let mut ready = vec![0u64; leaves];
                 for (receiver, sender, cycles, _) in &shape.edges {
                     if *sender < leaves {
@@ -429,7 +432,7 @@ impl CostModel {
                     }
                 }
                 // Only attention's reductions send from leading leaves, and they end on leaf 0.
-                ready[route.reduce_root().min(leaves - 1)] + shape.forward.0
+                ready[shape.root.min(leaves - 1)] + shape.forward.0
             }
             _ => cost.latency + cost.serial,
         }
@@ -440,8 +443,8 @@ impl CostModel {
     fn sending_runs<'r>(&'r self, route: &'r Route, messages: u32) -> impl Iterator<Item = (&'r Run, u64)> + 'r {
         let reduce_runs: Option<Vec<Range<usize>>> = match route.kind {
             RouteKind::Reduce { .. } => {
-                let leaves = Self::reduce_leaves(route, messages);
                 let shape = &self.reduce_edges[route.id as usize];
+                let leaves = Self::reduce_leaves(route, shape, messages);
                 let mut ranges: Vec<Range<usize>> =
                     shape.edges.iter().filter(|e| e.1 < leaves).map(|e| e.3.clone()).collect();
                 ranges.push(shape.forward.1.clone());
@@ -561,7 +564,7 @@ fn route_cost(
             Ok((latency, serial, first..*next_run))
         };
         let add = (elements as f64 / params.f32_fma_per_cycle).ceil() as u64;
-        let mut shape = ReduceShape::default();
+        let mut shape = ReduceShape { root: root_leaf, ..ReduceShape::default() };
         let mut ready = vec![0u64; route.sources.len()];
         for (receiver, sender) in route.reduce_edges() {
             let (latency, serial, runs) = walk(&mut next_run, route.sources[sender], route.sources[receiver])?;
