@@ -984,8 +984,24 @@ impl Stacked<'_> {
                                     // Slots interleave the bands, so no two segments share a column.
                                     let slot = in_band.entry(head).or_default();
                                     *slot += 1;
-                                    let (west, row) = ((*slot - 1) * kv_heads + head, g.row(r));
-                                    self.band_pe(i, unit, (head, kv_heads), bytes, &taken, west, row)?
+                                    // Alternately the band's top and bottom row: every PE of
+                                    // the head's KV blocks receives each of these segments, and
+                                    // one from the top row reaches them down the columns while
+                                    // one from the bottom row comes up, so the two halves
+                                    // share no link.
+                                    let whole = self.region(unit).area;
+                                    let band = whole.band(head, kv_heads);
+                                    let top = (band.y - whole.y) as u64;
+                                    let row = if *slot % 2 == 1 { top } else { top + band.h as u64 - 1 };
+                                    self.band_pe(
+                                        i,
+                                        unit,
+                                        (head, kv_heads),
+                                        bytes,
+                                        &taken,
+                                        (*slot - 1) * kv_heads + head,
+                                        row,
+                                    )?
                                 }
                                 (None, Some(tile)) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
                                 _ => self.fresh_pe(i, unit, bytes, &taken)?,
