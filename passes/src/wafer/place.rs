@@ -573,6 +573,19 @@ impl<'a> Placer<'a> {
         }
     }
 
+    /// The instruction whose segments vector op `i` would run in place on: its newest tensor
+    /// operand (a slice of a value only where `host_slices` allows).
+    pub(super) fn host_operand(&self, i: usize) -> Option<usize> {
+        self.module.body[waferc_ir::Handle::new(i)]
+            .op
+            .operands()
+            .into_iter()
+            .filter(|v| matches!(self.module.body[*v].ty, ValueType::Tensor(_)))
+            .max_by_key(|v| self.rank[v.index()])
+            .filter(|v| self.host_slices || self.analysis.offset[v.index()] == 0)
+            .map(|v| if self.host_slices { v.index() } else { self.analysis.source[v.index()] as usize })
+    }
+
     /// A vector op's result on its newest operand's segments (see [`Placer::vector_layout`]), if
     /// their cut suits the op, they lie where `allowed` says and SRAM has room; the regions are
     /// added to those PEs.
@@ -584,14 +597,7 @@ impl<'a> Placer<'a> {
         requests: &dyn Fn(&Range<u64>) -> Vec<Request>,
     ) -> Option<VectorLayout> {
         let ir = &self.module.body[waferc_ir::Handle::new(i)];
-        let host = ir
-            .op
-            .operands()
-            .into_iter()
-            .filter(|v| matches!(self.module.body[*v].ty, ValueType::Tensor(_)))
-            .max_by_key(|v| self.rank[v.index()])
-            .filter(|v| self.host_slices || self.analysis.offset[v.index()] == 0)
-            .map(|v| if self.host_slices { v.index() } else { self.analysis.source[v.index()] as usize });
+        let host = self.host_operand(i);
         if let Some(ResultLayout::Vector(host)) = host.map(|h| &self.placements[h].result) {
             let host = host.clone();
             if host.len() == len

@@ -42,13 +42,24 @@ struct Consumer {
     grid: Grid,
 }
 
+/// What reads a vector, looking through the elementwise ops and norms that run in place on it.
+struct Consumers {
+    matvecs: Vec<Consumer>,
+    /// Whether a norm reads it on the way.
+    through_norm: bool,
+}
+
+/// The vector ops that run on their operand's segments (elementwise ops and norms).
+fn runs_in_place(op: &Op) -> bool {
+    matches!(op, Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } | Op::RmsNorm { .. })
+}
+
 impl Stacked<'_> {
     /// The matvecs that read instruction `i`'s result, looking through the elementwise ops and
     /// norms that run in place on it (in `i`'s unit and the next), each with the elements it
     /// reads. `None` when something else reads it too (rope, attention, an expert, a router's
-    /// top-k): then the vector keeps the plan's general layout. Also whether a norm reads it on
-    /// the way.
-    fn consumers(&mut self, i: usize) -> Option<(Vec<Consumer>, bool)> {
+    /// top-k): then the vector keeps the plan's general layout.
+    fn consumers(&mut self, i: usize) -> Option<Consumers> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
         let unit = self.unit_of[i];
         let mut found = Vec::new();
@@ -74,7 +85,7 @@ impl Stacked<'_> {
                         .then(|| base + analysis.offset[operand.index()])
                 };
                 match op {
-                    Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } | Op::RmsNorm { .. } => {
+                    op if runs_in_place(op) => {
                         through_norm |= matches!(op, Op::RmsNorm { .. });
                         for operand in op.operands() {
                             frontier.extend(at(operand).map(|b| (r, b)));
@@ -90,7 +101,49 @@ impl Stacked<'_> {
                 }
             }
         }
-        Some((found, through_norm))
+        Some(Consumers { matvecs: found, through_norm })
+    }
+
+    /// Whether residual add `i` keeps its result in its region's middle row: when a norm reads
+    /// it on the way to matvecs in this region. The norm's reduction and broadcast then run
+    /// along one row instead of the region's diagonal, and its deliveries down the columns cover
+    /// half the height; the add's matvec operand comes down its own column to it. Not at a
+    /// region's last layer, whose residual crosses to the next region, nor at an add whose
+    /// result the next residual add would have to fetch back from the middle row.
+    pub(super) fn residual_in_middle_row(&mut self, i: usize) -> bool {
+        let is_add = |r: usize| matches!(self.placer.module.body[waferc_ir::Handle::new(r)].op, Op::Add { .. });
+        is_add(i)
+            && !self.hosts_a_crossing(i)
+            && self.placer.analysis.readers[i]
+                .iter()
+                .all(|&r| !is_add(r as usize) || !self.hosts_a_crossing(r as usize))
+            && self.consumers(i).is_some_and(|c| c.through_norm)
+    }
+
+    /// Whether instruction `i`'s segments, or those of the vector ops that run in place on them
+    /// (each on its newest operand's segments), are read in another unit: the residual stream
+    /// at a region's last layer, which crosses to the next region.
+    fn hosts_a_crossing(&self, i: usize) -> bool {
+        let analysis = self.placer.analysis;
+        let unit = self.unit_of[i];
+        let mut stack = vec![i];
+        let mut seen = HashSet::new();
+        while let Some(value) = stack.pop() {
+            if !seen.insert(value) || seen.len() > SEARCH_LIMIT {
+                continue;
+            }
+            for &reader in &analysis.readers[value] {
+                let r = reader as usize;
+                if self.unit_of[r] != unit {
+                    return true;
+                }
+                let hosted = self.placer.host_operand(r).is_some_and(|h| analysis.source[h] as usize == value);
+                if hosted && runs_in_place(&self.placer.module.body[waferc_ir::Handle::new(r)].op) {
+                    stack.push(r);
+                }
+            }
+        }
+        false
     }
 
     /// Instruction `i`'s `len`-element result cut to suit the matvecs that read it: segments of
@@ -100,7 +153,7 @@ impl Stacked<'_> {
     /// first consumer (in program order, nearest first) that reads an element decides its
     /// segment. `None` when the result does not feed only matvecs, or some element feeds none.
     pub(super) fn aligned_cut(&mut self, i: usize, len: u64) -> Option<Vec<(Range<u64>, u64)>> {
-        let (consumers, through_norm) = self.consumers(i)?;
+        let Consumers { matvecs: consumers, through_norm, .. } = self.consumers(i)?;
         let from_matvec = matches!(self.placer.module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. });
         let shortest = if from_matvec && !through_norm { MIN_ELEMENTWISE_SEGMENT } else { CHUNK };
         let mut cut = Vec::new();
@@ -144,15 +197,16 @@ impl Stacked<'_> {
         ))
     }
 
-    /// Fresh segments for `cut` (from [`Stacked::aligned_cut`]), each in its column: in the row
-    /// its operand's data comes from when that row crosses the area (a region beside this one:
-    /// the data moves straight along rows), else spread down the area's rows (a region above or
-    /// below: it moves straight down the columns).
+    /// Fresh segments for `cut` (from [`Stacked::aligned_cut`]), each in its column: in area row
+    /// `row` if given, else in the row its operand's data comes from when that row crosses the
+    /// area (a region beside this one: the data moves straight along rows), else spread down the
+    /// area's rows (a region above or below: it moves straight down the columns).
     pub(super) fn aligned_layout(
         &mut self,
         i: usize,
         unit: usize,
         cut: Vec<(Range<u64>, u64)>,
+        row: Option<u64>,
         extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
     ) -> Result<VectorLayout, WaferError> {
         let area = self.region(unit).area;
@@ -160,12 +214,12 @@ impl Stacked<'_> {
         let mut layout = VectorLayout::default();
         let mut taken = HashSet::new();
         for (j, (seg, dx)) in cut.into_iter().enumerate() {
-            let row = match self.operand_pe(i, seg.start) {
+            let row = row.unwrap_or_else(|| match self.operand_pe(i, seg.start) {
                 Some(pe) if pe.wafer == area.wafer && (area.y..area.y + area.h).contains(&pe.y) => {
                     (pe.y - area.y) as u64
                 }
                 _ => j as u64 * area.h as u64 / count,
-            };
+            });
             let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
             requests.extend(extra(&seg));
             let bytes = requests.iter().map(|(_, b)| b).sum();

@@ -25,8 +25,10 @@
 //!   routes of experts that may run together meet only where their lanes' paths cross.
 //! * **vectors are cut in small segments spread over the area**: a matvec's result segments are
 //!   whole row blocks on their roots (32 elements or a head, so norms and rope can run on them in
-//!   place); elementwise ops run on their operand's segments; other vectors take PEs from a walk
-//!   over the area.
+//!   place); elementwise ops run on their operand's segments, except the residual adds inside a
+//!   region, whose results sit in its middle row so the norms on them reduce and broadcast along
+//!   one row and deliver half the height (`columns`); other vectors take PEs from a walk over
+//!   the area.
 //! * **KV blocks sit in a strip at the area's east side** (a block of 32 positions of one KV head
 //!   is tens of KiB, more than a tile share), one block per PE.
 //!
@@ -816,13 +818,20 @@ impl Stacked<'_> {
         // An op reading the vector of the region beside sits in the rows that vector arrives
         // on, so its deliveries run straight along rows, side by side (`columns`).
         let across = self.reads_from_beside(i);
+        // The residual stream inside a region runs along its middle row (`columns`).
+        if !across && self.residual_in_middle_row(i) {
+            if let Some(cut) = self.aligned_cut(i, len) {
+                let middle = whole.h as u64 / 2;
+                return self.aligned_layout(i, unit, cut, Some(middle), requests);
+            }
+        }
         if !across {
             if let Some(layout) = self.placer.host_layout(i, &inside, len, requests) {
                 return Ok(layout);
             }
         }
         if let Some(cut) = self.aligned_cut(i, len) {
-            return self.aligned_layout(i, unit, cut, requests);
+            return self.aligned_layout(i, unit, cut, None, requests);
         }
         if across {
             if let Some(layout) = self.placer.host_layout(i, &inside, len, requests) {
