@@ -199,8 +199,9 @@ impl Stacked<'_> {
 
     /// Fresh segments for `cut` (from [`Stacked::aligned_cut`]), each in its column: in area row
     /// `row` if given, else in the row its operand's data comes from when that row crosses the
-    /// area (a region beside this one: the data moves straight along rows), else spread down the
-    /// area's rows (a region above or below: it moves straight down the columns).
+    /// area (a region beside this one: the data moves straight along rows), else in the area's
+    /// middle row (a region above or below: the data moves straight down the columns, and a
+    /// norm on the segments reduces and broadcasts along one row).
     pub(super) fn aligned_layout(
         &mut self,
         i: usize,
@@ -210,15 +211,14 @@ impl Stacked<'_> {
         extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
     ) -> Result<VectorLayout, WaferError> {
         let area = self.region(unit).area;
-        let count = cut.len().max(1) as u64;
         let mut layout = VectorLayout::default();
         let mut taken = HashSet::new();
-        for (j, (seg, dx)) in cut.into_iter().enumerate() {
+        for (seg, dx) in cut {
             let row = row.unwrap_or_else(|| match self.operand_pe(i, seg.start) {
                 Some(pe) if pe.wafer == area.wafer && (area.y..area.y + area.h).contains(&pe.y) => {
                     (pe.y - area.y) as u64
                 }
-                _ => j as u64 * area.h as u64 / count,
+                _ => area.h as u64 / 2,
             });
             let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
             requests.extend(extra(&seg));
