@@ -38,9 +38,11 @@
 //! code cost).
 //!
 //! The search: egg's tree extractor with a slice charged its share (`len / rows`) of the matvec
-//! it reads gives a first choice, in which the slices of one fusion agree; then, class by class
-//! in id order, any other node that lowers the DAG cost is taken, until nothing improves (this
-//! undoes a fusion only one side of which paid off).
+//! it reads gives a first choice, in which the slices of one fusion agree; then, until nothing
+//! improves, any change that lowers the DAG cost is taken: another node for one class, in id
+//! order (this undoes a fusion only one side of which paid off), then, fused value by fused
+//! value, all of its slices taken or undone together (one class at a time cannot undo a fusion
+//! that does not pay as a whole: while one slice stays, the fused matvec stays too).
 
 use std::collections::BTreeMap;
 
@@ -142,6 +144,36 @@ pub fn extract(egraph: &EGraph<BlockLang, BlockAnalysis>, roots: &[Id], plan: Pl
     }
     let mut best = dag_cost(egraph, &choice, roots, plan).unwrap_or(f64::INFINITY);
     let classes: Vec<Id> = choice.keys().copied().collect();
+    // The slices of each class, by class: a fusion is taken or undone whole through these (one
+    // class at a time cannot: while one slice of a fused matvec stays, dropping another saves
+    // nothing, and the first guess, sharing the input's cost, leans to fusing).
+    let mut slices_of: BTreeMap<Id, Vec<(Id, BlockLang)>> = BTreeMap::new();
+    for &class in &classes {
+        for node in &egraph[class].nodes {
+            if let BlockLang::Slice([_, _, x]) = node {
+                slices_of.entry(egraph.find(*x)).or_default().push((class, node.clone()));
+            }
+        }
+    }
+    // Applies `changes` if they lower the cost.
+    let mut try_move = |choice: &mut BTreeMap<Id, BlockLang>, changes: Vec<(Id, BlockLang)>| -> bool {
+        let previous: Vec<(Id, BlockLang)> = changes
+            .into_iter()
+            .map(|(class, node)| (class, choice.insert(class, node).expect("every class has a choice")))
+            .collect();
+        match dag_cost(egraph, choice, roots, plan) {
+            Some(cost) if cost < best - 1e-9 => {
+                best = cost;
+                true
+            }
+            _ => {
+                for (class, node) in previous.into_iter().rev() {
+                    choice.insert(class, node);
+                }
+                false
+            }
+        }
+    };
     // Each accepted change lowers the cost by a positive amount and there are finitely many
     // choices, so this ends; the bound only caps pathological inputs.
     for _round in 0..16 {
@@ -152,19 +184,34 @@ pub fn extract(egraph: &EGraph<BlockLang, BlockAnalysis>, roots: &[Id], plan: Pl
                 continue;
             }
             for node in nodes {
-                if choice.get(&class) == Some(node) {
-                    continue;
+                if choice.get(&class) != Some(node) {
+                    improved |= try_move(&mut choice, vec![(class, node.clone())]);
                 }
-                let previous = choice.insert(class, node.clone()).expect("every class has a choice");
-                match dag_cost(egraph, &choice, roots, plan) {
-                    Some(cost) if cost < best - 1e-9 => {
-                        best = cost;
-                        improved = true;
-                    }
-                    _ => {
-                        choice.insert(class, previous);
-                    }
-                }
+            }
+        }
+        for slices in slices_of.values() {
+            // Every class that can be a slice of `source` takes that form...
+            let take: Vec<(Id, BlockLang)> =
+                slices.iter().filter(|(class, node)| choice.get(class) != Some(node)).cloned().collect();
+            if !take.is_empty() {
+                improved |= try_move(&mut choice, take);
+            }
+            // ... or every class that is one takes its cheapest form that is not a slice.
+            let undo: Vec<(Id, BlockLang)> = slices
+                .iter()
+                .filter(|(class, node)| choice.get(class) == Some(node))
+                .filter_map(|&(class, _)| {
+                    let own = |n: &BlockLang| own_cost(egraph, n, plan);
+                    let other = egraph[class]
+                        .nodes
+                        .iter()
+                        .filter(|n| !matches!(n, BlockLang::Slice(_)))
+                        .min_by(|a, b| own(a).total_cmp(&own(b)))?;
+                    Some((class, other.clone()))
+                })
+                .collect();
+            if !undo.is_empty() {
+                improved |= try_move(&mut choice, undo);
             }
         }
         if !improved {

@@ -261,6 +261,15 @@ fn rewrite_block(
         emitted: BTreeMap::new(),
         fused_weights,
     };
+    // In the block's order, each kept value where its first original instruction stood (its
+    // operands first): a block whose extraction changes nothing comes out as it went in, and the
+    // placer, which lays a layer out in program order, sees the order the frontend chose.
+    for &(handle, _) in block {
+        let class = egraph.find(class_of[&handle.index()]);
+        if choice.nodes.contains_key(&class) {
+            emitter.value(class)?;
+        }
+    }
     for (&root, &class) in roots.iter().zip(&root_classes) {
         value_map[root] = Some(emitter.value(class)?);
     }
