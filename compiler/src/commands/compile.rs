@@ -50,7 +50,8 @@ pub struct CompileArgs {
     #[arg(short, long)]
     pub output: PathBuf,
     /// IR passes to run before lowering, comma-separated with their arguments
-    /// (e.g. "quantize q8_0, dce"): `verify`, `rewrite`, `dce`,
+    /// (e.g. "quantize q8_0, dce"): `verify`, `rewrite [plan=tiled|stacked]` (its fusion choices
+    /// costed for that plan kind; by default for the plan being lowered), `dce`,
     /// `quantize FORMAT[:WHAT]...` (FORMAT q8_0|q4_0|q4_1; WHAT layers, embedding, lm_head joined
     /// by +, or all; a bare FORMAT is every matvec weight but a tied LM head).
     /// Without it, the default pipeline runs: `rewrite, dce`.
@@ -60,7 +61,9 @@ pub struct CompileArgs {
     #[arg(long)]
     pub skip_pass: Vec<String>,
     /// The plan: `auto` (default: lower with every candidate plan, time one decode step of each,
-    /// keep the fastest that fits and passes the checker; `--json` lists the candidates), or
+    /// keep the fastest that fits and passes the checker; `--json` lists the candidates; a pipeline
+    /// whose choices depend on the plan, like the default `rewrite`, runs once per plan kind and
+    /// each candidate is lowered from its kind's module), or
     /// `tiled` (each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
     /// `stacked:K[,P]` (K consecutive layers per region, every matvec tiled over the whole region; the
