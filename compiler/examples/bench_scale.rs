@@ -306,7 +306,8 @@ fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error
 /// `module` after the default pipeline costed for the tiled and for the stacked plan.
 fn default_pipeline_per_kind(module: &Module) -> Result<[Module; 2], Box<dyn Error>> {
     let run = |kind| -> Result<Module, Box<dyn Error>> {
-        let passes = waferc_passes::registry::parse_pipeline_for(waferc_passes::registry::DEFAULT_PIPELINE, Some(kind))?;
+        let passes =
+            waferc_passes::registry::parse_pipeline_for(waferc_passes::registry::DEFAULT_PIPELINE, Some(kind))?;
         Ok(waferc_passes::PassManager::new(passes).run(module.clone())?.0)
     };
     Ok([run(waferc_passes::PlanKind::Tiled)?, run(waferc_passes::PlanKind::Stacked)?])

@@ -816,7 +816,8 @@ fn plan_search_lowers_each_candidate_from_its_plan_kinds_module() {
         assert_eq!(fused(&modules[0]) > 0, kind == "stacked", "{plan}");
     }
     // `rewrite plan=KIND` pins the cost: one module for every candidate.
-    let out = ok(&compile(&model, "grid:32x32", &dir.join("p.wafer"), &["--passes", "rewrite plan=tiled, dce", "--json"]));
+    let out =
+        ok(&compile(&model, "grid:32x32", &dir.join("p.wafer"), &["--passes", "rewrite plan=tiled, dce", "--json"]));
     let json: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(json["modules"].as_array().unwrap().len(), 1);
     assert!(json["plan_search"].as_array().unwrap().iter().all(|c| c.get("module").is_none()));

@@ -12,7 +12,7 @@ pub mod registry;
 pub mod rewrite;
 
 pub use error::PassError;
-pub use rewrite::PlanKind;
 pub use manager::{peak_rss, write_atomically, ModuleChanges, Pass, PassManager, PassRecord, PassReport, INPUT_LABEL};
+pub use rewrite::PlanKind;
 
 pub mod wafer;

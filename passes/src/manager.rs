@@ -112,7 +112,7 @@ impl PassReport {
         }
         let steps = self.records.len().saturating_sub(1);
         for (index, record) in self.records.iter().enumerate() {
-            let print = print_after.iter().any(|n| *n == record.name);
+            let print = print_after.contains(&record.name);
             if let Some(text) = &record.text {
                 emit_step(dump_dir, print, sink, index, steps, &record.name, text)?;
             }

@@ -219,8 +219,7 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
             // the fastest so far in turn), and taken out of the search's row.
             let mut write_record: Option<PassRecord> = None;
             let write_candidate = |program: WaferProgram, module: &Module| -> anyhow::Result<Summary> {
-                let (program, replicas) =
-                    replica_choice::apply(program, module, &target, &base, args.expert_replicas)?;
+                let (program, replicas) = replica_choice::apply(program, module, &target, &base, args.expert_replicas)?;
                 let summary = Summary::of(&program, module, &args, replicas);
                 let compiled = artifact::Artifact::new(program, module.clone()).with_tokenizer(tokenizer_json.clone());
                 let (written, mut record) = timed("write-artifact", || artifact::write(&pending, &compiled));
@@ -642,7 +641,8 @@ impl Summary {
             }
             search.push('\n');
             if self.modules.len() > 1 {
-                search.push_str("each candidate was lowered from the module whose passes were costed for its plan kind:");
+                search
+                    .push_str("each candidate was lowered from the module whose passes were costed for its plan kind:");
                 for m in &self.modules {
                     let kind = m.costed_for.map_or("any plan", PlanKind::name);
                     search.push_str(&format!(
