@@ -824,6 +824,14 @@ fn plan_search_lowers_each_candidate_from_its_plan_kinds_module() {
     let err = fails(&compile(&model, "grid:32x32", &dir.join("x.wafer"), &["--passes", "rewrite plan=mesh"]));
     assert!(err.contains("unknown plan kind `mesh`") && err.contains("rewrite [plan=tiled|stacked]"), "{err}");
     assert!(!dir.join("x.wafer").exists());
+    // A pipeline that fails under the search says which kind's run failed, and still dumps the
+    // steps before the failure.
+    let tied = fixture("llama-tiny-tok");
+    let bad = ["--passes", "rewrite, quantize q8_0:lm_head", "--dump-ir", dump.to_str().unwrap()];
+    let err = fails(&compile(&tied, "grid:32x32", &dir.join("x.wafer"), &bad));
+    assert!(err.contains("costed for the tiled plan") && err.contains("one tensor has one format"), "{err}");
+    assert!(dump.join("01-rewrite.ir").exists() && !dump.join("02-quantize.ir").exists());
+    assert!(!dir.join("x.wafer").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

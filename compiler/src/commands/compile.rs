@@ -158,14 +158,16 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     };
     // One run dumps and prints its steps as it goes; with a run per kind that waits until the
     // search has chosen, and shows the run whose module the chosen plan was lowered from.
+    let several = kinds.len() > 1;
     let mut runs: Vec<PipelineRun> = Vec::with_capacity(kinds.len());
     for &kind in &kinds {
-        let emit = kinds.len() == 1;
-        match run_pipeline(&args, spec, kind, loaded.module.clone(), emit) {
+        match run_pipeline(&args, spec, kind, loaded.module.clone(), !several) {
             Ok(run) => runs.push(run),
-            // Run it again showing its steps, so that the broken output is dumped and printed.
-            Err(e) if !emit => {
-                return Err(run_pipeline(&args, spec, kind, loaded.module.clone(), true).err().unwrap_or(e))
+            Err(e) if several => {
+                // Run it again showing its steps, so that the broken output is dumped and printed.
+                let shown = run_pipeline(&args, spec, kind, loaded.module.clone(), true).err().unwrap_or(e);
+                let kind = kind.map_or("any", PlanKind::name);
+                return Err(shown.context(format!("the pass pipeline costed for the {kind} plan")));
             }
             Err(e) => return Err(e),
         }
@@ -330,10 +332,7 @@ fn run_pipeline(
     } else if args.dump_ir.is_some() || !args.print_after.is_empty() {
         manager = manager.with_kept_text();
     }
-    let (module, report) = manager.run(module).map_err(|e| match kind {
-        Some(kind) => anyhow::Error::new(e).context(format!("the pass pipeline costed for the {kind} plan")),
-        None => anyhow::Error::new(e),
-    })?;
+    let (module, report) = manager.run(module)?;
     Ok(PipelineRun { kind, module, report })
 }
 
