@@ -232,10 +232,10 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
                 written?;
                 Ok(summary)
             };
-            let modules = match runs.as_slice() {
-                [tiled, stacked] => plan_search::Modules::PerKind { tiled: &tiled.module, stacked: &stacked.module },
-                [one] => plan_search::Modules::One(&one.module),
-                _ => unreachable!("the pipeline runs once, or once per plan kind"),
+            let module_of = |kind| runs.iter().find(|r| r.kind == Some(kind)).map(|r| &r.module);
+            let modules = match (module_of(PlanKind::Tiled), module_of(PlanKind::Stacked)) {
+                (Some(tiled), Some(stacked)) if several => plan_search::Modules::PerKind { tiled, stacked },
+                _ => plan_search::Modules::One(&runs[0].module),
             };
             let bar = session::spinner(format!("searching plans for {}", target.name));
             let (found, mut record) =
