@@ -251,7 +251,8 @@ fn run(wanted: &[String], scratch: &Path, sequences_only: bool) -> Result<(), Bo
 
 /// The `rewrite` pass's effect (issue 8): routes, colours and modeled decode speed of the
 /// frontend's module and of `rewrite, dce`'s, on the same target, each under the plan the search
-/// picks for it (what `compile` does with and without `--skip-pass rewrite`).
+/// picks for it (what `compile` does with and without `--skip-pass rewrite`: with it, each
+/// candidate is lowered from the module whose `rewrite` was costed for its plan kind).
 fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error>> {
     const CASES: [(&str, &str); 2] = [("llama3.1-8b", "wse3"), ("mixtral-8x7b", "wse3x4")];
     let mut lines = Vec::new();
@@ -260,15 +261,20 @@ fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error
         synth(&Preset::by_name(preset)?, &dir, true)?;
         let original = waferc::frontend::load(&dir)?.module;
         std::fs::remove_dir_all(&dir)?;
-        let passes = waferc_passes::registry::parse_pipeline("rewrite, dce")?;
         let start = Instant::now();
-        let (rewritten, _) = waferc_passes::PassManager::new(passes).run(original.clone())?;
+        let [tiled, stacked] = default_pipeline_per_kind(&original)?;
         let rewrite_s = start.elapsed().as_secs_f64();
         let target = Target::resolve(target)?;
-        for (label, module) in [("without", &original), ("with", &rewritten)] {
-            let program = plan_search::search(module, &target, &CompileOptions::new(KV_CAPACITY))
-                .map_err(|e| format!("{preset} {label} rewrite on {}: {e:#}", target.name))?
-                .program;
+        let cases = [
+            ("without", plan_search::Modules::One(&original)),
+            ("with", plan_search::Modules::PerKind { tiled: &tiled, stacked: &stacked }),
+        ];
+        for (label, modules) in cases {
+            let program =
+                plan_search::search_keeping(modules, &target, &CompileOptions::new(KV_CAPACITY), |p, _| Ok(p))
+                    .map_err(|e| format!("{preset} {label} rewrite on {}: {e:#}", target.name))?
+                    .program;
+            let module = modules.for_plan(&program.plan);
             let colours = program.routes.iter().map(|r| r.colour).max().map_or(0, |c| c as u32 + 1);
             let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
             let mut executor = Executor::new(&program, module, None, options)?;
@@ -284,7 +290,7 @@ fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error
                 report.modeled_decode_tok_s
             ));
         }
-        eprintln!("{preset}: rewrite, dce took {rewrite_s:.2} s");
+        eprintln!("{preset}: rewrite, dce (once per plan kind) took {rewrite_s:.2} s");
     }
     if !lines.is_empty() {
         println!();
@@ -295,6 +301,16 @@ fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error
         }
     }
     Ok(())
+}
+
+/// `module` after the default pipeline costed for the tiled and for the stacked plan.
+fn default_pipeline_per_kind(module: &Module) -> Result<[Module; 2], Box<dyn Error>> {
+    let run = |kind| -> Result<Module, Box<dyn Error>> {
+        let passes =
+            waferc_passes::registry::parse_pipeline_for(waferc_passes::registry::DEFAULT_PIPELINE, Some(kind))?;
+        Ok(waferc_passes::PassManager::new(passes).run(module.clone())?.0)
+    };
+    Ok([run(waferc_passes::PlanKind::Tiled)?, run(waferc_passes::PlanKind::Stacked)?])
 }
 
 fn print_table(rows: &[Row]) {
@@ -387,17 +403,17 @@ fn sequences_in_flight(
     rows: &mut Vec<SequenceRow>,
     notes: &mut Vec<String>,
 ) -> Result<(), Box<dyn Error>> {
-    // The module `compile` lowers: after the default passes (`rewrite, dce`), under which the
-    // search's pick can differ from the frontend module's (the 8B: `stacked:4` against `stacked:2`).
-    let passes = waferc_passes::registry::parse_pipeline(waferc_passes::registry::DEFAULT_PIPELINE)?;
-    let (module, _) = waferc_passes::PassManager::new(passes).run(module.clone())?;
-    let module = &module;
+    // The modules `compile` lowers: after the default passes (`rewrite, dce`) costed for each
+    // plan kind, under which the search's pick can differ from the frontend module's (the 8B:
+    // `stacked:4` against `stacked:2`).
+    let [tiled, stacked] = default_pipeline_per_kind(module)?;
+    let modules = plan_search::Modules::PerKind { tiled: &tiled, stacked: &stacked };
     let mut plan = None;
     for in_flight in IN_FLIGHT {
         let options = CompileOptions { max_sequences: in_flight as u32, ..CompileOptions::new(kv) };
         let start = Instant::now();
         let compiled = match plan {
-            None => plan_search::search(module, target, &options)
+            None => plan_search::search_keeping(modules, target, &options, |p, _| Ok(p))
                 .map(|found| {
                     for c in &found.candidates {
                         let rate = c.modeled_tok_s.map_or("-".into(), |r| format!("{r:.0} tok/s"));
@@ -410,7 +426,7 @@ fn sequences_in_flight(
                     Ok(e) => e,
                     Err(e) => WaferError::Options(format!("{e:#}")),
                 }),
-            Some(plan) => compile(module, target, &CompileOptions { plan, ..options }),
+            Some(plan) => compile(modules.for_plan(&plan), target, &CompileOptions { plan, ..options }),
         };
         let program = match compiled {
             Ok(program) => program,
@@ -421,6 +437,7 @@ fn sequences_in_flight(
             Err(other) => return Err(format!("{preset}, {in_flight} sequences: {other}").into()),
         };
         plan.get_or_insert(program.plan);
+        let module = modules.for_plan(&program.plan);
         eprintln!(
             "{preset} with {in_flight} sequences in flight: {} plan compiled in {:.0} s; timing a token in each slot",
             program.plan,

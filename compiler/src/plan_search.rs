@@ -10,12 +10,18 @@
 //! earlier candidate. A candidate faster than every one so far is checked at once and handed to
 //! the caller's `keep` (the compile command writes its artifact then), so no lowered program is
 //! held while the next candidate lowers: memory holds one program at a time.
+//!
+//! Each candidate is lowered from the module for its plan kind ([`Modules`]): the compile
+//! driver runs a plan-dependent pipeline (the default one, whose `rewrite` fuses matvecs only
+//! where the plan's cost says so) once per kind, so tiled candidates get the module costed for
+//! the tiled plan and stacked ones the module costed for the stacked plan.
 use std::time::Instant;
 
 use serde::Serialize;
 use waferc_ir::wafer::{Plan, WaferProgram};
 use waferc_ir::Module;
 use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CompileOptions, STACKED_TILE_SHARE};
+use waferc_passes::PlanKind;
 use waferc_runtime::executor::{ExecOptions, Executor};
 use waferc_targets::Target;
 
@@ -33,11 +39,39 @@ const WAFER_PERCENTS: [u8; 3] = [100, 35, 12];
 /// stopped. Larger candidates are not tried; `--plan` pins one on a machine with the memory.
 const MAX_STACKED_TILES: u64 = 24_000_000;
 
+/// The module each candidate plan is lowered from.
+#[derive(Clone, Copy)]
+pub enum Modules<'a> {
+    /// One module for every plan.
+    One(&'a Module),
+    /// A module per plan kind: the pass pipeline run with its choices costed for each.
+    PerKind { tiled: &'a Module, stacked: &'a Module },
+}
+
+impl<'a> Modules<'a> {
+    /// The module `plan` is lowered from.
+    pub fn for_plan(&self, plan: &Plan) -> &'a Module {
+        match (self, PlanKind::of(plan)) {
+            (Modules::One(module), _) => module,
+            (Modules::PerKind { tiled, .. }, PlanKind::Tiled) => tiled,
+            (Modules::PerKind { stacked, .. }, PlanKind::Stacked) => stacked,
+        }
+    }
+
+    /// Which module `plan` is lowered from, when there are several.
+    fn label(&self, plan: &Plan) -> Option<PlanKind> {
+        matches!(self, Modules::PerKind { .. }).then(|| PlanKind::of(plan))
+    }
+}
+
 /// One plan the search considered, and what became of it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Candidate {
     /// The `--plan` spelling, to pin this candidate.
     pub plan: String,
+    /// The plan kind whose module this candidate was lowered from (`None`: one module for all).
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "kind_name")]
+    pub module: Option<PlanKind>,
     /// Modeled cycles of one decode step (position 0), when the plan lowered.
     pub cycles_per_token: Option<u64>,
     pub modeled_tok_s: Option<f64>,
@@ -49,6 +83,10 @@ pub struct Candidate {
     /// not be lowered (the lowering's error).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lost_because: Option<String>,
+}
+
+fn kind_name<S: serde::Serializer>(kind: &Option<PlanKind>, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(kind.map_or("", PlanKind::name))
 }
 
 /// A candidate's record, with the lowering's error when it failed.
@@ -77,19 +115,19 @@ pub struct Found<T = WaferProgram> {
 /// Lowers `module` with each candidate plan (the other options as in `base`), times each, and
 /// returns the fastest the checker accepts. Fails with the first candidate's error when none lowers.
 pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow::Result<Found> {
-    search_keeping(module, target, base, Ok)
+    search_keeping(Modules::One(module), target, base, |program, _| Ok(program))
 }
 
-/// [`search`], handing each candidate that is faster than all before it and passes the checker
-/// to `keep` at once and holding only what `keep` returns (the last such is the winner's).
+/// [`search`] over `modules`, handing each candidate that is faster than all before it and
+/// passes the checker to `keep` (with the module it was lowered from) at once and holding only
+/// what `keep` returns (the last such is the winner's).
 pub fn search_keeping<T>(
-    module: &Module,
+    modules: Modules,
     target: &Target,
     base: &CompileOptions,
-    mut keep: impl FnMut(WaferProgram) -> anyhow::Result<T>,
+    mut keep: impl FnMut(WaferProgram, &Module) -> anyhow::Result<T>,
 ) -> anyhow::Result<Found<T>> {
-    let plans = candidates(module);
-    let weight_bytes: u64 = module.weights.iter().filter_map(|(_, w)| w.ty.bytes()).sum();
+    let plans = candidates(modules.for_plan(&Plan::Tiled));
     let params = target.params();
     let wafer_bytes = params.grid_cols as u64 * params.grid_rows as u64 * params.usable_bytes_per_pe() as u64;
 
@@ -107,8 +145,11 @@ pub fn search_keeping<T>(
     let mut best: Option<Kept<T>> = None;
     for (index, &plan) in plans.iter().enumerate().rev() {
         let start = Instant::now();
+        let module = modules.for_plan(&plan);
+        let weight_bytes: u64 = module.weights.iter().filter_map(|(_, w)| w.ty.bytes()).sum();
         let mut candidate = Candidate {
             plan: plan.to_string(),
+            module: modules.label(&plan),
             cycles_per_token: None,
             modeled_tok_s: None,
             pes_used: None,
@@ -153,7 +194,7 @@ pub fn search_keeping<T>(
                     // A tie goes to the earlier candidate.
                     if best.as_ref().is_none_or(|b| (cycles, index) < (b.cycles, b.index)) {
                         match lowering::check(&program, module) {
-                            Ok(()) => best = Some(Kept { index, cycles, kept: keep(program)? }),
+                            Ok(()) => best = Some(Kept { index, cycles, kept: keep(program, module)? }),
                             Err(e) => {
                                 candidate.lost_because = Some(format!("rejected by the placement checker: {e}"));
                                 error = Some(anyhow::Error::new(e));

@@ -772,6 +772,69 @@ fn default_pipeline_dumps_one_file_per_pass_each_round_tripping() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--plan auto` with the default pipeline runs it once per plan kind: tiled candidates are
+/// lowered from the module whose `rewrite` was costed for the tiled plan (which fuses nothing),
+/// stacked ones from the stacked-costed module (which fuses q/k/v and gate/up). `--json` says
+/// which module each candidate used, and the artifact and `--dump-ir` hold the chosen one's.
+#[test]
+fn plan_search_lowers_each_candidate_from_its_plan_kinds_module() {
+    let dir = scratch("per-kind-modules");
+    let dump = dir.join("ir");
+    let model = fixture("llama31-gqa-bf16");
+    let artifact = dir.join("m.wafer");
+    let stdout = ok(&compile(&model, "grid:32x32", &artifact, &["--dump-ir", dump.to_str().unwrap(), "--json"]));
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    let kind_of = |plan: &str| if plan.starts_with("stacked") { "stacked" } else { "tiled" };
+    let candidates = json["plan_search"].as_array().unwrap();
+    assert!(candidates.iter().any(|c| c["plan"] == "tiled") && candidates.iter().any(|c| c["plan"] == "stacked:1"));
+    for c in candidates {
+        assert_eq!(c["module"], kind_of(c["plan"].as_str().unwrap()), "{c}");
+    }
+    let modules = json["modules"].as_array().unwrap();
+    let costed: Vec<&str> = modules.iter().map(|m| m["costed_for"].as_str().unwrap()).collect();
+    assert_eq!(costed, ["tiled", "stacked"]);
+    let fused = |m: &Value| m["fused_weights"].as_array().unwrap().len();
+    assert_eq!(fused(&modules[0]), 0, "the tiled cost declines every fusion: {}", modules[0]);
+    assert!(fused(&modules[1]) > 0, "the stacked cost fuses: {}", modules[1]);
+    assert!(modules[1]["fused_weights"].as_array().unwrap().iter().any(|w| w.as_str().unwrap().contains("q_proj")));
+    let chosen: Vec<&Value> = modules.iter().filter(|m| m["chosen"] == true).collect();
+    assert_eq!(chosen.len(), 1);
+    assert_eq!(chosen[0]["costed_for"], kind_of(json["plan"].as_str().unwrap()));
+    // The artifact's module is the chosen one, as the dump's last file shows it.
+    let compiled = waferc_ir::wafer::artifact::read(&artifact).unwrap();
+    let last = std::fs::read_to_string(dump.join("02-dce.ir")).unwrap();
+    assert_eq!(waferc_ir::text::print(&compiled.module), last);
+    assert_eq!(last.contains("= slice %"), chosen[0]["costed_for"] == "stacked");
+
+    // A pinned plan runs the pipeline once, costed for it.
+    for (plan, kind) in [("tiled", "tiled"), ("stacked:1", "stacked")] {
+        let out = ok(&compile(&model, "grid:32x32", &dir.join("p.wafer"), &["--plan", plan, "--json"]));
+        let json: Value = serde_json::from_str(&out).unwrap();
+        let modules = json["modules"].as_array().unwrap();
+        assert_eq!(modules.len(), 1, "{plan}");
+        assert_eq!(modules[0]["costed_for"], kind, "{plan}");
+        assert_eq!(fused(&modules[0]) > 0, kind == "stacked", "{plan}");
+    }
+    // `rewrite plan=KIND` pins the cost: one module for every candidate.
+    let out =
+        ok(&compile(&model, "grid:32x32", &dir.join("p.wafer"), &["--passes", "rewrite plan=tiled, dce", "--json"]));
+    let json: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["modules"].as_array().unwrap().len(), 1);
+    assert!(json["plan_search"].as_array().unwrap().iter().all(|c| c.get("module").is_none()));
+    let err = fails(&compile(&model, "grid:32x32", &dir.join("x.wafer"), &["--passes", "rewrite plan=mesh"]));
+    assert!(err.contains("unknown plan kind `mesh`") && err.contains("rewrite [plan=tiled|stacked]"), "{err}");
+    assert!(!dir.join("x.wafer").exists());
+    // A pipeline that fails under the search says which kind's run failed, and still dumps the
+    // steps before the failure.
+    let tied = fixture("llama-tiny-tok");
+    let bad = ["--passes", "rewrite, quantize q8_0:lm_head", "--dump-ir", dump.to_str().unwrap()];
+    let err = fails(&compile(&tied, "grid:32x32", &dir.join("x.wafer"), &bad));
+    assert!(err.contains("costed for the tiled plan") && err.contains("one tensor has one format"), "{err}");
+    assert!(dump.join("01-rewrite.ir").exists() && !dump.join("02-quantize.ir").exists());
+    assert!(!dir.join("x.wafer").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The compile report counts each storage format's weights, bytes and PEs: one format per part
 /// here, so every format the pass chose shows up, and the tile bytes add up to the blob.
 #[test]

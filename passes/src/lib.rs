@@ -13,5 +13,6 @@ pub mod rewrite;
 
 pub use error::PassError;
 pub use manager::{peak_rss, write_atomically, ModuleChanges, Pass, PassManager, PassRecord, PassReport, INPUT_LABEL};
+pub use rewrite::PlanKind;
 
 pub mod wafer;

@@ -22,6 +22,12 @@ pub trait Pass {
     /// name component, so letters, digits, `_` and `-` only.
     fn name(&self) -> &'static str;
 
+    /// The plan kind the pass's choices are costed for, if they depend on one (`rewrite`'s
+    /// extraction does): a driver lowering under several plans runs such a pipeline per kind.
+    fn costed_for(&self) -> Option<crate::rewrite::PlanKind> {
+        None
+    }
+
     fn run(&self, module: &mut Module) -> Result<(), PassError>;
 }
 
@@ -97,6 +103,23 @@ pub struct PassReport {
 }
 
 impl PassReport {
+    /// Dumps and prints the steps of a run made [`with_kept_text`](PassManager::with_kept_text),
+    /// as a manager with this dump directory and `--print-after` list would have while running.
+    /// Only the pipeline's steps carry text: call it before appending other records.
+    pub fn emit(&self, dump_dir: Option<&Path>, print_after: &[String], sink: &mut dyn Write) -> Result<(), PassError> {
+        if let Some(dir) = dump_dir {
+            prepare_dump_dir(dir)?;
+        }
+        let steps = self.records.len().saturating_sub(1);
+        for (index, record) in self.records.iter().enumerate() {
+            let print = print_after.contains(&record.name);
+            if let Some(text) = &record.text {
+                emit_step(dump_dir, print, sink, index, steps, &record.name, text)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Total wall time of passes and verification.
     pub fn total_wall(&self) -> Duration {
         self.records.iter().map(|r| r.wall + r.verify_wall).sum()
@@ -169,11 +192,18 @@ pub struct PassManager {
     dump_dir: Option<PathBuf>,
     print_after: Vec<String>,
     print_sink: Box<dyn Write>,
+    keep_text: bool,
 }
 
 impl PassManager {
     pub fn new(passes: Vec<Box<dyn Pass>>) -> Self {
-        PassManager { passes, dump_dir: None, print_after: Vec::new(), print_sink: Box::new(std::io::stderr()) }
+        PassManager {
+            passes,
+            dump_dir: None,
+            print_after: Vec::new(),
+            print_sink: Box::new(std::io::stderr()),
+            keep_text: false,
+        }
     }
 
     /// Writes the module's text before the first pass and after each pass into `dir`, as
@@ -189,6 +219,14 @@ impl PassManager {
     /// input), to standard error unless [`with_print_sink`](Self::with_print_sink) says otherwise.
     pub fn with_print_after<S: Into<String>>(mut self, names: impl IntoIterator<Item = S>) -> Self {
         self.print_after.extend(names.into_iter().map(Into::into));
+        self
+    }
+
+    /// Keeps the module's text after each step in its record, without dumping or printing it:
+    /// for a driver that runs a pipeline more than once and shows one run afterwards
+    /// ([`PassReport::emit`]).
+    pub fn with_kept_text(mut self) -> Self {
+        self.keep_text = true;
         self
     }
 
@@ -266,17 +304,10 @@ impl PassManager {
     ) -> Result<PassRecord, PassError> {
         let peak = peak_rss();
         let print = self.print_after.iter().any(|n| n == name);
-        let text = (print || self.dump_dir.is_some()).then(|| text::print(module));
-        if let (Some(dir), Some(text)) = (&self.dump_dir, &text) {
-            write_atomically(&dir.join(format!("{index:02}-{name}.ir")), text)?;
-        }
-        if let (true, Some(text)) = (print, &text) {
-            let header = format!("; ==== IR after {name} (step {index} of {}) ====\n", self.passes.len());
-            self.print_sink
-                .write_all(header.as_bytes())
-                .and_then(|()| self.print_sink.write_all(text.as_bytes()))
-                .and_then(|()| self.print_sink.flush())
-                .map_err(|source| PassError::PrintAfter { pass: name.to_string(), source })?;
+        let text = (print || self.dump_dir.is_some() || self.keep_text).then(|| text::print(module));
+        if let Some(text) = &text {
+            let steps = self.passes.len();
+            emit_step(self.dump_dir.as_deref(), print, &mut self.print_sink, index, steps, name, text)?;
         }
         Ok(PassRecord {
             name: name.to_string(),
@@ -288,6 +319,29 @@ impl PassManager {
             changes: None,
         })
     }
+}
+
+/// Writes step `index`'s text to `dump_dir` (as `NN-name.ir`) and, if `print`, to `sink`.
+fn emit_step(
+    dump_dir: Option<&Path>,
+    print: bool,
+    sink: &mut dyn Write,
+    index: usize,
+    steps: usize,
+    name: &str,
+    text: &str,
+) -> Result<(), PassError> {
+    if let Some(dir) = dump_dir {
+        write_atomically(&dir.join(format!("{index:02}-{name}.ir")), text)?;
+    }
+    if print {
+        let header = format!("; ==== IR after {name} (step {index} of {steps}) ====\n");
+        sink.write_all(header.as_bytes())
+            .and_then(|()| sink.write_all(text.as_bytes()))
+            .and_then(|()| sink.flush())
+            .map_err(|source| PassError::PrintAfter { pass: name.to_string(), source })?;
+    }
+    Ok(())
 }
 
 /// The process's peak resident set size in bytes: `VmHWM` in `/proc/self/status` (Linux).

@@ -10,7 +10,7 @@ use serde_json::json;
 use waferc_ir::wafer::{artifact, Plan, RegionKind, WaferProgram};
 use waferc_ir::{DType, Handle, Module};
 use waferc_passes::wafer::{self as lowering, CompileOptions, ExpertOrder};
-use waferc_passes::{registry, PassManager, PassRecord, PassReport};
+use waferc_passes::{registry, PassManager, PassRecord, PassReport, PlanKind};
 use waferc_targets::Target;
 
 use super::session;
@@ -50,7 +50,8 @@ pub struct CompileArgs {
     #[arg(short, long)]
     pub output: PathBuf,
     /// IR passes to run before lowering, comma-separated with their arguments
-    /// (e.g. "quantize q8_0, dce"): `verify`, `rewrite`, `dce`,
+    /// (e.g. "quantize q8_0, dce"): `verify`, `rewrite [plan=tiled|stacked]` (its fusion choices
+    /// costed for that plan kind; by default for the plan being lowered), `dce`,
     /// `quantize FORMAT[:WHAT]...` (FORMAT q8_0|q4_0|q4_1; WHAT layers, embedding, lm_head joined
     /// by +, or all; a bare FORMAT is every matvec weight but a tied LM head).
     /// Without it, the default pipeline runs: `rewrite, dce`.
@@ -60,7 +61,9 @@ pub struct CompileArgs {
     #[arg(long)]
     pub skip_pass: Vec<String>,
     /// The plan: `auto` (default: lower with every candidate plan, time one decode step of each,
-    /// keep the fastest that fits and passes the checker; `--json` lists the candidates), or
+    /// keep the fastest that fits and passes the checker; `--json` lists the candidates; a pipeline
+    /// whose choices depend on the plan, like the default `rewrite`, runs once per plan kind and
+    /// each candidate is lowered from its kind's module), or
     /// `tiled` (each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
     /// `stacked:K[,P]` (K consecutive layers per region, every matvec tiled over the whole region; the
@@ -130,7 +133,15 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     let target = Target::resolve(&args.target)?;
     let plan = parse_plan_choice(&args.plan)?;
     let spec = args.passes.as_deref().unwrap_or(registry::DEFAULT_PIPELINE);
-    let passes = registry::without_passes(registry::parse_pipeline(spec)?, &args.skip_pass)?;
+    // The plan kinds to run the pipeline for: the pinned plan's; under the search both, when the
+    // pipeline's choices depend on the plan (the default `rewrite`), each candidate then being
+    // lowered from its kind's module; otherwise one run for every candidate.
+    let kinds: Vec<Option<PlanKind>> = match &plan {
+        Some(plan) => vec![Some(PlanKind::of(plan))],
+        None if registry::depends_on_plan(spec, &args.skip_pass)? => PlanKind::ALL.map(Some).to_vec(),
+        None => vec![None],
+    };
+    let passes = registry::without_passes(registry::parse_pipeline_for(spec, kinds[0])?, &args.skip_pass)?;
     for name in &args.print_after {
         let known = name == waferc_passes::INPUT_LABEL || passes.iter().any(|p| p.name() == name);
         if !known {
@@ -140,17 +151,28 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
 
     let loaded = session::load_model(&args.model)?;
     let tokenizer_json = loaded.tokenizer.as_ref().map(|t| t.to_json()).transpose()?;
-    let mut manager = PassManager::new(passes).with_print_after(args.print_after.clone());
-    manager = manager.with_print_sink(std::io::stdout());
-    if let Some(dir) = &args.dump_ir {
-        manager = manager.with_dump_dir(dir);
-    }
     let profile = match (&args.profile, &args.calibrate) {
         (Some(path), _) => Some(super::profile::read(path)?),
         (None, Some(prompts)) => Some(super::profile::record(&loaded.module, loaded.tokenizer.as_ref(), prompts)?),
         (None, None) => None,
     };
-    let (module, mut report) = manager.run(loaded.module)?;
+    // One run dumps and prints its steps as it goes; with a run per kind that waits until the
+    // search has chosen, and shows the run whose module the chosen plan was lowered from.
+    let several = kinds.len() > 1;
+    let mut runs: Vec<PipelineRun> = Vec::with_capacity(kinds.len());
+    for &kind in &kinds {
+        match run_pipeline(&args, spec, kind, loaded.module.clone(), !several) {
+            Ok(run) => runs.push(run),
+            Err(e) if several => {
+                // Run it again showing its steps, so that the broken output is dumped and printed.
+                let shown = run_pipeline(&args, spec, kind, loaded.module.clone(), true).err().unwrap_or(e);
+                let kind = kind.map_or("any", PlanKind::name);
+                return Err(shown.context(format!("the pass pipeline costed for the {kind} plan")));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    drop(loaded.module);
 
     let expert_order = match args.expert_order {
         ExpertOrderArg::Profile => ExpertOrder::Profile,
@@ -164,29 +186,31 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
         expert_replicas: args.expert_replicas.policy(),
         ..CompileOptions::default()
     };
-    let (summary, candidates) = match plan {
+    let (summary, candidates, chosen, report) = match plan {
         Some(plan) => {
+            let run = &runs[0];
+            let (module, mut report) = (&run.module, run.report.clone());
             let options = CompileOptions { plan, ..base };
             let bar = session::spinner(format!("lowering onto {}", target.name));
-            let (program, record) = timed("wafer-lowering", || lowering::compile(&module, &target, &options));
+            let (program, record) = timed("wafer-lowering", || lowering::compile(module, &target, &options));
             bar.finish_and_clear();
             let program = program?;
             report.records.push(record);
             let (chosen, record) = timed("expert-replicas", || {
-                replica_choice::apply(program, &module, &target, &options, args.expert_replicas)
+                replica_choice::apply(program, module, &target, &options, args.expert_replicas)
             });
             let (program, replicas) = chosen?;
             report.records.push(record);
-            let (checked, record) = timed("check", || lowering::check(&program, &module));
+            let (checked, record) = timed("check", || lowering::check(&program, module));
             checked
                 .with_context(|| format!("the placement checker rejected the compiled program for {}", target.name))?;
             report.records.push(record);
-            let summary = Summary::of(&program, &module, &args, replicas);
-            let compiled = artifact::Artifact::new(program, module).with_tokenizer(tokenizer_json);
+            let summary = Summary::of(&program, module, &args, replicas);
+            let compiled = artifact::Artifact::new(program, module.clone()).with_tokenizer(tokenizer_json);
             let (written, record) = timed("write-artifact", || artifact::write(&args.output, &compiled));
             written?;
             report.records.push(record);
-            (summary, Vec::new())
+            (summary, Vec::new(), 0, report)
         }
         None => {
             // Each candidate faster than all before it is written at once to a file beside the
@@ -196,10 +220,9 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
             // The writes are timed on their own row (all of them, when several candidates were
             // the fastest so far in turn), and taken out of the search's row.
             let mut write_record: Option<PassRecord> = None;
-            let write_candidate = |program: WaferProgram| -> anyhow::Result<Summary> {
-                let (program, replicas) =
-                    replica_choice::apply(program, &module, &target, &base, args.expert_replicas)?;
-                let summary = Summary::of(&program, &module, &args, replicas);
+            let write_candidate = |program: WaferProgram, module: &Module| -> anyhow::Result<Summary> {
+                let (program, replicas) = replica_choice::apply(program, module, &target, &base, args.expert_replicas)?;
+                let summary = Summary::of(&program, module, &args, replicas);
                 let compiled = artifact::Artifact::new(program, module.clone()).with_tokenizer(tokenizer_json.clone());
                 let (written, mut record) = timed("write-artifact", || artifact::write(&pending, &compiled));
                 if let Some(earlier) = &write_record {
@@ -209,9 +232,14 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
                 written?;
                 Ok(summary)
             };
+            let module_of = |kind| runs.iter().find(|r| r.kind == Some(kind)).map(|r| &r.module);
+            let modules = match (module_of(PlanKind::Tiled), module_of(PlanKind::Stacked)) {
+                (Some(tiled), Some(stacked)) if several => plan_search::Modules::PerKind { tiled, stacked },
+                _ => plan_search::Modules::One(&runs[0].module),
+            };
             let bar = session::spinner(format!("searching plans for {}", target.name));
             let (found, mut record) =
-                timed("plan-search", || plan_search::search_keeping(&module, &target, &base, write_candidate));
+                timed("plan-search", || plan_search::search_keeping(modules, &target, &base, write_candidate));
             bar.finish_and_clear();
             let found = match found {
                 Ok(found) => found,
@@ -223,6 +251,16 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
             if let Some(write) = &write_record {
                 record.wall = record.wall.saturating_sub(write.wall);
             }
+            let kind = PlanKind::of(&found.plan);
+            let chosen = runs.iter().position(|r| r.kind.is_none_or(|k| k == kind)).expect("a run per kind");
+            let mut report = runs[chosen].report.clone();
+            if runs.len() > 1 {
+                report.emit(args.dump_ir.as_deref(), &args.print_after, &mut std::io::stdout())?;
+                // The other module's pipeline took time too: one row for all of it.
+                for other in runs.iter().filter(|r| r.kind != Some(kind)) {
+                    report.records.push(other.summary_record());
+                }
+            }
             report.records.push(record);
             report.records.extend(write_record);
             if let Err(e) = std::fs::rename(&pending, &args.output) {
@@ -233,20 +271,130 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
                     args.output.display()
                 )));
             }
-            (found.program, found.candidates)
+            (found.program, found.candidates, chosen, report)
         }
     };
 
     if args.time_passes {
         eprint!("{}", report.time_table());
     }
-    let summary = summary.finish(&args, &report, start.elapsed(), candidates);
+    let modules = runs.iter().enumerate().map(|(i, run)| ModuleUse::of(run, i == chosen)).collect();
+    let summary = summary.finish(&args, &report, start.elapsed(), candidates, modules);
     if args.json {
         println!("{}", summary.json());
     } else {
         println!("{}", summary.text());
     }
     Ok(())
+}
+
+/// One run of the pass pipeline: the plan kind its choices were costed for (`None` when they
+/// depend on none), the module it made and what it measured.
+struct PipelineRun {
+    kind: Option<PlanKind>,
+    module: Module,
+    report: PassReport,
+}
+
+impl PipelineRun {
+    /// One `--time-passes` row for the whole run, for a run whose module was not chosen.
+    fn summary_record(&self) -> PassRecord {
+        let records = &self.report.records;
+        PassRecord {
+            name: format!("passes costed for {} (module not chosen)", self.kind.map_or("any plan", PlanKind::name)),
+            wall: records.iter().map(|r| r.wall).sum(),
+            verify_wall: records.iter().map(|r| r.verify_wall).sum(),
+            peak_rss: records.last().and_then(|r| r.peak_rss),
+            peak_rss_growth: None,
+            text: None,
+            changes: None,
+        }
+    }
+}
+
+/// Runs `spec` (without the `--skip-pass`es) on `module`, its choices costed for `kind`. With
+/// `emit` its steps are dumped and printed as it runs, as `--dump-ir` and `--print-after` ask;
+/// otherwise their text is kept (when those options want it) for [`PassReport::emit`].
+fn run_pipeline(
+    args: &CompileArgs,
+    spec: &str,
+    kind: Option<PlanKind>,
+    module: Module,
+    emit: bool,
+) -> anyhow::Result<PipelineRun> {
+    let passes = registry::without_passes(registry::parse_pipeline_for(spec, kind)?, &args.skip_pass)?;
+    let mut manager = PassManager::new(passes);
+    if emit {
+        manager = manager.with_print_after(args.print_after.clone()).with_print_sink(std::io::stdout());
+        if let Some(dir) = &args.dump_ir {
+            manager = manager.with_dump_dir(dir);
+        }
+    } else if args.dump_ir.is_some() || !args.print_after.is_empty() {
+        manager = manager.with_kept_text();
+    }
+    let (module, report) = manager.run(module)?;
+    Ok(PipelineRun { kind, module, report })
+}
+
+/// What one pipeline run's module is, for the report: the plan kind it was costed for, whether
+/// the chosen plan was lowered from it, its passes' changes and the matvecs `rewrite` fused.
+struct ModuleUse {
+    costed_for: Option<PlanKind>,
+    chosen: bool,
+    passes: Vec<serde_json::Value>,
+    /// The fused weights (named by their parts joined with `+`) its matvecs read.
+    fused_weights: Vec<String>,
+    matvecs: usize,
+}
+
+impl ModuleUse {
+    fn of(run: &PipelineRun, chosen: bool) -> ModuleUse {
+        let mut fused_weights: Vec<String> = Vec::new();
+        let mut matvecs = 0;
+        for (_, instr) in run.module.body.iter() {
+            if let waferc_ir::Op::MatVec { weight, .. } = &instr.op {
+                matvecs += 1;
+                let name = &run.module.weights[*weight].name;
+                if name.contains('+') && !fused_weights.contains(name) {
+                    fused_weights.push(name.clone());
+                }
+            }
+        }
+        ModuleUse { costed_for: run.kind, chosen, passes: pass_records_json(&run.report), fused_weights, matvecs }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "costed_for": self.costed_for.map(PlanKind::name),
+            "chosen": self.chosen,
+            "matvecs": self.matvecs,
+            "fused_weights": self.fused_weights,
+            "passes": self.passes,
+        })
+    }
+}
+
+/// Pass records as `--json` lists them.
+fn pass_records_json(report: &PassReport) -> Vec<serde_json::Value> {
+    report
+        .records
+        .iter()
+        .map(|r| {
+            let changes = r.changes.map(|c| {
+                json!({
+                    "instrs": [c.instrs.0, c.instrs.1],
+                    "matvecs": [c.matvecs.0, c.matvecs.1],
+                    "weight_bytes": [c.weight_bytes.0, c.weight_bytes.1],
+                })
+            });
+            json!({
+                "name": r.name,
+                "wall_seconds": (r.wall + r.verify_wall).as_secs_f64(),
+                "peak_rss_bytes": r.peak_rss,
+                "changes": changes,
+            })
+        })
+        .collect()
 }
 
 /// Where the plan search keeps the best candidate's artifact so far: a temporary file beside the
@@ -307,6 +455,8 @@ struct Summary {
     pes_without_weights: usize,
     /// The plan search's candidates (empty when `--plan` pinned one).
     candidates: Vec<Candidate>,
+    /// The pass pipeline's runs: one, or one per plan kind under the search.
+    modules: Vec<ModuleUse>,
 }
 
 /// What one weight storage format takes in a compiled program.
@@ -399,35 +549,26 @@ impl Summary {
             formats,
             pes_without_weights,
             candidates: Vec::new(),
+            modules: Vec::new(),
         }
     }
 
-    /// The summary with the written artifact's size, the passes' records, the time taken and
-    /// the plan search's candidates.
-    fn finish(self, args: &CompileArgs, report: &PassReport, elapsed: Duration, candidates: Vec<Candidate>) -> Summary {
+    /// The summary with the written artifact's size, the passes' records, the time taken, the
+    /// plan search's candidates and the pipeline runs' modules.
+    fn finish(
+        self,
+        args: &CompileArgs,
+        report: &PassReport,
+        elapsed: Duration,
+        candidates: Vec<Candidate>,
+        modules: Vec<ModuleUse>,
+    ) -> Summary {
         Summary {
             artifact_bytes: std::fs::metadata(&args.output).map(|m| m.len()).unwrap_or(0),
             seconds: elapsed.as_secs_f64(),
-            passes: report
-                .records
-                .iter()
-                .map(|r| {
-                    let changes = r.changes.map(|c| {
-                        json!({
-                            "instrs": [c.instrs.0, c.instrs.1],
-                            "matvecs": [c.matvecs.0, c.matvecs.1],
-                            "weight_bytes": [c.weight_bytes.0, c.weight_bytes.1],
-                        })
-                    });
-                    json!({
-                        "name": r.name,
-                        "wall_seconds": (r.wall + r.verify_wall).as_secs_f64(),
-                        "peak_rss_bytes": r.peak_rss,
-                        "changes": changes,
-                    })
-                })
-                .collect(),
+            passes: pass_records_json(report),
             candidates,
+            modules,
             ..self
         }
     }
@@ -459,6 +600,7 @@ impl Summary {
             })).collect::<Vec<_>>(),
             "pes_without_weights": self.pes_without_weights,
             "plan_search": self.candidates,
+            "modules": self.modules.iter().map(ModuleUse::json).collect::<Vec<_>>(),
         })
     }
 
@@ -497,6 +639,20 @@ impl Summary {
                 search.push_str(&format!("\n  {:<14} {:>12} {:>7.2} s  {verdict}", c.plan, rate, c.seconds));
             }
             search.push('\n');
+            if self.modules.len() > 1 {
+                search
+                    .push_str("each candidate was lowered from the module whose passes were costed for its plan kind:");
+                for m in &self.modules {
+                    let kind = m.costed_for.map_or("any plan", PlanKind::name);
+                    search.push_str(&format!(
+                        "\n  {kind:<8} {} matvecs, {} of them fused{}",
+                        m.matvecs,
+                        m.fused_weights.len(),
+                        if m.chosen { " (the chosen plan's)" } else { "" }
+                    ));
+                }
+                search.push('\n');
+            }
         }
         format!(
             "{search}compiled for {} ({} plan, KV capacity {} positions{sequences}): {} of {} PEs ({:.1}%), {} routes, {:.2} MB of weight tiles{}{experts}\nweights by storage format (a PE holding two formats counts for each):{}\nwrote {} ({:.2} MB) in {:.2} s",

@@ -4,8 +4,10 @@
 //! from outside the block are leaves, every instruction a node, so duplicate computations merge
 //! on insertion. The rules fuse matvecs that read the same input (q/k/v, gate/up, per expert)
 //! into one matvec over the stacked weights, each original result a `slice` of the fused one.
-//! [`extract`] chooses, by a cost that counts what a form needs on the wafer, which form each
-//! value takes; only the block's live outputs (values read after it, and its attentions, which
+//! [`extract`] chooses, by a cost that counts what a form needs on the wafer under the plan the
+//! module will be lowered with ([`PlanKind`]: fusion pays where a region's matvecs share its
+//! PEs and run one after another, not where each has PEs of its own), which form each value
+//! takes; only the block's live outputs (values read after it, and its attentions, which
 //! append to their caches) are extracted, so dead code goes.
 //!
 //! Every rule keeps every bit (NUMERICS.md, "Rewrites"): no sum is reassociated and no norm
@@ -23,6 +25,7 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 
 use egg::{EGraph, Id, Runner, SimpleScheduler, Symbol};
+use waferc_ir::wafer::Plan;
 use waferc_ir::{Handle, Instr, Module, Op, TensorType, Value, Weight, WeightBytes};
 
 use crate::error::PassError;
@@ -34,21 +37,69 @@ pub const NODE_LIMIT: usize = 20_000;
 /// Saturation iterations per block (fusing three matvecs needs two, slices of slices a third).
 pub const ITER_LIMIT: usize = 12;
 
-pub struct Rewrite;
+/// How a plan lays matvecs out, which is what the extraction's cost depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum PlanKind {
+    /// Every matvec on PEs of its own (the tiled and MeshGEMV plans): matvecs reading one input
+    /// run side by side.
+    Tiled,
+    /// Every matvec of a region tiled over all of its PEs (the stacked plan): they run one
+    /// after another.
+    Stacked,
+}
+
+impl PlanKind {
+    pub const ALL: [PlanKind; 2] = [PlanKind::Tiled, PlanKind::Stacked];
+
+    /// The kind of `plan`.
+    pub fn of(plan: &Plan) -> PlanKind {
+        match plan {
+            Plan::Tiled | Plan::MeshGemv { .. } => PlanKind::Tiled,
+            Plan::Stacked { .. } => PlanKind::Stacked,
+        }
+    }
+
+    /// The spelling of `rewrite plan=KIND`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PlanKind::Tiled => "tiled",
+            PlanKind::Stacked => "stacked",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<PlanKind> {
+        PlanKind::ALL.into_iter().find(|k| k.name() == text)
+    }
+}
+
+impl std::fmt::Display for PlanKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The pass, its extraction costed for `plan`.
+pub struct Rewrite {
+    pub plan: PlanKind,
+}
 
 impl Pass for Rewrite {
     fn name(&self) -> &'static str {
         "rewrite"
     }
 
+    fn costed_for(&self) -> Option<PlanKind> {
+        Some(self.plan)
+    }
+
     fn run(&self, module: &mut Module) -> Result<(), PassError> {
-        *module = rewrite_module(module)?;
+        *module = rewrite_module(module, self.plan)?;
         Ok(())
     }
 }
 
-/// The module with every decoder block rewritten.
-pub fn rewrite_module(module: &Module) -> Result<Module, PassError> {
+/// The module with every decoder block rewritten, extraction costed for `plan`.
+pub fn rewrite_module(module: &Module, plan: PlanKind) -> Result<Module, PassError> {
     let mut out = Module::new(module.meta.clone());
     out.weights = module.weights.clone();
     out.caches = module.caches.clone();
@@ -81,7 +132,7 @@ pub fn rewrite_module(module: &Module) -> Result<Module, PassError> {
                     .map(|(h, _)| h.index())
                     .filter(|&v| used_later(v) || matches!(module.body[Handle::new(v)].op, Op::Attention { .. }))
                     .collect();
-                rewrite_block(module, block, &roots, &mut out, &mut value_map, &mut fused_weights)?;
+                rewrite_block(module, block, &roots, plan, &mut out, &mut value_map, &mut fused_weights)?;
             }
         }
         start = end;
@@ -127,6 +178,7 @@ fn rewrite_block(
     module: &Module,
     block: &[(Value, &Instr)],
     roots: &[usize],
+    plan: PlanKind,
     out: &mut Module,
     value_map: &mut [Option<Value>],
     fused_weights: &mut BTreeMap<Vec<u32>, Handle<Weight>>,
@@ -196,7 +248,7 @@ fn rewrite_block(
         .with_scheduler(SimpleScheduler)
         .run(&lang::rules());
     let egraph = runner.egraph;
-    let choice = extract::extract(&egraph, &root_classes);
+    let choice = extract::extract(&egraph, &root_classes, plan);
 
     let mut emitter = Emitter {
         module,
@@ -209,6 +261,15 @@ fn rewrite_block(
         emitted: BTreeMap::new(),
         fused_weights,
     };
+    // In the block's order, each kept value where its first original instruction stood (its
+    // operands first): a block whose extraction changes nothing comes out as it went in, and the
+    // placer, which lays a layer out in program order, sees the order the frontend chose.
+    for &(handle, _) in block {
+        let class = egraph.find(class_of[&handle.index()]);
+        if choice.nodes.contains_key(&class) {
+            emitter.value(class)?;
+        }
+    }
     for (&root, &class) in roots.iter().zip(&root_classes) {
         value_map[root] = Some(emitter.value(class)?);
     }
