@@ -129,8 +129,12 @@ impl Stacked<'_> {
         let mut stack = vec![i];
         let mut seen = HashSet::new();
         while let Some(value) = stack.pop() {
-            if !seen.insert(value) || seen.len() > SEARCH_LIMIT {
+            if !seen.insert(value) {
                 continue;
+            }
+            // A search that gives up answers as a crossing would: keep the general layout.
+            if seen.len() > SEARCH_LIMIT {
+                return true;
             }
             for &reader in &analysis.readers[value] {
                 let r = reader as usize;
@@ -197,29 +201,30 @@ impl Stacked<'_> {
         ))
     }
 
-    /// Fresh segments for `cut` (from [`Stacked::aligned_cut`]), each in its column: in area row
-    /// `row` if given, else in the row its operand's data comes from when that row crosses the
-    /// area (a region beside this one: the data moves straight along rows), else in the area's
-    /// middle row (a region above or below: the data moves straight down the columns, and a
-    /// norm on the segments reduces and broadcasts along one row).
+    /// Fresh segments for `cut` (from [`Stacked::aligned_cut`]), each in its column: in the
+    /// area's middle row if `middle_row` (a norm on the segments then reduces and broadcasts
+    /// along one row), else in the row its operand's data comes from when that row crosses the
+    /// area (a region beside this one: the data moves straight along rows), else in the middle
+    /// row too (a region above or below: the data moves straight down the columns).
     pub(super) fn aligned_layout(
         &mut self,
         i: usize,
         unit: usize,
         cut: Vec<(Range<u64>, u64)>,
-        row: Option<u64>,
+        middle_row: bool,
         extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
     ) -> Result<VectorLayout, WaferError> {
         let area = self.region(unit).area;
         let mut layout = VectorLayout::default();
         let mut taken = HashSet::new();
         for (seg, dx) in cut {
-            let row = row.unwrap_or_else(|| match self.operand_pe(i, seg.start) {
-                Some(pe) if pe.wafer == area.wafer && (area.y..area.y + area.h).contains(&pe.y) => {
-                    (pe.y - area.y) as u64
-                }
-                _ => area.h as u64 / 2,
-            });
+            let arrival = match middle_row {
+                true => None,
+                false => self
+                    .operand_pe(i, seg.start)
+                    .filter(|pe| pe.wafer == area.wafer && (area.y..area.y + area.h).contains(&pe.y)),
+            };
+            let row = arrival.map_or(area.h as u64 / 2, |pe| (pe.y - area.y) as u64);
             let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
             requests.extend(extra(&seg));
             let bytes = requests.iter().map(|(_, b)| b).sum();

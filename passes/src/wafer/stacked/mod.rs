@@ -821,8 +821,7 @@ impl Stacked<'_> {
         // The residual stream inside a region runs along its middle row (`columns`).
         if !across && self.residual_in_middle_row(i) {
             if let Some(cut) = self.aligned_cut(i, len) {
-                let middle = whole.h as u64 / 2;
-                return self.aligned_layout(i, unit, cut, Some(middle), requests);
+                return self.aligned_layout(i, unit, cut, true, requests);
             }
         }
         if !across {
@@ -831,7 +830,7 @@ impl Stacked<'_> {
             }
         }
         if let Some(cut) = self.aligned_cut(i, len) {
-            return self.aligned_layout(i, unit, cut, None, requests);
+            return self.aligned_layout(i, unit, cut, false, requests);
         }
         if across {
             if let Some(layout) = self.placer.host_layout(i, &inside, len, requests) {
