@@ -60,6 +60,11 @@ const F32: u64 = 4;
 /// The share of a PE's usable SRAM the matvec tiles of its unit may take together; the rest
 /// holds vector segments, norm weights and receive buffers.
 pub const TILE_SHARE: f64 = 0.6;
+/// The share the tiles may take when every matvec takes its input leader's tiling: beyond
+/// [`TILE_SHARE`], since a vector whose readers share one tiling has one alignment and moves
+/// straight down its columns, while two alignments of one residual stream shift it along a
+/// row (every segment on the same links).
+const LED_TILE_SHARE: f64 = 0.72;
 /// The most 32-element chunks a tile spans: each chunk of a matvec's input is one multicast
 /// down the tile's column, and more than four per column crowd the router's colours.
 const MAX_CHUNKS_PER_TILE: u64 = 4;
@@ -70,7 +75,15 @@ const MAX_SEGMENTS: u64 = 16;
 /// The most panels a tile grid is folded into: a PE row holds a row block of each panel, their
 /// reductions interleaved along it, and the reductions of sibling matvecs (separate q, k and v)
 /// run at the same time, so each panel costs a colour per sibling on every PE of the row.
-const MAX_PANELS: u64 = 4;
+const MAX_PANELS: u64 = 8;
+/// The most panels unless the matrices reading an input are deep (see [`DEEP_TILE_ROWS`]).
+const NARROW_PANELS: u64 = 4;
+/// Tiles at least this many rows deep at [`NARROW_PANELS`] panels may fold into up to
+/// [`MAX_PANELS`]: their arithmetic shrinks with every panel, while a shallow tile saves a row
+/// or two and pays in longer interleaved reductions and in wider segments for the vector ops on
+/// the input (SmolLM2's matrices lose 7% of the speed at eight panels; the 8B's gate/up
+/// projection gains 12%).
+const DEEP_TILE_ROWS: u64 = 8;
 /// The longest segment (8 KiB of f32): only the logits are long enough to need more than
 /// [`MAX_SEGMENTS`] of these, and nothing reads them on the wafer.
 const MAX_SEGMENT_ELEMENTS: u64 = 512;
@@ -405,9 +418,9 @@ struct Grid {
 impl Grid {
     /// The tiling over `area` with `chunks_per_tile` chunks per tile, if its column blocks fit
     /// the area's width.
-    fn over(rows: u64, cols: u64, area: Rect, chunks_per_tile: u64) -> Option<Grid> {
+    fn over(rows: u64, cols: u64, area: Rect, chunks_per_tile: u64, max_panels: u64) -> Option<Grid> {
         let col_blocks = cols.div_ceil(CHUNK).div_ceil(chunks_per_tile);
-        let panels = (area.w as u64 / col_blocks).min(MAX_PANELS);
+        let panels = (area.w as u64 / col_blocks).min(max_panels);
         if panels == 0 {
             return None;
         }
@@ -423,13 +436,14 @@ impl Grid {
         })
     }
 
-    /// The tilings the plan considers: 1, 2, 4, ... up to [`MAX_CHUNKS_PER_TILE`] chunks per tile.
-    fn candidates(rows: u64, cols: u64, area: Rect) -> impl Iterator<Item = Grid> {
+    /// The tilings the plan considers: 1, 2, 4, ... up to [`MAX_CHUNKS_PER_TILE`] chunks per tile,
+    /// in at most `max_panels` panels.
+    fn candidates(rows: u64, cols: u64, area: Rect, max_panels: u64) -> impl Iterator<Item = Grid> {
         let runs = cols.div_ceil(CHUNK).next_power_of_two().min(MAX_CHUNKS_PER_TILE);
         (0..)
             .map(|j| 1u64 << j)
             .take_while(move |&run| run <= runs)
-            .filter_map(move |run| Grid::over(rows, cols, area, run))
+            .filter_map(move |run| Grid::over(rows, cols, area, run, max_panels))
     }
 
     /// Where tile `(r, c)` sits, as (column, row) from the area's north-west corner.
@@ -474,25 +488,32 @@ impl Grid {
     }
 }
 
-/// The tiling with the least [`Grid::cost`] (ties: fewer chunks per tile) among those whose tile
-/// fits `budget` bytes, only `chunks_per_tile` chunks per tile if given.
+/// The tiling with the least [`Grid::cost`] (ties: fewer chunks per tile) among those in at most
+/// `max_panels` panels whose tile fits `budget` bytes, only `chunks_per_tile` chunks per tile if
+/// given.
 fn grid(
     rows: u64,
     cols: u64,
-    area: Rect,
+    (area, max_panels): (Rect, u64),
     tile_bytes: &dyn Fn(u64, u64) -> Option<u64>,
     budget: u64,
     chunks_per_tile: Option<u64>,
 ) -> Option<Grid> {
-    Grid::candidates(rows, cols, area)
+    Grid::candidates(rows, cols, area, max_panels)
         .filter(|g| chunks_per_tile.is_none_or(|run| run == g.chunks_per_tile))
         .filter(|g| tile_bytes(g.rows_per_tile, (g.chunks_per_tile * CHUNK).min(cols)).is_some_and(|b| b <= budget))
         .min_by_key(|g| g.cost(area))
 }
 
-/// The smallest tile any tiling of a `rows x cols` matvec over `area` needs.
-fn smallest_tile(rows: u64, cols: u64, area: Rect, tile_bytes: &dyn Fn(u64, u64) -> Option<u64>) -> u64 {
-    Grid::candidates(rows, cols, area)
+/// The smallest tile any tiling of a `rows x cols` matvec over `area` in at most `max_panels`
+/// panels needs.
+fn smallest_tile(
+    rows: u64,
+    cols: u64,
+    (area, max_panels): (Rect, u64),
+    tile_bytes: &dyn Fn(u64, u64) -> Option<u64>,
+) -> u64 {
+    Grid::candidates(rows, cols, area, max_panels)
         .map(|g| tile_bytes(g.rows_per_tile, (g.chunks_per_tile * CHUNK).min(cols)).unwrap_or(u64::MAX))
         .min()
         .unwrap_or(u64::MAX)
@@ -600,6 +621,7 @@ pub(super) fn place(
         regions,
         unit_weight_bytes,
         unit_slack: Vec::new(),
+        unit_led_tiles: Vec::new(),
         expert_pes: HashMap::new(),
         lane_cursors: HashMap::new(),
         layers_per_region: layers_per_region.max(1) as u64,
@@ -609,17 +631,18 @@ pub(super) fn place(
     };
     let limit = (TILE_SHARE * usable as f64) as u64;
     for (u, unit) in units.iter().enumerate() {
-        let mut smallest = 0;
+        let (mut smallest, mut led) = (0, 0);
         for i in unit.instrs.clone() {
-            if let Op::MatVec { weight, bias, .. } = &module.body[waferc_ir::Handle::new(i)].op {
-                let w = &module.weights[*weight];
-                let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
-                let tile = |r, width| super::size::tile_bytes(w.ty.dtype, bias_dtype, r, width);
-                let (area, lanes) = stacked.area_of(i, u);
-                smallest += smallest_tile(w.ty.shape[0], w.ty.shape[1], area, &tile) / lanes;
+            if let Some(tiles) = stacked.base_tiles(i, u) {
+                smallest += tiles.smallest;
+                led += tiles.led;
             }
         }
-        stacked.unit_slack.push(limit.saturating_sub(smallest));
+        // Every matvec starts from its leader's tiling when they all fit so, else from its
+        // smallest tile; what is left of the share is spread by weight bytes.
+        let fits_led = led as f64 <= LED_TILE_SHARE * usable as f64;
+        stacked.unit_led_tiles.push(fits_led);
+        stacked.unit_slack.push(limit.saturating_sub(if fits_led { led } else { smallest }));
     }
     for (u, unit) in units.iter().enumerate() {
         for i in unit.instrs.clone() {
@@ -630,6 +653,13 @@ pub(super) fn place(
     stacked.placer.finish()
 }
 
+/// What a matvec's tile budget starts from ([`Stacked::base_tiles`]).
+#[derive(Clone, Copy)]
+struct BaseTiles {
+    smallest: u64,
+    led: u64,
+}
+
 struct Stacked<'a> {
     placer: Placer<'a>,
     regions: Vec<Option<Region>>,
@@ -638,6 +668,11 @@ struct Stacked<'a> {
     /// Per unit, the tile SRAM per PE left once every matvec has its smallest tile: shared out
     /// by weight bytes, so every PE's tiles fit together.
     unit_slack: Vec<u64>,
+    /// Per unit, whether every matvec's tile at its input leader's tiling fits the tile share
+    /// together: then each budget starts from that tile, so the matvecs reading one vector
+    /// share a tiling (and the vector one alignment) even where a wider tile costs a matvec
+    /// more SRAM than its own smallest.
+    unit_led_tiles: Vec<bool>,
     /// Per router, the PEs holding its experts' matvec results.
     expert_pes: HashMap<u32, HashSet<Pe>>,
     /// The walk's next cell in each expert lane, by the lane's corner.
@@ -856,6 +891,30 @@ impl Stacked<'_> {
         (area.band(expert as u64 % lanes, lanes), lanes)
     }
 
+    /// The most panels matvec `i`'s tiling may fold into: [`MAX_PANELS`] when the matvec leading
+    /// its input width (an expert: itself) has tiles [`DEEP_TILE_ROWS`] deep at
+    /// [`NARROW_PANELS`] panels, else [`NARROW_PANELS`]. One cap per input width, so the
+    /// matvecs sharing a tiling fold alike.
+    fn max_panels(&mut self, i: usize, unit: usize) -> u64 {
+        let module = self.placer.module;
+        let shape = |j: usize| match &module.body[waferc_ir::Handle::new(j)].op {
+            Op::MatVec { weight, .. } => {
+                Some((module.weights[*weight].ty.shape[0], module.weights[*weight].ty.shape[1]))
+            }
+            _ => None,
+        };
+        let Some((_, cols)) = shape(i) else { return NARROW_PANELS };
+        let (area, lanes) = self.area_of(i, unit);
+        let leader = match lanes {
+            1 => self.input_leader(unit, cols),
+            _ => i,
+        };
+        match shape(leader) {
+            Some((rows, _)) if rows >= DEEP_TILE_ROWS * NARROW_PANELS * area.h as u64 => MAX_PANELS,
+            _ => NARROW_PANELS,
+        }
+    }
+
     /// Matvec `i`'s tile area (the unit's, or its expert's lane) and its tiling there. Each
     /// matvec's tiles get SRAM in proportion to its weight's share of the unit's (times the lanes
     /// it is squeezed into), so every PE's tiles fit together.
@@ -867,11 +926,17 @@ impl Stacked<'_> {
         let w = &module.weights[*weight];
         let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
         let (area, lanes) = self.area_of(i, unit);
+        let span = (area, self.max_panels(i, unit));
         let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
         let tile = |r, width| super::size::tile_bytes(w.ty.dtype, bias_dtype, r, width);
         let share = weight_bytes(module, *weight) as f64 / self.unit_weight_bytes[unit].max(1) as f64;
         let slack = self.unit_slack[unit] as f64;
-        let budget = smallest_tile(rows, cols, area, &tile) + (share * lanes as f64 * slack) as u64;
+        // An expert's lane holds only its own tiles: it starts from its smallest.
+        let base = match self.base_tiles(i, unit) {
+            Some(t) if lanes == 1 && self.unit_led_tiles[unit] => t.led,
+            _ => smallest_tile(rows, cols, span, &tile),
+        };
+        let budget = base + (share * lanes as f64 * slack) as u64;
         // Matvecs that read inputs of one width share the tiling of the largest of them, so a
         // vector read by several suits them all (`columns`); one whose share of a PE cannot take
         // that tiling picks its own.
@@ -883,8 +948,8 @@ impl Stacked<'_> {
             true => None,
             false => Some(self.matvec_grid(leader, unit)?.1.chunks_per_tile),
         };
-        let g = led.and_then(|run| grid(rows, cols, area, &tile, budget, Some(run)));
-        let g = g.or_else(|| grid(rows, cols, area, &tile, budget, None)).ok_or_else(|| {
+        let g = led.and_then(|run| grid(rows, cols, span, &tile, budget, Some(run)));
+        let g = g.or_else(|| grid(rows, cols, span, &tile, budget, None)).ok_or_else(|| {
             unsupported(
                 module,
                 i,
@@ -895,6 +960,56 @@ impl Stacked<'_> {
             )
         })?;
         Ok((area, g))
+    }
+
+    /// Matvec `i`'s smallest tile, and its tile at its input leader's least-cost tiling (the
+    /// leader's own when `i` leads, its smallest when it cannot take the leader's chunks per
+    /// tile), per PE of its unit's area (an expert's over its lanes). `None` for other ops.
+    fn base_tiles(&mut self, i: usize, unit: usize) -> Option<BaseTiles> {
+        let module = self.placer.module;
+        let tiling = |i: usize| {
+            let Op::MatVec { weight, bias, .. } = &module.body[waferc_ir::Handle::new(i)].op else { return None };
+            let w = &module.weights[*weight];
+            let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
+            let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
+            Some((rows, cols, move |r, width| super::size::tile_bytes(w.ty.dtype, bias_dtype, r, width)))
+        };
+        let (rows, cols, tile) = tiling(i)?;
+        let (area, lanes) = self.area_of(i, unit);
+        let span = (area, self.max_panels(i, unit));
+        let smallest = smallest_tile(rows, cols, span, &tile);
+        let led = match lanes {
+            1 if self.input_followed(unit, cols) => {
+                let leader = self.input_leader(unit, cols);
+                let (l_rows, l_cols, l_tile) = tiling(leader)?;
+                let run = grid(l_rows, l_cols, span, &l_tile, u64::MAX, None).map(|g| g.chunks_per_tile);
+                run.and_then(|run| grid(rows, cols, span, &tile, u64::MAX, Some(run)))
+                    .and_then(|g| tile(g.rows_per_tile, (g.chunks_per_tile * CHUNK).min(cols)))
+                    .unwrap_or(smallest)
+            }
+            _ => smallest,
+        };
+        Some(BaseTiles { smallest: smallest / lanes, led: led / lanes })
+    }
+
+    /// Whether the dense matvecs of `unit` reading an input `cols` wide differ in shape (so the
+    /// smaller ones follow their leader's tiling rather than their own smallest; matvecs of one
+    /// shape, as every layer's down projection, have one smallest tiling anyway).
+    fn input_followed(&self, unit: usize, cols: u64) -> bool {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        let start = self.unit_of.partition_point(|&u| u < unit);
+        let end = self.unit_of.partition_point(|&u| u <= unit);
+        let mut rows = (start..end).filter(|&j| analysis.expert[j].is_none()).filter_map(|j| {
+            match &module.body[waferc_ir::Handle::new(j)].op {
+                Op::MatVec { weight, .. } => {
+                    let shape = &module.weights[*weight].ty.shape;
+                    (shape[1] == cols).then_some(shape[0])
+                }
+                _ => None,
+            }
+        });
+        let first = rows.next();
+        rows.any(|r| Some(r) != first)
     }
 
     /// The dense matvec of `unit` with the most rows (the first of them) among those whose input
