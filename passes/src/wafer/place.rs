@@ -945,9 +945,13 @@ impl<'a> Placer<'a> {
     }
 
     /// `Collect` routes into each of `layout`'s segments from `pieces` (a PE and the elements it
-    /// holds), pieces in order.
+    /// holds), pieces in order. A PE that alone feeds several segments on its wafer (a KV head's
+    /// root holding its query heads' outputs) spreads them over its out-links: each goes along
+    /// its column first, or along its row first when that leaves by a link it has used less,
+    /// rather than every one leaving by the one or two links toward the nearest rows.
     fn collect_routes(&mut self, instr: usize, layout: &VectorLayout, pieces: &[(Pe, Range<u64>)]) -> Vec<RouteId> {
         let mut ids = Vec::with_capacity(layout.segments.len());
+        let mut sent: HashMap<(Pe, route::Direction), u32> = HashMap::default();
         for seg in &layout.segments {
             let mut sources = Vec::new();
             let mut largest = 0;
@@ -960,7 +964,23 @@ impl<'a> Placer<'a> {
                     largest = largest.max(overlap.end - overlap.start);
                 }
             }
-            let path = route::gather(&sources, seg.pe, self.route_band);
+            let path = match sources.as_slice() {
+                [only] if only.wafer == seg.pe.wafer && only.y / self.route_band == seg.pe.y / self.route_band => {
+                    let load = |rows_first| {
+                        route::first_link(*only, seg.pe, rows_first)
+                            .map(|d| (d, sent.get(&(*only, d)).copied().unwrap_or(0)))
+                    };
+                    let rows_first = match (load(false), load(true)) {
+                        (Some((_, column)), Some((_, row))) => row < column,
+                        _ => false,
+                    };
+                    if let Some((d, _)) = load(rows_first) {
+                        *sent.entry((*only, d)).or_default() += 1;
+                    }
+                    route::single_source(*only, seg.pe, rows_first)
+                }
+                _ => route::gather(&sources, seg.pe, self.route_band),
+            };
             ids.push(self.add_route(
                 instr,
                 RouteKind::Collect { elements: seg.elements.clone() },

@@ -159,6 +159,42 @@ pub(super) fn gather(sources: &[Pe], destination: Pe, shelf: u16) -> Vec<Run> {
     runs
 }
 
+/// A PE's out-links, for spreading one source's routes over them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) enum Direction {
+    North,
+    East,
+    South,
+    West,
+}
+
+/// The link a straight move from `from` toward `to` leaves by: along the row when `rows_first`
+/// and the columns differ, else along the column (`None` when they are the same PE).
+pub(super) fn first_link(from: Pe, to: Pe, rows_first: bool) -> Option<Direction> {
+    let along_row = match rows_first {
+        true => from.x != to.x,
+        false => from.y == to.y,
+    };
+    match along_row {
+        true if to.x > from.x => Some(Direction::East),
+        true if to.x < from.x => Some(Direction::West),
+        false if to.y > from.y => Some(Direction::South),
+        false if to.y < from.y => Some(Direction::North),
+        _ => None,
+    }
+}
+
+/// A single source's path to `destination` on its own wafer, along its row first when
+/// `rows_first`, else along its column first (as [`gather`] goes from one source).
+pub(super) fn single_source(source: Pe, destination: Pe, rows_first: bool) -> Vec<Run> {
+    let mut runs = Vec::new();
+    match rows_first {
+        true => xy(source, destination, 1, &mut runs),
+        false => lines_then_cross(&[source], destination, false, &mut runs),
+    }
+    runs
+}
+
 fn messages(count: usize) -> u16 {
     u16::try_from(count).unwrap_or(u16::MAX)
 }
