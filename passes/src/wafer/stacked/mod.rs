@@ -65,6 +65,11 @@ pub const TILE_SHARE: f64 = 0.6;
 /// straight down its columns, while two alignments of one residual stream shift it along a
 /// row (every segment on the same links).
 const LED_TILE_SHARE: f64 = 0.72;
+/// The most column-aligned segments of an attention output in one KV head's band: each goes
+/// along its own row out of the band and down its column, across the rows of the band's other
+/// segments, so their routes cross one another's; beyond this (Qwen3-30B-A3B's 32 a band) they
+/// run out of colours, and the output keeps one segment per KV head.
+const MAX_ALIGNED_PER_BAND: u64 = 16;
 /// The most 32-element chunks a tile spans: each chunk of a matvec's input is one multicast
 /// down the tile's column, and more than four per column crowd the router's colours.
 const MAX_CHUNKS_PER_TILE: u64 = 4;
@@ -1273,7 +1278,8 @@ impl Stacked<'_> {
         // on rows of their own in the head's band, nearest its middle row (where the head's root
         // block is) first: the collects from the root leave north, south and west and run along
         // those rows, side by side.
-        if let Some(cut) = self.aligned_cut(i, len) {
+        let cut = self.aligned_cut(i, len).filter(|cut| cut.len() as u64 <= MAX_ALIGNED_PER_BAND * kv.kv_heads);
+        if let Some(cut) = cut {
             let area = self.region(unit).area;
             let mut layout = VectorLayout::default();
             let mut taken = HashSet::new();
