@@ -251,7 +251,7 @@ impl Stacked<'_> {
 
     /// The PE holding element `element` of instruction `i`'s first vector operand from an
     /// earlier unit, else of its first vector operand.
-    fn operand_pe(&self, i: usize, element: u64) -> Option<Pe> {
+    pub(super) fn operand_pe(&self, i: usize, element: u64) -> Option<Pe> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
         let mut operands = module.body[waferc_ir::Handle::new(i)].op.operands();
         let unit = self.unit_of[i];

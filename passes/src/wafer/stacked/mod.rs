@@ -837,6 +837,40 @@ impl Stacked<'_> {
         Ok(layout)
     }
 
+    /// An MoE combine's layout: each segment in the column of its first expert's output for
+    /// those elements (every expert's lane puts that segment of its result in the same column),
+    /// in the middle row of the area, so the chosen experts' messages come up and down that
+    /// column alone and no two segments' gathers share a link (on fresh PEs down one column,
+    /// every gather queued on that column's links); on a fresh PE where there is no such column.
+    fn combine_layout(
+        &mut self,
+        i: usize,
+        unit: usize,
+        segments: &[Range<u64>],
+        extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
+    ) -> Result<VectorLayout, WaferError> {
+        let area = self.region(unit).area;
+        let mut layout = VectorLayout::default();
+        let mut taken = HashSet::new();
+        for seg in segments {
+            let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
+            requests.extend(extra(seg));
+            let bytes = requests.iter().map(|(_, b)| b).sum();
+            let column = self
+                .operand_pe(i, seg.start)
+                .filter(|pe| pe.wafer == area.wafer && (area.x..area.x + area.w).contains(&pe.x))
+                .map(|pe| (pe.x - area.x) as u64);
+            let pe = match column {
+                Some(dx) => self.column_pe(i, unit, dx, area.h as u64 / 2, bytes, &taken)?,
+                None => self.fresh_pe(i, unit, bytes, &taken)?,
+            };
+            taken.insert(pe);
+            self.placer.fill(pe, i as u32, requests)?;
+            layout.segments.push(Segment { pe, elements: seg.clone() });
+        }
+        Ok(layout)
+    }
+
     /// A vector op's layout: on its operand's segments if they suit, else fresh `unit`-element
     /// segments (the smallest multiple of 32 that is a whole number of `unit`s).
     fn vector_layout(
@@ -1176,7 +1210,7 @@ impl Stacked<'_> {
                     _ => 0,
                 };
                 let segments = super::size::segments(len, vector_cut(len));
-                let layout = self.fresh_layout(i, unit, &segments, &|seg| {
+                let layout = self.combine_layout(i, unit, &segments, &|seg| {
                     vec![(RegionKind::Scratch, top_k * (seg.end - seg.start) * F32 + top_k * 8)]
                 })?;
                 (ResultLayout::Vector(layout), Work::Combine { routing: 0, collects: Vec::new() })
