@@ -29,6 +29,10 @@ pub(super) const SEGMENTS_PER_COLUMN: u64 = 4;
 /// attention output's collects crowd its KV band's colours, so only these get it: SiLU and the
 /// product before the down projection then run on twice the PEs.
 const MIN_ELEMENTWISE_SEGMENT: u64 = CHUNK / 2;
+/// The fewest rows an expert's lane needs for its vectors to be column-aligned: each segment
+/// takes a PE of its column in the lane, and a lane of a few rows (many experts, or a small
+/// area) runs out of them; there the expert's vectors keep the general layout.
+const MIN_ALIGNED_LANE_ROWS: u64 = 8;
 /// How many values a search for a vector's consumers looks through before it gives up.
 const SEARCH_LIMIT: usize = 64;
 
@@ -91,7 +95,14 @@ impl Stacked<'_> {
                             frontier.extend(at(operand).map(|b| (r, b)));
                         }
                     }
-                    Op::MatVec { x, weight, .. } if analysis.expert[r].is_none() => {
+                    // An expert's matvecs read only its own vectors, inside its lane, when the
+                    // lane has rows to spare for them.
+                    Op::MatVec { x, weight, .. }
+                        if analysis.expert[r] == analysis.expert[i]
+                            && analysis.router[r] == analysis.router[i]
+                            && (analysis.expert[r].is_none()
+                                || self.area_of(r, self.unit_of[r]).0.h as u64 >= MIN_ALIGNED_LANE_ROWS) =>
+                    {
                         let b = at(*x)?;
                         let (_, g) = self.matvec_grid(r, self.unit_of[r]).ok()?;
                         let cols = module.weights[*weight].ty.shape[1];
@@ -186,7 +197,8 @@ impl Stacked<'_> {
         bytes: u64,
         taken: &HashSet<Pe>,
     ) -> Result<Pe, WaferError> {
-        let area = self.region(unit).area;
+        // An expert's vectors stay in its lane.
+        let area = self.area_of(i, unit).0;
         let dx = dx % area.w as u64;
         for dy in nearest_first(row, area.h as u64) {
             let pe = area.at(dx, dy);
@@ -214,7 +226,7 @@ impl Stacked<'_> {
         middle_row: bool,
         extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
     ) -> Result<VectorLayout, WaferError> {
-        let area = self.region(unit).area;
+        let area = self.area_of(i, unit).0;
         let mut layout = VectorLayout::default();
         let mut taken = HashSet::new();
         for (seg, dx) in cut {

@@ -1118,6 +1118,9 @@ impl Stacked<'_> {
                             let bytes = (seg.end - seg.start) * F32;
                             let pe = self.column_pe(i, unit, dx, row, bytes, &taken)?;
                             taken.insert(pe);
+                            if let Some(r) = router {
+                                self.expert_pes.entry(r).or_default().insert(pe);
+                            }
                             self.placer.fill(pe, instr, vec![(RegionKind::Output { elements: seg.clone() }, bytes)])?;
                             layout.segments.push(Segment { pe, elements: seg });
                         }
