@@ -658,6 +658,9 @@ pub(super) fn place(
     stacked.placer.finish()
 }
 
+/// Chooses the PE of a result segment (its elements, its bytes, the PEs taken so far).
+type SegmentPicker<'p, S> = dyn FnMut(&mut S, &Range<u64>, u64, &HashSet<Pe>) -> Result<Pe, WaferError> + 'p;
+
 /// What a matvec's tile budget starts from ([`Stacked::base_tiles`]).
 #[derive(Clone, Copy)]
 struct BaseTiles {
@@ -823,18 +826,7 @@ impl Stacked<'_> {
         segments: &[Range<u64>],
         extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
     ) -> Result<VectorLayout, WaferError> {
-        let mut layout = VectorLayout::default();
-        let mut taken = HashSet::new();
-        for seg in segments {
-            let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
-            requests.extend(extra(seg));
-            let bytes = requests.iter().map(|(_, b)| b).sum();
-            let pe = self.fresh_pe(i, unit, bytes, &taken)?;
-            taken.insert(pe);
-            self.placer.fill(pe, i as u32, requests)?;
-            layout.segments.push(Segment { pe, elements: seg.clone() });
-        }
-        Ok(layout)
+        self.layout_on(i, segments, extra, &mut |s, _, bytes, taken| s.fresh_pe(i, unit, bytes, taken))
     }
 
     /// An MoE combine's layout: each segment in the column of its first expert's output for
@@ -842,28 +834,39 @@ impl Stacked<'_> {
     /// in the middle row of the area, so the chosen experts' messages come up and down that
     /// column alone and no two segments' gathers share a link (on fresh PEs down one column,
     /// every gather queued on that column's links); on a fresh PE where there is no such column.
-    fn combine_layout(
+    /// Each segment also holds the `top_k` chosen experts' parts of it and their weights.
+    fn combine_layout(&mut self, i: usize, unit: usize, top_k: u64, len: u64) -> Result<VectorLayout, WaferError> {
+        let area = self.region(unit).area;
+        let segments = super::size::segments(len, vector_cut(len));
+        let scratch = |seg: &Range<u64>| vec![(RegionKind::Scratch, top_k * (seg.end - seg.start) * F32 + top_k * 8)];
+        self.layout_on(i, &segments, &scratch, &mut |s, seg, bytes, taken| {
+            let column = s
+                .operand_pe(i, seg.start)
+                .filter(|pe| pe.wafer == area.wafer && (area.x..area.x + area.w).contains(&pe.x))
+                .map(|pe| (pe.x - area.x) as u64);
+            match column {
+                Some(dx) => s.column_pe(i, unit, dx, area.h as u64 / 2, bytes, taken),
+                None => s.fresh_pe(i, unit, bytes, taken),
+            }
+        })
+    }
+
+    /// Instruction `i`'s result segments, each with its output and `extra` requests on a
+    /// distinct PE that `pick` chooses for the segment and its bytes.
+    fn layout_on(
         &mut self,
         i: usize,
-        unit: usize,
         segments: &[Range<u64>],
         extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
+        pick: &mut SegmentPicker<'_, Self>,
     ) -> Result<VectorLayout, WaferError> {
-        let area = self.region(unit).area;
         let mut layout = VectorLayout::default();
         let mut taken = HashSet::new();
         for seg in segments {
             let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
             requests.extend(extra(seg));
             let bytes = requests.iter().map(|(_, b)| b).sum();
-            let column = self
-                .operand_pe(i, seg.start)
-                .filter(|pe| pe.wafer == area.wafer && (area.x..area.x + area.w).contains(&pe.x))
-                .map(|pe| (pe.x - area.x) as u64);
-            let pe = match column {
-                Some(dx) => self.column_pe(i, unit, dx, area.h as u64 / 2, bytes, &taken)?,
-                None => self.fresh_pe(i, unit, bytes, &taken)?,
-            };
+            let pe = pick(self, seg, bytes, &taken)?;
             taken.insert(pe);
             self.placer.fill(pe, i as u32, requests)?;
             layout.segments.push(Segment { pe, elements: seg.clone() });
@@ -1212,10 +1215,7 @@ impl Stacked<'_> {
                     ValueType::Routing { top_k, .. } => top_k as u64,
                     _ => 0,
                 };
-                let segments = super::size::segments(len, vector_cut(len));
-                let layout = self.combine_layout(i, unit, &segments, &|seg| {
-                    vec![(RegionKind::Scratch, top_k * (seg.end - seg.start) * F32 + top_k * 8)]
-                })?;
+                let layout = self.combine_layout(i, unit, top_k, len)?;
                 (ResultLayout::Vector(layout), Work::Combine { routing: 0, collects: Vec::new() })
             }
             Op::Attention { cache, heads, .. } => self.attention(i, unit, *cache, *heads, len)?,
