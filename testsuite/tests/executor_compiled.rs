@@ -6,6 +6,7 @@ mod executor_common;
 
 use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
 use waferc_ir::wafer::Plan;
+use waferc_ir::Op;
 use waferc_passes::wafer::CompileOptions;
 use waferc_runtime::executor::{validate, ExecOptions, Executor, ValidationOptions};
 
@@ -40,6 +41,52 @@ fn quantised_module_with_biases_matches_the_reference() {
     let program = compile_for(&module, "grid:12x12", 64);
     let blob = pack_tile_blob(&program, &module);
     validate(&program, &module, Some(&blob), &[1, 2, 3], &greedy(3)).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// On a grid tall enough for lanes of many rows, the stacked plan column-aligns each expert's
+/// vectors inside its lane (SiLU and the product on half-chunk segments, as a dense layer's)
+/// and puts each combine segment in its experts' column; the bits stay the reference's.
+#[test]
+fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference() {
+    let module = build(&Shape::moe(), 5);
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100 };
+    let program =
+        compile_with(&module, "grid:256x24", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
+    let silu_segments: Vec<u64> = program
+        .instrs
+        .iter()
+        .filter(|p| p.op == "silu" && p.expert.is_some())
+        .flat_map(|p| match &p.result {
+            waferc_ir::wafer::ResultLayout::Vector(layout) => {
+                layout.segments.iter().map(|s| s.elements.end - s.elements.start).collect()
+            }
+            waferc_ir::wafer::ResultLayout::Routing { .. } => Vec::new(),
+        })
+        .collect();
+    assert!(!silu_segments.is_empty(), "the module has experts' SiLUs");
+    assert!(
+        silu_segments.iter().all(|&len| len == 16),
+        "every expert SiLU segment is half a chunk (column-aligned), got {silu_segments:?}"
+    );
+    // Each combine segment sits in the column of the experts' output segments it gathers.
+    let vector = |p: &waferc_ir::wafer::InstrPlacement| match &p.result {
+        waferc_ir::wafer::ResultLayout::Vector(layout) => layout.segments.clone(),
+        waferc_ir::wafer::ResultLayout::Routing { .. } => Vec::new(),
+    };
+    let combines: Vec<_> = program.instrs.iter().filter(|p| p.op == "expert_combine").collect();
+    assert!(!combines.is_empty(), "the module has combines");
+    for combine in combines {
+        let Op::ExpertCombine { experts, .. } = &module.body[waferc_ir::Handle::new(combine.instr as usize)].op else {
+            panic!("instruction {} is a combine", combine.instr)
+        };
+        let first = vector(&program.instrs[experts[0].index()]);
+        for seg in vector(combine) {
+            let source = first.iter().find(|s| s.elements.contains(&seg.elements.start)).expect("an expert segment");
+            assert_eq!(seg.pe.x, source.pe.x, "combine %{} segment {:?}", combine.instr, seg.elements);
+        }
+    }
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// The logits' bits for `tokens` fed in turn on `target` with `plan`, and the program's PE and
