@@ -639,8 +639,8 @@ pub(super) fn place(
         let (mut smallest, mut led) = (0, 0);
         for i in unit.instrs.clone() {
             if let Some(tiles) = stacked.base_tiles(i, u) {
-                smallest += tiles.smallest;
-                led += tiles.led;
+                smallest += tiles.smallest / tiles.lanes;
+                led += tiles.led / tiles.lanes;
             }
         }
         // Every matvec starts from its leader's tiling when they all fit so, else from its
@@ -666,6 +666,16 @@ type SegmentPicker<'p, S> = dyn FnMut(&mut S, &Range<u64>, u64, &HashSet<Pe>) ->
 struct BaseTiles {
     smallest: u64,
     led: u64,
+    /// The lanes its area is squeezed into (an expert's), over which its tiles' SRAM spreads.
+    lanes: u64,
+}
+
+/// A matvec's weight shape as (rows, columns); `None` for other ops.
+fn matvec_shape(module: &Module, j: usize) -> Option<(u64, u64)> {
+    match &module.body[waferc_ir::Handle::new(j)].op {
+        Op::MatVec { weight, .. } => Some((module.weights[*weight].ty.shape[0], module.weights[*weight].ty.shape[1])),
+        _ => None,
+    }
 }
 
 struct Stacked<'a> {
@@ -938,22 +948,20 @@ impl Stacked<'_> {
     /// [`NARROW_PANELS`] panels, else [`NARROW_PANELS`]. One cap per input width, so the
     /// matvecs sharing a tiling fold alike.
     fn max_panels(&mut self, i: usize, unit: usize) -> u64 {
-        let module = self.placer.module;
-        let shape = |j: usize| match &module.body[waferc_ir::Handle::new(j)].op {
-            Op::MatVec { weight, .. } => {
-                Some((module.weights[*weight].ty.shape[0], module.weights[*weight].ty.shape[1]))
-            }
-            _ => None,
-        };
-        let Some((_, cols)) = shape(i) else { return NARROW_PANELS };
-        let (area, lanes) = self.area_of(i, unit);
-        let leader = match lanes {
-            1 => self.input_leader(unit, cols),
-            _ => i,
-        };
-        match shape(leader) {
+        let area = self.area_of(i, unit).0;
+        let leader = self.leader_of(i, unit);
+        match matvec_shape(self.placer.module, leader) {
             Some((rows, _)) if rows >= DEEP_TILE_ROWS * NARROW_PANELS * area.h as u64 => MAX_PANELS,
             _ => NARROW_PANELS,
+        }
+    }
+
+    /// The matvec whose tiling matvec `i` shares: the leader of its input width in its unit
+    /// (`input_leader`), or itself for an expert's (its lane holds only its own tiles).
+    fn leader_of(&mut self, i: usize, unit: usize) -> usize {
+        match (self.area_of(i, unit).1, matvec_shape(self.placer.module, i)) {
+            (1, Some((_, cols))) => self.input_leader(unit, cols),
+            _ => i,
         }
     }
 
@@ -973,19 +981,16 @@ impl Stacked<'_> {
         let tile = |r, width| super::size::tile_bytes(w.ty.dtype, bias_dtype, r, width);
         let share = weight_bytes(module, *weight) as f64 / self.unit_weight_bytes[unit].max(1) as f64;
         let slack = self.unit_slack[unit] as f64;
-        // An expert's lane holds only its own tiles: it starts from its smallest.
         let base = match self.base_tiles(i, unit) {
-            Some(t) if lanes == 1 && self.unit_led_tiles[unit] => t.led,
-            _ => smallest_tile(rows, cols, span, &tile),
+            Some(t) if self.unit_led_tiles[unit] => t.led,
+            Some(t) => t.smallest,
+            None => smallest_tile(rows, cols, span, &tile),
         };
         let budget = base + (share * lanes as f64 * slack) as u64;
         // Matvecs that read inputs of one width share the tiling of the largest of them, so a
         // vector read by several suits them all (`columns`); one whose share of a PE cannot take
         // that tiling picks its own.
-        let leader = match lanes {
-            1 => self.input_leader(unit, cols),
-            _ => i,
-        };
+        let leader = self.leader_of(i, unit);
         let led = match leader == i {
             true => None,
             false => Some(self.matvec_grid(leader, unit)?.1.chunks_per_tile),
@@ -1006,7 +1011,8 @@ impl Stacked<'_> {
 
     /// Matvec `i`'s smallest tile, and its tile at its input leader's least-cost tiling (the
     /// leader's own when `i` leads, its smallest when it cannot take the leader's chunks per
-    /// tile), per PE of its unit's area (an expert's over its lanes). `None` for other ops.
+    /// tile; an expert's is its smallest: its lane holds only its own tiles). `None` for other
+    /// ops.
     fn base_tiles(&mut self, i: usize, unit: usize) -> Option<BaseTiles> {
         let module = self.placer.module;
         let tiling = |i: usize| {
@@ -1031,25 +1037,14 @@ impl Stacked<'_> {
             }
             _ => smallest,
         };
-        Some(BaseTiles { smallest: smallest / lanes, led: led / lanes })
+        Some(BaseTiles { smallest, led, lanes })
     }
 
     /// Whether the dense matvecs of `unit` reading an input `cols` wide differ in shape (so the
     /// smaller ones follow their leader's tiling rather than their own smallest; matvecs of one
     /// shape, as every layer's down projection, have one smallest tiling anyway).
     fn input_followed(&self, unit: usize, cols: u64) -> bool {
-        let (module, analysis) = (self.placer.module, self.placer.analysis);
-        let start = self.unit_of.partition_point(|&u| u < unit);
-        let end = self.unit_of.partition_point(|&u| u <= unit);
-        let mut rows = (start..end).filter(|&j| analysis.expert[j].is_none()).filter_map(|j| {
-            match &module.body[waferc_ir::Handle::new(j)].op {
-                Op::MatVec { weight, .. } => {
-                    let shape = &module.weights[*weight].ty.shape;
-                    (shape[1] == cols).then_some(shape[0])
-                }
-                _ => None,
-            }
-        });
+        let mut rows = self.dense_readers(unit, cols).map(|(_, rows)| rows);
         let first = rows.next();
         rows.any(|r| Some(r) != first)
     }
@@ -1057,23 +1052,25 @@ impl Stacked<'_> {
     /// The dense matvec of `unit` with the most rows (the first of them) among those whose input
     /// is `cols` wide.
     fn input_leader(&mut self, unit: usize, cols: u64) -> usize {
+        if let Some(&leader) = self.input_leaders.get(&(unit, cols)) {
+            return leader;
+        }
+        let leader = self
+            .dense_readers(unit, cols)
+            .max_by_key(|&(j, rows)| (rows, std::cmp::Reverse(j)))
+            .map_or(usize::MAX, |(j, _)| j);
+        self.input_leaders.insert((unit, cols), leader);
+        leader
+    }
+
+    /// The dense (not an expert's) matvecs of `unit` whose input is `cols` wide, with their rows.
+    fn dense_readers(&self, unit: usize, cols: u64) -> impl Iterator<Item = (usize, u64)> + '_ {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
-        let unit_of = &self.unit_of;
-        *self.input_leaders.entry((unit, cols)).or_insert_with(|| {
-            let start = unit_of.partition_point(|&u| u < unit);
-            let end = unit_of.partition_point(|&u| u <= unit);
-            (start..end)
-                .filter(|&j| analysis.expert[j].is_none())
-                .filter_map(|j| match &module.body[waferc_ir::Handle::new(j)].op {
-                    Op::MatVec { weight, .. } => {
-                        let shape = &module.weights[*weight].ty.shape;
-                        (shape[1] == cols).then_some((shape[0], std::cmp::Reverse(j)))
-                    }
-                    _ => None,
-                })
-                .max()
-                .map_or(usize::MAX, |(_, std::cmp::Reverse(j))| j)
-        })
+        let start = self.unit_of.partition_point(|&u| u < unit);
+        let end = self.unit_of.partition_point(|&u| u <= unit);
+        (start..end)
+            .filter(move |&j| analysis.expert[j].is_none())
+            .filter_map(move |j| matvec_shape(module, j).filter(|&(_, width)| width == cols).map(|(rows, _)| (j, rows)))
     }
 
     fn place_instr(&mut self, i: usize, unit: usize) -> Result<InstrPlacement, WaferError> {
