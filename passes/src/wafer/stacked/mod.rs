@@ -451,13 +451,13 @@ impl Grid {
             .filter_map(move |run| Grid::over(rows, cols, area, run, max_panels))
     }
 
-    /// Where tile `(r, c)` sits, as (column, row) from the area's north-west corner.
-    fn cell(&self, r: u64, c: u64) -> (u64, u64) {
+    /// Row block `r`'s (panel, row from the area's north edge) in this grid's own order.
+    fn slot(&self, r: u64) -> (u64, u64) {
         let panel = match self.rows_across_panels {
             true => r % self.panels,
             false => r / self.height,
         };
-        (c * self.panels + panel, self.row(r))
+        (panel, self.row(r))
     }
 
     /// The PE row (from the area's north edge) of row block `r`.
@@ -789,6 +789,41 @@ impl Stacked<'_> {
         ))
     }
 
+    /// The row blocks of matvec `i` (`rows` rows, tiled as `g` over `area`), each with its
+    /// (panel, row), when its result is an attention's queries, keys and values: every head's
+    /// rows cut in blocks of at most the grid's rows per tile (no block spans two heads), each
+    /// block in its KV head's band of rows, filling the band's rows of one panel before the
+    /// next. The head's result segment sits in that band too (beside the KV blocks it goes to),
+    /// so a head's roots are a run of the band's rows near its segment and the collects of
+    /// different bands share no link; in the grid's own order a head's roots lie anywhere down a
+    /// panel, often bands away, and the collects into one band queue on its columns. `None` when
+    /// the result does not feed an attention, or a band's blocks outnumber its PEs in the grid's
+    /// panels.
+    fn band_blocks(&self, i: usize, rows: u64, g: &Grid, area: Rect) -> Option<Vec<(Range<u64>, (u64, u64))>> {
+        let mut placed: Vec<u64> = Vec::new();
+        let mut blocks = Vec::with_capacity(g.row_blocks as usize);
+        for head_rows in super::size::segments(rows, self.segment_cut(i, rows)) {
+            let (kv_heads, head) = self.attention_head(i, &head_rows)?;
+            if placed.is_empty() {
+                placed = vec![0; kv_heads as usize];
+            }
+            let band = area.band(head, placed.len() as u64);
+            let (top, height) = ((band.y - area.y) as u64, band.h as u64);
+            let mut start = head_rows.start;
+            while start < head_rows.end {
+                let k = placed.get_mut(head as usize)?;
+                if *k / height >= g.panels {
+                    return None;
+                }
+                let end = (start + g.rows_per_tile).min(head_rows.end);
+                blocks.push((start..end, (*k / height, top + *k % height)));
+                *k += 1;
+                start = end;
+            }
+        }
+        Some(blocks)
+    }
+
     /// The attention that reads rows `rows` of matvec `i`'s result as queries, keys or values
     /// (directly, or through slices and rope), with its KV head count and the KV head those rows
     /// belong to.
@@ -1089,12 +1124,16 @@ impl Stacked<'_> {
                 g.rows_across_panels = aligned.is_some();
                 let width_of =
                     |c: u64| (c * g.chunks_per_tile * CHUNK)..((c + 1) * g.chunks_per_tile * CHUNK).min(cols);
-                let mut tiles = Vec::with_capacity((g.row_blocks * g.col_blocks) as usize);
-                for r in 0..g.row_blocks {
-                    let tile_rows = r * g.rows_per_tile..((r + 1) * g.rows_per_tile).min(rows);
+                let blocks = aligned.is_none().then(|| self.band_blocks(i, rows, &g, area)).flatten();
+                let blocks = blocks.unwrap_or_else(|| {
+                    let rows_of = |r: u64| r * g.rows_per_tile..((r + 1) * g.rows_per_tile).min(rows);
+                    (0..g.row_blocks).map(|r| (rows_of(r), g.slot(r))).collect()
+                });
+                let mut tiles = Vec::with_capacity(blocks.len() * g.col_blocks as usize);
+                for (tile_rows, (panel, y)) in &blocks {
                     for c in 0..g.col_blocks {
-                        let (x, y) = g.cell(r, c);
-                        let pe = area.at(x, y);
+                        // Column block `c`'s copies are the panels' adjacent columns from `c * P`.
+                        let pe = area.at(c * g.panels + panel, *y);
                         let tile_cols = width_of(c);
                         let requests = tile_requests(module, i, tile_rows.clone(), tile_cols.clone(), c == 0)?;
                         let region = self.placer.fill(pe, instr, requests)?[0];
@@ -1183,7 +1222,7 @@ impl Stacked<'_> {
                 let placement = MatVecPlacement::unrouted(
                     rows,
                     cols,
-                    g.row_blocks as u32,
+                    blocks.len() as u32,
                     g.col_blocks as u32,
                     tiles,
                     bias.map(|b| b.index() as u32),
