@@ -161,6 +161,11 @@ pub struct Executor<'p> {
     /// Routes into expert copies, by the instruction whose `Deliver` step sends them, with the
     /// copies `(replica, copy)` each reaches; sent only in a step one of them serves.
     copy_inputs: CopyInputs,
+    /// `(producer, reader)` pairs where the reader takes no part in the producer's `Deliver`
+    /// step (no route of it starts or ends on the reader's PEs): the reader reads the producer's
+    /// result where it lies, so it may start when the steps before that `Deliver` end
+    /// ([`in_place_readers`]).
+    reads_in_place: std::collections::HashSet<(InstrIndex, InstrIndex)>,
     /// Attention's `Collect` routes (the placement does not list them), in element order.
     attention_collects: HashMap<InstrIndex, Vec<RouteId>>,
     rope_frequencies: Vec<Option<kernels::RopeTable>>,
@@ -283,6 +288,7 @@ impl<'p> Executor<'p> {
             .map(|i| program.placements_of(&replica_slots, i).map(|p| p.compute_pes()).collect())
             .collect();
         let copy_inputs = copy_inputs(program, &replica_slots);
+        let reads_in_place = in_place_readers(program, module, &alias, &instr_pes, &replica_slots);
         let dispatch_leads = waferc_ir::wafer::arrival::dispatch_leads(program, module);
         let destinations = program
             .routes
@@ -308,6 +314,7 @@ impl<'p> Executor<'p> {
             instr_pes,
             replica_slots,
             copy_inputs,
+            reads_in_place,
             attention_collects,
             rope_frequencies,
             kv: HashMap::default(),
@@ -454,6 +461,7 @@ impl<'p> Executor<'p> {
                 state.held[instr as usize] = Held::Absent;
             }
             let ready = self.ready_cycle(&state, instr);
+            let in_place = |producer: InstrIndex| self.reads_in_place.contains(&(producer, instr));
             state.timeline.finish_instr(
                 self.program,
                 &self.costs,
@@ -461,6 +469,7 @@ impl<'p> Executor<'p> {
                 open,
                 ready,
                 &self.instr_pes[instr as usize][copy as usize],
+                &in_place,
             );
         }
         let logits = self.output_logits(&state)?;
@@ -484,7 +493,7 @@ impl<'p> Executor<'p> {
         let op = &self.module.body[waferc_ir::Handle::new(instr as usize)].op;
         let mut ready = (0, None);
         for operand in op.operands() {
-            let done = self.done_cycle(state, operand.index() as InstrIndex);
+            let done = self.done_cycle(state, operand.index() as InstrIndex, instr);
             if ready.1.is_none() || done.0 > ready.0 {
                 ready = done;
             }
@@ -492,17 +501,18 @@ impl<'p> Executor<'p> {
         ready
     }
 
-    /// When `value` is available, and the instruction whose end that is: its instruction's end
-    /// (`expert_dispatch`: when its inputs reach its expert, which may be before their
-    /// multicasts end).
-    fn done_cycle(&self, state: &StepState, value: InstrIndex) -> (u64, Option<InstrIndex>) {
+    /// When `value` is available to `reader`, and the instruction whose end that is: its
+    /// instruction's end (`expert_dispatch`: when its inputs reach its expert, which may be
+    /// before their multicasts end; a reader that reads it in place: the end of the steps before
+    /// its `Deliver`).
+    fn done_cycle(&self, state: &StepState, value: InstrIndex, reader: InstrIndex) -> (u64, Option<InstrIndex>) {
         match &self.module.body[waferc_ir::Handle::new(value as usize)].op {
             Op::ExpertDispatch { x, routing, .. } => {
                 // A copy of an expert gets its inputs on routes of its own: no lead.
                 let leads = if self.copy_of(value) == 0 { self.dispatch_leads.get(&value).copied() } else { None };
                 let (x_lead, routing_lead) = leads.unwrap_or((0, 0));
-                let (x_done, x_by) = self.done_cycle(state, x.index() as InstrIndex);
-                let (routing_done, routing_by) = self.done_cycle(state, routing.index() as InstrIndex);
+                let (x_done, x_by) = self.done_cycle(state, x.index() as InstrIndex, reader);
+                let (routing_done, routing_by) = self.done_cycle(state, routing.index() as InstrIndex, reader);
                 let (x_done, routing_done) = (x_done.saturating_sub(x_lead), routing_done.saturating_sub(routing_lead));
                 if routing_done > x_done {
                     (routing_done, routing_by)
@@ -510,7 +520,8 @@ impl<'p> Executor<'p> {
                     (x_done, x_by)
                 }
             }
-            Op::Slice { x, .. } => self.done_cycle(state, x.index() as InstrIndex),
+            Op::Slice { x, .. } => self.done_cycle(state, x.index() as InstrIndex, reader),
+            _ if self.reads_in_place.contains(&(value, reader)) => (state.timeline.before_deliver(value), Some(value)),
             _ => (state.timeline.instr_end(value), Some(value)),
         }
     }
@@ -590,6 +601,52 @@ struct StepState {
     messages: HashMap<(RouteId, Pe), Payload>,
     token: u32,
     timeline: timing::Timeline,
+}
+
+/// The `(producer, reader)` pairs ([`Executor::reads_in_place`]) where no route of the
+/// producer's `Deliver` steps starts or ends on a PE of the reader: the reader's part of the
+/// result is already on its PEs when the steps before the `Deliver` end (the data it reads
+/// arrives on no route of that step), and its PEs are idle during the `Deliver`. Producers
+/// are followed through slices and `expert_dispatch` (`alias`); slices (which compute nothing)
+/// and instructions of replicated experts (whose copies send on routes of their own) are left
+/// out.
+fn in_place_readers(
+    program: &WaferProgram,
+    module: &Module,
+    alias: &[InstrIndex],
+    instr_pes: &[Vec<Vec<Pe>>],
+    replica_slots: &[Option<(u32, u32)>],
+) -> std::collections::HashSet<(InstrIndex, InstrIndex)> {
+    let mut deliver: HashMap<InstrIndex, Vec<RouteId>> = HashMap::default();
+    for step in &program.schedule {
+        if step.phase == waferc_ir::wafer::Phase::Deliver {
+            deliver.entry(step.instr).or_default().extend(&step.routes);
+        }
+    }
+    let mut pairs = std::collections::HashSet::new();
+    for (handle, instr) in module.body.iter() {
+        let reader = handle.index() as InstrIndex;
+        if matches!(instr.op, Op::Slice { .. }) || replica_slots[reader as usize].is_some() {
+            continue;
+        }
+        // Sorted (`compute_pes`).
+        let pes = &instr_pes[reader as usize][0];
+        for operand in instr.op.operands() {
+            let producer = alias[operand.index()];
+            let Some(routes) = deliver.get(&producer) else { continue };
+            if replica_slots[producer as usize].is_some() {
+                continue;
+            }
+            let touches = routes.iter().any(|&id| {
+                let route = &program.routes[id as usize];
+                route.sources.iter().chain(&route.destinations).any(|pe| pes.binary_search(pe).is_ok())
+            });
+            if !touches {
+                pairs.insert((producer, reader));
+            }
+        }
+    }
+    pairs
 }
 
 /// The routes into expert copies (`Executor::copy_inputs`): each copy's routing route (its

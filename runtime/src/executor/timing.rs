@@ -640,6 +640,8 @@ fn gather_latency(params: &TargetParams, route: &Route) -> u64 {
 #[derive(Clone, Debug, Default)]
 struct Placed {
     end: u64,
+    /// The end of its steps before its trailing `Deliver` steps (its end when it has none).
+    before_deliver: u64,
     /// The instruction whose end was this one's start (an operand's, or the last one on its PEs).
     cause: Option<InstrIndex>,
     /// Its spans in [`Timeline::spans`].
@@ -723,6 +725,12 @@ impl Timeline {
         self.instrs[instr as usize].end
     }
 
+    /// When `instr`'s steps before its `Deliver` ended: what a reader that takes no part in
+    /// the `Deliver` waits for.
+    pub(crate) fn before_deliver(&self, instr: InstrIndex) -> u64 {
+        self.instrs[instr as usize].before_deliver
+    }
+
     /// Gathers the links `route` uses when `messages` were sent on it, with its bytes on each.
     fn gather_links(&mut self, costs: &CostModel, route: &Route, messages: u32) {
         let multicast = route.kind.is_multicast();
@@ -799,8 +807,10 @@ impl Timeline {
 
     /// Places an executed instruction's steps on the timeline: it starts at `ready` (its
     /// operands' end, and the instruction that ended last among them) or when its PEs are free,
-    /// whichever is later; an unchosen expert (`worked == false`) takes no time and occupies
-    /// nothing.
+    /// whichever is later (a PE last held by a producer it reads in place, `in_place`, is free
+    /// once that producer's steps before its `Deliver` end); an unchosen expert
+    /// (`worked == false`) takes no time and occupies nothing.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn finish_instr(
         &mut self,
         program: &WaferProgram,
@@ -809,6 +819,7 @@ impl Timeline {
         worked: bool,
         ready: (u64, Option<InstrIndex>),
         pes: &[Pe],
+        in_place: &dyn Fn(InstrIndex) -> bool,
     ) {
         let orphan = run.take_orphan();
         if let Some(last) = run.work.last_mut() {
@@ -820,6 +831,7 @@ impl Timeline {
         if worked {
             for pe in pes {
                 if let Some((free, by)) = self.pe_free.get(*pe) {
+                    let free = if in_place(by) { self.instrs[by as usize].before_deliver } else { free };
                     if free > at {
                         (at, cause) = (free, Some(by));
                     }
@@ -829,6 +841,7 @@ impl Timeline {
         let placement = &program.instrs[run.instr as usize];
         let is_attention = matches!(placement.work, Work::Attention(_));
         let first_span = self.spans.len();
+        let mut before_deliver = at;
         for ((index, step), work) in run.steps.iter().zip(&run.work) {
             let (compute, routes) = (&work.compute, &work.routes);
             let compute_cycles = if worked { compute.values().copied().max().unwrap_or(0) } else { 0 };
@@ -854,6 +867,9 @@ impl Timeline {
                 routes: routes.len(),
             });
             at += duration;
+            if step.phase != Phase::Deliver {
+                before_deliver = at;
+            }
             if worked {
                 for (&pe, &cycles) in compute {
                     *self.pe_cycles.entry(pe).or_insert(0) += cycles;
@@ -865,7 +881,7 @@ impl Timeline {
             }
         }
         self.instrs[run.instr as usize] =
-            Placed { end: at, cause, spans: first_span..self.spans.len(), order: self.placed };
+            Placed { end: at, before_deliver, cause, spans: first_span..self.spans.len(), order: self.placed };
         self.placed += 1;
         if worked {
             for &pe in pes {
