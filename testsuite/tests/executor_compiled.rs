@@ -7,7 +7,9 @@ mod executor_common;
 use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
 use waferc_ir::wafer::Plan;
 use waferc_ir::Op;
+use waferc_passes::rewrite::rewrite_module;
 use waferc_passes::wafer::CompileOptions;
+use waferc_passes::PlanKind;
 use waferc_runtime::executor::{validate, ExecOptions, Executor, ValidationOptions};
 
 fn greedy(tokens: usize) -> ValidationOptions {
@@ -87,6 +89,76 @@ fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference()
     }
     let blob = pack_tile_blob(&program, &module);
     validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The stacked plan keeps each head's fused q/k/v rows in whole-head row blocks inside its KV
+/// head's band (near the head's segment), puts each up-projection segment on its gate twin's PE
+/// so SiLU and the product need no delivery, and stays bit-exact.
+#[test]
+fn stacked_dense_keeps_heads_in_their_bands_and_gate_up_twins_together_bit_exactly() {
+    let shape = Shape::dense();
+    // Fused as the compile driver's `rewrite` pass fuses them for the stacked plan.
+    let module = rewrite_module(&build(&shape, 6), PlanKind::Stacked).unwrap();
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100 };
+    // 16 rows: three rows per tile, which does not divide a head's 32.
+    let rows = 16;
+    let target = format!("grid:{rows}x64");
+    let program = compile_with(&module, &target, CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
+    let (hd, band) = (shape.head_dim as u64, rows / shape.kv_heads as u16);
+    let qkv_rows = (shape.heads + 2 * shape.kv_heads) as u64 * hd;
+    let segments = |p: &waferc_ir::wafer::InstrPlacement| match &p.result {
+        waferc_ir::wafer::ResultLayout::Vector(layout) => layout.segments.clone(),
+        waferc_ir::wafer::ResultLayout::Routing { .. } => Vec::new(),
+    };
+    let matvecs = |rows: u64| {
+        program.instrs.iter().filter_map(move |p| match &p.work {
+            waferc_ir::wafer::Work::MatVec(mv) if mv.rows == rows => Some((p, mv)),
+            _ => None,
+        })
+    };
+    let mut straddling_grid = false;
+    for (p, mv) in matvecs(qkv_rows) {
+        let heads = segments(p);
+        assert_eq!(heads.len() as u64, qkv_rows / hd, "%{} is cut in heads", p.instr);
+        straddling_grid |= mv.tiles.iter().any(|t| hd % (t.rows.end - t.rows.start) != 0);
+        for tile in &mv.tiles {
+            let head = tile.rows.start / hd;
+            assert_eq!(head, (tile.rows.end - 1) / hd, "%{} tile rows {:?} span two heads", p.instr, tile.rows);
+            let seg = &heads[head as usize];
+            assert!(
+                tile.pe.y.abs_diff(seg.pe.y) < band,
+                "%{} tile rows {:?} on {} is not in the band of its head's segment on {}",
+                p.instr,
+                tile.rows,
+                tile.pe,
+                seg.pe
+            );
+        }
+    }
+    assert!(straddling_grid, "some q/k/v tile height does not divide a head");
+    let mut twins = 0;
+    for (p, _) in matvecs(2 * shape.ffn) {
+        let segs = segments(p);
+        for seg in segs.iter().filter(|s| s.elements.start >= shape.ffn) {
+            let twin = seg.elements.start - shape.ffn..seg.elements.end - shape.ffn;
+            let on = segs.iter().find(|s| s.elements == twin).map(|s| s.pe);
+            assert_eq!(on, Some(seg.pe), "%{} up segment {:?} is not on its gate twin's PE", p.instr, seg.elements);
+            twins += 1;
+        }
+    }
+    assert!(twins > 0, "the module has fused gate/up projections");
+    let silus: Vec<u32> = program.instrs.iter().filter(|p| p.op == "silu").map(|p| p.instr).collect();
+    assert!(!silus.is_empty(), "the module has SiLUs");
+    for step in program.schedule.iter().filter(|s| silus.contains(&s.instr)) {
+        assert!(
+            step.phase != waferc_ir::wafer::Phase::Deliver || step.routes.is_empty(),
+            "SiLU %{} delivers on {:?}",
+            step.instr,
+            step.routes
+        );
+    }
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[5, 21, 2], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// The logits' bits for `tokens` fed in turn on `target` with `plan`, and the program's PE and

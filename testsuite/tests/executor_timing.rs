@@ -6,7 +6,9 @@ mod executor_common;
 
 use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
 use waferc_ir::wafer::{distance_bound_cycles, distance_bound_ends, LayerProfile, Plan, RoutingProfile};
+use waferc_passes::rewrite::rewrite_module;
 use waferc_passes::wafer::CompileOptions;
+use waferc_passes::PlanKind;
 use waferc_runtime::executor::{ExecOptions, Executor, StepTiming};
 
 fn timings(
@@ -292,6 +294,37 @@ fn the_distance_bound_holds_for_experts_when_distance_dominates() {
             }
         }
     }
+}
+
+/// An instruction that reads its operand where it lies (rope on the q/k/v projection's head
+/// segments) starts once the steps before the operand's `Deliver` end, while that `Deliver`
+/// (the values to the KV blocks) still runs; attention, which the `Deliver` feeds, waits for it.
+#[test]
+fn a_reader_in_place_overlaps_its_operands_delivery_and_a_receiver_waits_for_it() {
+    // q, k and v fused into one projection, as the compile driver's `rewrite` pass does.
+    let module = rewrite_module(&build(&Shape { bytes: false, ..Shape::dense() }, 6), PlanKind::Stacked).unwrap();
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100 };
+    let program =
+        compile_with(&module, "grid:16x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
+    let timing = &timings(&program, &module, None, 1)[0];
+    let end = |s: &waferc_runtime::executor::StepSpan| s.start_cycle + s.duration_cycles;
+    let mut overlapped = 0;
+    for (handle, instr) in module.body.iter() {
+        let waferc_ir::Op::Attention { q, .. } = &instr.op else { continue };
+        // q is rope of a slice of the projection.
+        let waferc_ir::Op::Rope { x, .. } = &module.body[*q].op else { panic!("q is rope") };
+        let waferc_ir::Op::Slice { x: projection, .. } = &module.body[*x].op else { panic!("rope reads a slice") };
+        let spans_of = |i: usize| timing.spans.iter().filter(move |s| s.instr as usize == i);
+        let deliver = spans_of(projection.index())
+            .find(|s| s.phase == waferc_ir::wafer::Phase::Deliver)
+            .expect("the projection delivers the values to the KV blocks");
+        let rope_start = spans_of(q.index()).map(|s| s.start_cycle).min().unwrap();
+        let attention_start = spans_of(handle.index()).map(|s| s.start_cycle).min().unwrap();
+        assert_eq!(rope_start, deliver.start_cycle, "rope starts as the projection's Deliver does");
+        assert!(deliver.duration_cycles > 0 && attention_start >= end(deliver), "attention waits for the values");
+        overlapped += 1;
+    }
+    assert!(overlapped > 0, "the module has attentions");
 }
 
 /// The critical path splits each step exactly; the batched prefill grows with the prompt, beats

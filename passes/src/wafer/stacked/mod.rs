@@ -661,6 +661,10 @@ pub(super) fn place(
 /// Chooses the PE of a result segment (its elements, its bytes, the PEs taken so far).
 type SegmentPicker<'p, S> = dyn FnMut(&mut S, &Range<u64>, u64, &HashSet<Pe>) -> Result<Pe, WaferError> + 'p;
 
+/// A matvec's row blocks in row order, each with its grid slot (panel, row from the area's north
+/// edge).
+type RowBlocks = Vec<(Range<u64>, (u64, u64))>;
+
 /// What a matvec's tile budget starts from ([`Stacked::base_tiles`]).
 #[derive(Clone, Copy)]
 struct BaseTiles {
@@ -799,7 +803,7 @@ impl Stacked<'_> {
     /// panel, often bands away, and the collects into one band queue on its columns. `None` when
     /// the result does not feed an attention, or a band's blocks outnumber its PEs in the grid's
     /// panels.
-    fn band_blocks(&self, i: usize, rows: u64, g: &Grid, area: Rect) -> Option<Vec<(Range<u64>, (u64, u64))>> {
+    fn band_blocks(&self, i: usize, rows: u64, g: &Grid, area: Rect) -> Option<RowBlocks> {
         let mut placed: Vec<u64> = Vec::new();
         let mut blocks = Vec::with_capacity(g.row_blocks as usize);
         for head_rows in super::size::segments(rows, self.segment_cut(i, rows)) {
@@ -822,6 +826,40 @@ impl Stacked<'_> {
             }
         }
         Some(blocks)
+    }
+
+    /// Half the length of matvec `i`'s `len`-long result when an elementwise product reads its
+    /// two halves, the first through SiLU (a fused gate and up projection read as
+    /// `silu(gate) * up`): then each segment of the second half sits on its twin's PE in the
+    /// first, SiLU runs there and the product finds both operands in place, so neither needs a
+    /// delivery.
+    fn multiplied_halves(&self, i: usize, len: u64) -> Option<u64> {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        let half = len / 2;
+        // Where operand `v`'s data lies in `i`'s result, when it is `i`'s (through slices).
+        let offset_in_i = |v: waferc_ir::Handle<waferc_ir::Instr>| {
+            (analysis.source[v.index()] as usize == i).then(|| analysis.offset[v.index()])
+        };
+        let half_long = |v: waferc_ir::Handle<waferc_ir::Instr>| match &module.body[v].ty {
+            ValueType::Tensor(t) => t.elements() == half,
+            ValueType::Routing { .. } => false,
+        };
+        let product = analysis.readers[i].iter().any(|&r| {
+            let Op::Mul { a, b } = &module.body[waferc_ir::Handle::new(r as usize)].op else { return false };
+            let Op::Silu { x } = &module.body[*a].op else { return false };
+            half_long(*x) && half_long(*b) && offset_in_i(*x) == Some(0) && offset_in_i(*b) == Some(half)
+        });
+        (len.is_multiple_of(2) && product).then_some(half)
+    }
+
+    /// The PE of `seg`'s twin in the first half (see [`Stacked::multiplied_halves`]) when `seg`
+    /// lies in the second half of a result read as multiplied `halves` and the twin's PE has
+    /// room for `bytes` more.
+    fn partner_pe(&mut self, halves: Option<u64>, seg: &Range<u64>, layout: &VectorLayout, bytes: u64) -> Option<Pe> {
+        let half = halves.filter(|&half| seg.start >= half)?;
+        let twin = seg.start - half..seg.end - half;
+        let pe = layout.segments.iter().find(|s| s.elements == twin)?.pe;
+        self.claim_vector(pe, bytes, &HashSet::new()).then_some(pe)
     }
 
     /// The attention that reads rows `rows` of matvec `i`'s result as queries, keys or values
@@ -1124,10 +1162,29 @@ impl Stacked<'_> {
                 g.rows_across_panels = aligned.is_some();
                 let width_of =
                     |c: u64| (c * g.chunks_per_tile * CHUNK)..((c + 1) * g.chunks_per_tile * CHUNK).min(cols);
+                // Multiplied halves (see `multiplied_halves`) are cut in row blocks each, block
+                // `j` of the two side by side (grid slots `2j` and `2j + 1`), so twins' roots
+                // share a PE row with the segment they both go to.
+                let rpt = g.rows_per_tile;
+                let halves =
+                    self.multiplied_halves(i, rows).filter(|&half| 2 * half.div_ceil(rpt) <= g.panels * g.height);
+                let slot_index = |row: u64| match halves {
+                    Some(half) => {
+                        let side = (row >= half) as u64;
+                        2 * ((row - side * half) / rpt) + side
+                    }
+                    None => row / rpt,
+                };
                 let blocks = aligned.is_none().then(|| self.band_blocks(i, rows, &g, area)).flatten();
                 let blocks = blocks.unwrap_or_else(|| {
-                    let rows_of = |r: u64| r * g.rows_per_tile..((r + 1) * g.rows_per_tile).min(rows);
-                    (0..g.row_blocks).map(|r| (rows_of(r), g.slot(r))).collect()
+                    let cuts = match halves {
+                        Some(half) => [0..half, half..rows],
+                        None => [0..rows, rows..rows],
+                    };
+                    let runs = cuts.into_iter().flat_map(|cut| {
+                        (cut.start..cut.end).step_by(rpt as usize).map(move |start| start..(start + rpt).min(cut.end))
+                    });
+                    runs.map(|run| (run.clone(), g.slot(slot_index(run.start)))).collect()
                 });
                 let mut tiles = Vec::with_capacity(blocks.len() * g.col_blocks as usize);
                 for (tile_rows, (panel, y)) in &blocks {
@@ -1153,9 +1210,12 @@ impl Stacked<'_> {
                     // each segment in its block's column (`columns`), in the row of its rows' tiles.
                     Some(cut) => {
                         for (seg, dx) in cut {
-                            let row = g.row(((seg.start + seg.end - 1) / 2) / g.rows_per_tile);
+                            let row = g.row(slot_index((seg.start + seg.end - 1) / 2));
                             let bytes = (seg.end - seg.start) * F32;
-                            let pe = self.column_pe(i, unit, dx, row, bytes, &taken)?;
+                            let pe = match self.partner_pe(halves, &seg, &layout, bytes) {
+                                Some(pe) => pe,
+                                None => self.column_pe(i, unit, dx, row, bytes, &taken)?,
+                            };
                             taken.insert(pe);
                             if let Some(r) = router {
                                 self.expert_pes.entry(r).or_default().insert(pe);
@@ -1177,13 +1237,16 @@ impl Stacked<'_> {
                         // Per KV head band, the segments placed in it so far.
                         let mut in_band: HashMap<u64, u64> = HashMap::new();
                         for (j, seg) in segments.into_iter().enumerate() {
-                            let r = ((seg.start + seg.end - 1) / 2) / g.rows_per_tile;
+                            let middle = (seg.start + seg.end - 1) / 2;
+                            let r = blocks.partition_point(|(rows, _)| rows.end <= middle) as u64;
                             let c = ((j as u64 * k + local) * g.col_blocks / (count * k).max(1)) % g.col_blocks;
                             let bytes = (seg.end - seg.start) * F32;
                             // Queries, keys and values sit in their KV head's band of rows (see
                             // `attention`), each in a column of its own and as near its rows'
                             // tiles as the band allows, so their collects run side by side.
+                            let partner = self.partner_pe(halves, &seg, &layout, bytes);
                             let pe = match (self.attention_head(i, &seg), tiles.get((r * g.col_blocks + c) as usize)) {
+                                _ if partner.is_some() => partner.expect("checked"),
                                 (Some((kv_heads, head)), _) => {
                                     // Slots interleave the bands, so no two segments share a column.
                                     let slot = in_band.entry(head).or_default();
