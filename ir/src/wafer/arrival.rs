@@ -8,7 +8,7 @@
 //! ([`super::distance_bound_cycles`]) take the leads from here, so the bound subtracts exactly
 //! what the model does.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::{InstrIndex, InstrPlacement, Pe, ResultLayout, Route, RouteId, TargetParams, WaferProgram, Work};
 use crate::module::Module;
@@ -53,6 +53,53 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
         leads.insert(placement.instr, (x_lead, routing_lead));
     }
     leads
+}
+
+/// The `(producer, reader)` pairs where `reader` takes no part in `producer`'s deliveries (the
+/// routes of its `Deliver` step): no delivery starts or ends on a PE of the reader, so the part
+/// of the result it reads already lies on its PEs when the producer's steps before the
+/// `Deliver` end, and its PEs are idle during the `Deliver`. The timing model starts such a
+/// reader then, and the distance bound ([`super::distance_bound_ends`]) likewise. Producers are
+/// followed through slices; readers that compute nothing (`expert_dispatch`, `slice`) and
+/// replicated experts' instructions (whose copies get inputs on routes of their own) are left
+/// out.
+pub fn in_place_readers(program: &WaferProgram, module: &Module) -> HashSet<(InstrIndex, InstrIndex)> {
+    let mut source: Vec<usize> = Vec::with_capacity(module.body.len());
+    for (handle, instr) in module.body.iter() {
+        source.push(match &instr.op {
+            Op::Slice { x, .. } => source[x.index()],
+            _ => handle.index(),
+        });
+    }
+    let replicated = super::replica_slots(program);
+    let mut pairs = HashSet::new();
+    for (handle, instr) in module.body.iter() {
+        let reader = handle.index();
+        let Some(placement) = program.instrs.get(reader) else { continue };
+        if replicated.get(reader).is_some_and(Option::is_some) {
+            continue;
+        }
+        // Sorted.
+        let pes = placement.compute_pes();
+        if pes.is_empty() {
+            continue;
+        }
+        for operand in instr.op.operands() {
+            let producer = source[operand.index()];
+            let Some(made) = program.instrs.get(producer) else { continue };
+            if made.deliveries.is_empty() || replicated.get(producer).is_some_and(Option::is_some) {
+                continue;
+            }
+            let touches =
+                made.deliveries.iter().filter_map(|&id| program.routes.get(id as usize)).any(|route| {
+                    route.sources.iter().chain(&route.destinations).any(|pe| pes.binary_search(pe).is_ok())
+                });
+            if !touches {
+                pairs.insert((producer as InstrIndex, reader as InstrIndex));
+            }
+        }
+    }
+    pairs
 }
 
 /// A multicast's latency and the cycle its message reaches each PE (see [`multicast_depths`]).

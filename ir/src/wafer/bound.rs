@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 
 use super::arrival::{dispatch_leads, multicast_depths};
-use super::{Pe, ResultLayout, Route, RouteId, RouteKind, WaferProgram, Work};
+use super::{InstrIndex, Pe, Phase, ResultLayout, Route, RouteId, RouteKind, WaferProgram, Work};
 use crate::dependency::DependencyGraph;
 use crate::module::Module;
 use crate::op::Op;
@@ -54,6 +54,8 @@ pub fn distance_bound_ends(
     senders.extend(chosen_expert_senders(program, module, &expert_runs));
     let leads = dispatch_leads(program, module);
     let mut own = vec![0u64; program.instrs.len()];
+    // Of which the `Deliver` steps': a reader in place does not wait for them.
+    let mut delivering = vec![0u64; program.instrs.len()];
     for step in &program.schedule {
         let span = step
             .routes
@@ -62,6 +64,18 @@ pub fn distance_bound_ends(
             .map(|route| route_span(program, route, senders.get(&route.id)))
             .max();
         own[step.instr as usize] += span.unwrap_or(0);
+        if step.phase == Phase::Deliver {
+            delivering[step.instr as usize] += span.unwrap_or(0);
+        }
+    }
+    let in_place = super::arrival::in_place_readers(program, module);
+    // The producer of each value, through slices.
+    let mut source: Vec<usize> = Vec::with_capacity(module.body.len());
+    for (handle, instr) in module.body.iter() {
+        source.push(match &instr.op {
+            Op::Slice { x, .. } => source[x.index()],
+            _ => handle.index(),
+        });
     }
     let runs = |i: usize| match (&module.body[Handle::new(i)].op, program.instrs.get(i)) {
         (Op::ExpertDispatch { .. }, _) => true,
@@ -75,12 +89,23 @@ pub fn distance_bound_ends(
     // dependency graph. An expert's own PEs have its inputs their leads before the multicasts
     // end. A placed program's module is verified, so it has no cycle; a cycle would leave no
     // bound but the trivial one.
+    // A reader in place starts when its producer's steps before the `Deliver` end.
     let early_start = |i: usize, end: &[u64]| match &module.body[Handle::new(i)].op {
         Op::ExpertDispatch { x, routing, .. } => {
             let (x_lead, routing_lead) = leads.get(&(i as u32)).copied().unwrap_or((0, 0));
             Some(end[x.index()].saturating_sub(x_lead).max(end[routing.index()].saturating_sub(routing_lead)))
         }
-        _ => None,
+        op => {
+            let operands = op.operands();
+            let early = |o: &crate::Value| in_place.contains(&(source[o.index()] as InstrIndex, i as InstrIndex));
+            operands.iter().any(early).then(|| {
+                let ready = |o: &crate::Value| match early(o) {
+                    true => end[source[o.index()]].saturating_sub(delivering[source[o.index()]]),
+                    false => end[o.index()],
+                };
+                operands.iter().map(ready).max().unwrap_or(0)
+            })
+        }
     };
     DependencyGraph::new(module)
         .longest_path_ends_with(|i| if runs(i) { own.get(i).copied().unwrap_or(0) } else { 0 }, early_start)

@@ -161,10 +161,9 @@ pub struct Executor<'p> {
     /// Routes into expert copies, by the instruction whose `Deliver` step sends them, with the
     /// copies `(replica, copy)` each reaches; sent only in a step one of them serves.
     copy_inputs: CopyInputs,
-    /// `(producer, reader)` pairs where the reader takes no part in the producer's `Deliver`
-    /// step (no route of it starts or ends on the reader's PEs): the reader reads the producer's
-    /// result where it lies, so it may start when the steps before that `Deliver` end
-    /// ([`in_place_readers`]).
+    /// `(producer, reader)` pairs where the reader reads the producer's result where it lies, so
+    /// it may start when the steps before the producer's `Deliver` end
+    /// (`waferc_ir::wafer::arrival::in_place_readers`).
     reads_in_place: std::collections::HashSet<(InstrIndex, InstrIndex)>,
     /// Attention's `Collect` routes (the placement does not list them), in element order.
     attention_collects: HashMap<InstrIndex, Vec<RouteId>>,
@@ -288,7 +287,7 @@ impl<'p> Executor<'p> {
             .map(|i| program.placements_of(&replica_slots, i).map(|p| p.compute_pes()).collect())
             .collect();
         let copy_inputs = copy_inputs(program, &replica_slots);
-        let reads_in_place = in_place_readers(program, module, &alias, &instr_pes, &replica_slots);
+        let reads_in_place = waferc_ir::wafer::arrival::in_place_readers(program, module);
         let dispatch_leads = waferc_ir::wafer::arrival::dispatch_leads(program, module);
         let destinations = program
             .routes
@@ -601,52 +600,6 @@ struct StepState {
     messages: HashMap<(RouteId, Pe), Payload>,
     token: u32,
     timeline: timing::Timeline,
-}
-
-/// The `(producer, reader)` pairs ([`Executor::reads_in_place`]) where no route of the
-/// producer's `Deliver` steps starts or ends on a PE of the reader: the reader's part of the
-/// result is already on its PEs when the steps before the `Deliver` end (the data it reads
-/// arrives on no route of that step), and its PEs are idle during the `Deliver`. Producers
-/// are followed through slices and `expert_dispatch` (`alias`); slices (which compute nothing)
-/// and instructions of replicated experts (whose copies send on routes of their own) are left
-/// out.
-fn in_place_readers(
-    program: &WaferProgram,
-    module: &Module,
-    alias: &[InstrIndex],
-    instr_pes: &[Vec<Vec<Pe>>],
-    replica_slots: &[Option<(u32, u32)>],
-) -> std::collections::HashSet<(InstrIndex, InstrIndex)> {
-    let mut deliver: HashMap<InstrIndex, Vec<RouteId>> = HashMap::default();
-    for step in &program.schedule {
-        if step.phase == waferc_ir::wafer::Phase::Deliver {
-            deliver.entry(step.instr).or_default().extend(&step.routes);
-        }
-    }
-    let mut pairs = std::collections::HashSet::new();
-    for (handle, instr) in module.body.iter() {
-        let reader = handle.index() as InstrIndex;
-        if matches!(instr.op, Op::Slice { .. }) || replica_slots[reader as usize].is_some() {
-            continue;
-        }
-        // Sorted (`compute_pes`).
-        let pes = &instr_pes[reader as usize][0];
-        for operand in instr.op.operands() {
-            let producer = alias[operand.index()];
-            let Some(routes) = deliver.get(&producer) else { continue };
-            if replica_slots[producer as usize].is_some() {
-                continue;
-            }
-            let touches = routes.iter().any(|&id| {
-                let route = &program.routes[id as usize];
-                route.sources.iter().chain(&route.destinations).any(|pe| pes.binary_search(pe).is_ok())
-            });
-            if !touches {
-                pairs.insert((producer, reader));
-            }
-        }
-    }
-    pairs
 }
 
 /// The routes into expert copies (`Executor::copy_inputs`): each copy's routing route (its
