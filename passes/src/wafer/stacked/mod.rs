@@ -828,13 +828,18 @@ impl Stacked<'_> {
         Some(blocks)
     }
 
-    /// Half the length of matvec `i`'s `len`-long result when an elementwise product reads its
-    /// two halves, the first through SiLU (a fused gate and up projection read as
+    /// Half the length of dense matvec `i`'s `len`-long result when an elementwise product reads
+    /// its two halves, the first through SiLU (a fused gate and up projection read as
     /// `silu(gate) * up`): then each segment of the second half sits on its twin's PE in the
     /// first, SiLU runs there and the product finds both operands in place, so neither needs a
     /// delivery.
     fn multiplied_halves(&self, i: usize, len: u64) -> Option<u64> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
+        // An expert's lane is a few rows: its twins' collects would crowd the colours of one
+        // row of PEs (Mixtral runs out of them).
+        if analysis.expert[i].is_some() {
+            return None;
+        }
         let half = len / 2;
         // Where operand `v`'s data lies in `i`'s result, when it is `i`'s (through slices).
         let offset_in_i = |v: waferc_ir::Handle<waferc_ir::Instr>| {
