@@ -98,7 +98,7 @@ pub fn candidates(module: &Module) -> Vec<Plan> {
     let mut plans = vec![Plan::Tiled];
     for k in LAYERS_PER_REGION.into_iter().filter(|&k| k as u32 <= layers) {
         for wafer_percent in WAFER_PERCENTS {
-            plans.push(Plan::Stacked { layers_per_region: k, wafer_percent });
+            plans.push(Plan::Stacked { layers_per_region: k, wafer_percent, kv_copies: 1 });
         }
     }
     plans

@@ -247,8 +247,10 @@ fn a_collect_aimed_at_the_wrong_pe_is_named() {
 fn a_norm_group_cut_off_chunk_boundaries_is_caught() {
     // The stacked plan cuts norms over many segments.
     let module = build(&Shape::tiny());
-    let options =
-        CompileOptions { plan: Plan::Stacked { layers_per_region: 1, wafer_percent: 100 }, ..CompileOptions::new(64) };
+    let options = CompileOptions {
+        plan: Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 },
+        ..CompileOptions::new(64)
+    };
     let mut program = compile(&module, &Target::resolve("grid:16x16").unwrap(), &options).unwrap();
     check(&program, &module).unwrap();
     // Move the boundary between a norm's first two segments of one group by half a chunk: the

@@ -142,7 +142,7 @@ fn stacked_tile_estimate_bounds_the_lowered_tiles() {
     for shape in [dense.clone(), Shape { moe: Some((8, 2)), ..dense }] {
         let module = build(&shape);
         for k in [1u16, 2] {
-            let plan = Plan::Stacked { layers_per_region: k, wafer_percent: 100 };
+            let plan = Plan::Stacked { layers_per_region: k, wafer_percent: 100, kv_copies: 1 };
             let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
             let program = compile(&module, &target, &options).unwrap_or_else(|e| panic!("{shape:?} {plan}: {e}"));
             let tiles = program.matvec_tiles();

@@ -51,7 +51,7 @@ fn quantised_module_with_biases_matches_the_reference() {
 #[test]
 fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference() {
     let module = build(&Shape::moe(), 5);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100 };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
     let program =
         compile_with(&module, "grid:256x24", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let silu_segments: Vec<u64> = program
@@ -99,7 +99,7 @@ fn stacked_dense_keeps_heads_in_their_bands_and_gate_up_twins_together_bit_exact
     let shape = Shape::dense();
     // Fused as the compile driver's `rewrite` pass fuses them for the stacked plan.
     let module = rewrite_module(&build(&shape, 6), PlanKind::Stacked).unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100 };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
     // 16 rows: three rows per tile, which does not divide a head's 32.
     let rows = 16;
     let target = format!("grid:{rows}x64");

@@ -134,7 +134,9 @@ fn parse_plan(text: &str) -> Result<Plan, String> {
     if let Some(args) = text.strip_prefix("stacked:") {
         let (k, percent) = args.split_once(',').unwrap_or((args, "100"));
         return match (k.trim().parse(), percent.trim().parse()) {
-            (Ok(layers_per_region), Ok(wafer_percent)) => Ok(Plan::Stacked { layers_per_region, wafer_percent }),
+            (Ok(layers_per_region), Ok(wafer_percent)) => {
+                Ok(Plan::Stacked { layers_per_region, wafer_percent, kv_copies: 1 })
+            }
             _ => Err(bad()),
         };
     }

@@ -320,6 +320,7 @@ fn tiny_moe(two_wafers: bool) -> WaferProgram {
         kv_heads_placed: vec![KvHeadPlacement {
             kv_head: 0,
             sequence: 0,
+            query_heads: 0..1,
             blocks: kv_blocks,
             q_routes: vec![q_delivery],
             k_routes: vec![],

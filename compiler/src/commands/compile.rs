@@ -104,7 +104,11 @@ pub fn parse_plan(text: &str) -> anyhow::Result<Plan> {
         return Ok(Plan::Tiled);
     }
     if let Some(args) = text.strip_prefix("stacked:") {
-        let (k, percent) = args.split_once(',').unwrap_or((args, "100"));
+        let mut fields = args.split(',');
+        let (k, percent, copies) = (fields.next().unwrap_or(""), fields.next().unwrap_or("100"), fields.next());
+        if fields.next().is_some() {
+            bail!("--plan {text:?}: expected stacked:K[,P[,kvC]], as in stacked:4,12,kv2");
+        }
         let layers_per_region = match k.trim().parse() {
             Ok(k) if k > 0 => k,
             _ => bail!("--plan {text:?}: K must be a whole number of layers per region, at least 1, as in stacked:2"),
@@ -113,12 +117,20 @@ pub fn parse_plan(text: &str) -> anyhow::Result<Plan> {
             Ok(p) if (1..=100).contains(&p) => p,
             _ => bail!("--plan {text:?}: P must be a percentage of the wafer from 1 to 100, as in stacked:1,25"),
         };
-        return Ok(Plan::Stacked { layers_per_region, wafer_percent });
+        let kv_copies = match copies.map(|c| c.trim().strip_prefix("kv").map(str::parse)) {
+            None => 1,
+            Some(Some(Ok(c))) if c > 0 => c,
+            _ => bail!(
+                "--plan {text:?}: the third field must be kvC, C copies of each KV head's cache (at least 1), as in \
+                 stacked:4,100,kv2"
+            ),
+        };
+        return Ok(Plan::Stacked { layers_per_region, wafer_percent, kv_copies });
     }
     let Some(args) = text.strip_prefix("meshgemv:") else {
         bail!(
-            "--plan {text:?}: expected `auto`, `tiled`, `stacked:K[,P]` (e.g. stacked:2 or stacked:1,25) or \
-             `meshgemv:P,G` (e.g. meshgemv:660,22)"
+            "--plan {text:?}: expected `auto`, `tiled`, `stacked:K[,P[,kvC]]` (e.g. stacked:2, stacked:1,25 or \
+             stacked:4,100,kv2) or `meshgemv:P,G` (e.g. meshgemv:660,22)"
         )
     };
     let parsed = args.split_once(',').and_then(|(p, g)| Some((p.trim().parse().ok()?, g.trim().parse().ok()?)));

@@ -223,6 +223,8 @@ struct PlanJson {
     group_num: Option<u16>,
     kind: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
+    kv_copies: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     layers_per_region: Option<u16>,
     #[serde(skip_serializing_if = "Option::is_none")]
     p: Option<u16>,
@@ -233,19 +235,26 @@ struct PlanJson {
 impl PlanJson {
     fn of(plan: Plan) -> Self {
         match plan {
-            Plan::Tiled => {
-                PlanJson { group_num: None, kind: "tiled", layers_per_region: None, p: None, wafer_percent: None }
-            }
+            Plan::Tiled => PlanJson {
+                group_num: None,
+                kind: "tiled",
+                kv_copies: None,
+                layers_per_region: None,
+                p: None,
+                wafer_percent: None,
+            },
             Plan::MeshGemv { p, group_num } => PlanJson {
                 group_num: Some(group_num),
                 kind: "mesh_gemv",
+                kv_copies: None,
                 layers_per_region: None,
                 p: Some(p),
                 wafer_percent: None,
             },
-            Plan::Stacked { layers_per_region, wafer_percent } => PlanJson {
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies } => PlanJson {
                 group_num: None,
                 kind: "stacked",
+                kv_copies: Some(kv_copies),
                 layers_per_region: Some(layers_per_region),
                 p: None,
                 wafer_percent: Some(wafer_percent),

@@ -72,9 +72,13 @@ fn header(view: &Analysis, modeled_speed: Option<&str>, out: &mut String) {
     let plan = match view.program.plan {
         Plan::Tiled => "tiled".to_string(),
         Plan::MeshGemv { p, group_num } => format!("MeshGemv (p {p}, group_num {group_num})"),
-        Plan::Stacked { layers_per_region, wafer_percent } => {
+        Plan::Stacked { layers_per_region, wafer_percent, kv_copies: 1 } => {
             format!("stacked ({layers_per_region} layers per region, {wafer_percent}% of the wafer)")
         }
+        Plan::Stacked { layers_per_region, wafer_percent, kv_copies } => format!(
+            "stacked ({layers_per_region} layers per region, {wafer_percent}% of the wafer, {kv_copies} copies of \
+             each KV head)"
+        ),
     };
     let _ = writeln!(
         out,

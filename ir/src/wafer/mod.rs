@@ -148,8 +148,11 @@ pub enum Plan {
     /// colours (a layer starts only once the previous one's result has arrived). The regions
     /// together span `wafer_percent` of each wafer's PEs (a square-ish block at its north-west
     /// corner): a small model's layers are faster on smaller regions, whose collectives are
-    /// shorter, than spread over the whole wafer.
-    Stacked { layers_per_region: u16, wafer_percent: u8 },
+    /// shorter, than spread over the whole wafer. Each KV head's cache is held `kv_copies`
+    /// times, each copy on blocks of its own serving an equal share of the head's query heads
+    /// ([`KvHeadPlacement::query_heads`]): a copy's blocks compute scores and weighted values
+    /// for fewer query heads, at the price of the copies' SRAM.
+    Stacked { layers_per_region: u16, wafer_percent: u8, kv_copies: u8 },
 }
 
 impl fmt::Display for Plan {
@@ -158,9 +161,14 @@ impl fmt::Display for Plan {
         match self {
             Plan::Tiled => write!(f, "tiled"),
             Plan::MeshGemv { p, group_num } => write!(f, "meshgemv:{p},{group_num}"),
-            Plan::Stacked { layers_per_region, wafer_percent: 100 } => write!(f, "stacked:{layers_per_region}"),
-            Plan::Stacked { layers_per_region, wafer_percent } => {
+            Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1 } => {
+                write!(f, "stacked:{layers_per_region}")
+            }
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies: 1 } => {
                 write!(f, "stacked:{layers_per_region},{wafer_percent}")
+            }
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies } => {
+                write!(f, "stacked:{layers_per_region},{wafer_percent},kv{kv_copies}")
             }
         }
     }
@@ -500,6 +508,10 @@ pub struct KvHeadPlacement {
     /// The sequence in flight whose cache this is (`0..max_sequences`): each sequence has KV
     /// blocks of its own, on PEs of their own.
     pub sequence: u32,
+    /// The KV head's query heads these blocks serve, numbered within its group
+    /// (`0..heads / kv_heads`): all of them, or a share when the cache is held in copies
+    /// (`Plan::Stacked::kv_copies`); the placements of one head and sequence partition them.
+    pub query_heads: Range<u32>,
     /// In position order; equal power-of-two chunk runs.
     pub blocks: Vec<KvBlock>,
     /// Operand routes bringing this head's query heads, key and value to all its blocks.
@@ -517,11 +529,13 @@ pub struct KvHeadPlacement {
 }
 
 impl KvHeadPlacement {
-    /// KV head `kv_head` of sequence `sequence` on `blocks`, before routing adds its routes.
-    pub fn unrouted(kv_head: u32, sequence: u32, blocks: Vec<KvBlock>) -> Self {
+    /// KV head `kv_head` of sequence `sequence`, serving `query_heads` of its group, on
+    /// `blocks`, before routing adds its routes.
+    pub fn unrouted(kv_head: u32, sequence: u32, query_heads: Range<u32>, blocks: Vec<KvBlock>) -> Self {
         KvHeadPlacement {
             kv_head,
             sequence,
+            query_heads,
             blocks,
             q_routes: Vec::new(),
             k_routes: Vec::new(),
@@ -532,6 +546,18 @@ impl KvHeadPlacement {
             sum_broadcast: None,
             out_reduce: None,
         }
+    }
+
+    /// How many query heads these blocks serve.
+    pub fn query_count(&self) -> u64 {
+        (self.query_heads.end - self.query_heads.start) as u64
+    }
+
+    /// The elements of the queries (and of the attention's output) these blocks serve, of a
+    /// model with `group` query heads per KV head of `head_dim` elements.
+    pub fn query_elements(&self, group: u64, head_dim: u64) -> Range<u64> {
+        let first = self.kv_head as u64 * group;
+        (first + self.query_heads.start as u64) * head_dim..(first + self.query_heads.end as u64) * head_dim
     }
 }
 

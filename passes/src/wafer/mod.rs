@@ -214,10 +214,11 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
     let params = target.params();
     let analysis = size::Analysis::new(module);
     let full = size::size_module(module, &params, options, None, size::Grain::DENSE)?;
-    if let Plan::Stacked { layers_per_region, wafer_percent } = options.plan {
-        if layers_per_region == 0 || !(1..=100).contains(&wafer_percent) {
+    if let Plan::Stacked { layers_per_region, wafer_percent, kv_copies } = options.plan {
+        if layers_per_region == 0 || !(1..=100).contains(&wafer_percent) || kv_copies == 0 {
             return Err(WaferError::Options(format!(
-                "stacked needs at least 1 layer per region and 1 to 100 percent of the wafer, got {}",
+                "stacked needs at least 1 layer per region, 1 to 100 percent of the wafer and at least one copy \
+                 of each KV head, got {}",
                 options.plan
             )));
         }

@@ -846,11 +846,11 @@ impl<'a> Placer<'a> {
                         let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
                         for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
                             let positions = (b * per) as u32..((b + 1) * per).min(rows) as u32;
-                            let requests = kv_block_requests(module, i, h, positions.clone());
+                            let requests = kv_block_requests(module, i, h, 0..*heads / kv_heads, positions.clone());
                             let region = self.fill(pe, instr, requests)?[0];
                             blocks.push(KvBlock { pe, positions, region });
                         }
-                        placed.push(KvHeadPlacement::unrouted(h as u32, sequence, blocks));
+                        placed.push(KvHeadPlacement::unrouted(h as u32, sequence, 0..*heads / kv_heads, blocks));
                     }
                 }
                 let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
@@ -1024,21 +1024,21 @@ impl<'a> Placer<'a> {
                 }
             }
             Work::Attention(att) => {
-                let q_per_kv = (att.heads / att.kv_heads) as u64;
+                let group = (att.heads / att.kv_heads) as u64;
                 let hd = att.head_dim as u64;
                 let mut pieces = Vec::new();
                 for head in &mut att.kv_heads_placed {
                     let blocks: Vec<Pe> = head.blocks.iter().map(|b| b.pe).collect();
                     let root = blocks[0];
+                    let queries = head.query_count();
                     if blocks.len() > 1 {
-                        head.max_reduce = Some(self.reduce_route(i, ReduceOp::Max, q_per_kv, blocks.clone(), root));
-                        head.max_broadcast = Some(self.statistic_route(i, q_per_kv, root, blocks[1..].to_vec()));
-                        head.sum_reduce = Some(self.reduce_route(i, ReduceOp::Sum, q_per_kv, blocks.clone(), root));
-                        head.sum_broadcast = Some(self.statistic_route(i, q_per_kv, root, blocks[1..].to_vec()));
-                        head.out_reduce = Some(self.reduce_route(i, ReduceOp::Sum, q_per_kv * hd, blocks, root));
+                        head.max_reduce = Some(self.reduce_route(i, ReduceOp::Max, queries, blocks.clone(), root));
+                        head.max_broadcast = Some(self.statistic_route(i, queries, root, blocks[1..].to_vec()));
+                        head.sum_reduce = Some(self.reduce_route(i, ReduceOp::Sum, queries, blocks.clone(), root));
+                        head.sum_broadcast = Some(self.statistic_route(i, queries, root, blocks[1..].to_vec()));
+                        head.out_reduce = Some(self.reduce_route(i, ReduceOp::Sum, queries * hd, blocks, root));
                     }
-                    let h = head.kv_head as u64;
-                    pieces.push((root, h * q_per_kv * hd..(h + 1) * q_per_kv * hd));
+                    pieces.push((root, head.query_elements(group, hd)));
                 }
                 att.collects = self.collect_routes(i, &layout, &pieces);
             }
@@ -1253,13 +1253,12 @@ impl<'a> Placer<'a> {
             }
             (Work::Attention(att), Op::Attention { q, k, v, .. }) => {
                 let hd = att.head_dim as u64;
-                let q_per_kv = (att.heads / att.kv_heads) as u64;
+                let group = (att.heads / att.kv_heads) as u64;
                 for (role, operand) in [q, k, v].into_iter().enumerate() {
                     let Some(part) = part_of(*operand) else { continue };
                     for (head, placed) in att.kv_heads_placed.iter().enumerate() {
                         let h = placed.kv_head as u64;
-                        let range =
-                            if role == 0 { h * q_per_kv * hd..(h + 1) * q_per_kv * hd } else { h * hd..(h + 1) * hd };
+                        let range = if role == 0 { placed.query_elements(group, hd) } else { h * hd..(h + 1) * hd };
                         if overlaps(&range, &part) {
                             out.extend(placed.blocks.iter().map(|b| b.pe));
                             reached.push((reader, Some((head, role))));
@@ -1448,31 +1447,39 @@ pub(super) fn embed_block_requests(
 }
 
 /// A KV block's regions (the cache first): keys and values of `positions` for KV head `h`,
-/// the query heads (the same buffer later receives the reductions' partials), the new key and
-/// value, the scores and the block's own partials.
-pub(super) fn kv_block_requests(module: &Module, i: usize, h: u64, positions: Range<u32>) -> Vec<Request> {
+/// the query heads `query_heads` of its group that the block serves (the same buffer later
+/// receives the reductions' partials), the new key and value, the scores and the block's own
+/// partials.
+pub(super) fn kv_block_requests(
+    module: &Module,
+    i: usize,
+    h: u64,
+    query_heads: Range<u32>,
+    positions: Range<u32>,
+) -> Vec<Request> {
     let Op::Attention { q, k, v, cache, heads, sinks, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
         return Vec::new();
     };
     let c = &module.caches[*cache];
     let hd = c.head_dim as u64;
-    let q_per_kv = (*heads / c.kv_heads) as u64;
+    let group = (*heads / c.kv_heads) as u64;
     let n = (positions.end - positions.start) as u64;
-    let q_range = h * q_per_kv * hd..(h + 1) * q_per_kv * hd;
+    let (first_query, queries) = (h * group + query_heads.start as u64, (query_heads.end - query_heads.start) as u64);
+    let q_range = first_query * hd..(first_query + queries) * hd;
     let kv_range = h * hd..(h + 1) * hd;
     let first = positions.start == 0;
     let mut requests = vec![
         (RegionKind::KvCache { kv_head: h as u32, positions }, n * hd * 2 * F32),
-        (RegionKind::Operand { value: q.index() as u32, elements: q_range }, q_per_kv * (hd + 2) * F32),
+        (RegionKind::Operand { value: q.index() as u32, elements: q_range }, queries * (hd + 2) * F32),
         (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
         (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),
-        (RegionKind::Scratch, q_per_kv * n * F32),
-        (RegionKind::Partial { elements: (q_per_kv * (hd + 2)) as u32 }, q_per_kv * (hd + 2) * F32),
+        (RegionKind::Scratch, queries * n * F32),
+        (RegionKind::Partial { elements: (queries * (hd + 2)) as u32 }, queries * (hd + 2) * F32),
     ];
-    // The KV head's sink logits live on its first block, the reductions' root.
+    // The sink logits of the block's query heads live on its first block, the reductions' root.
     if let (Some(sinks), true) = (sinks, first) {
-        let cols = h * q_per_kv..(h + 1) * q_per_kv;
-        let bytes = module.weights[*sinks].ty.dtype.row_bytes(q_per_kv).unwrap_or(q_per_kv * F32);
+        let cols = first_query..first_query + queries;
+        let bytes = module.weights[*sinks].ty.dtype.row_bytes(queries).unwrap_or(queries * F32);
         requests.push((RegionKind::Weight { weight: sinks.index() as u32, rows: 0..1, cols, blob: 0..0 }, bytes));
     }
     requests

@@ -997,10 +997,11 @@ impl<'a> Prefill<'a> {
         let mut attention: HashMap<Pe, (f64, f64)> = HashMap::default();
         for placement in &program.instrs {
             let Work::Attention(p) = &placement.work else { continue };
-            let group = (p.heads / p.kv_heads.max(1)) as u64;
-            let per_position = attention_position_cycles(params, group, p.head_dim as u64);
             let append = self.costs.flops(2 * p.head_dim as u64) as f64;
-            for block in p.kv_heads_placed.iter().flat_map(|kh| &kh.blocks) {
+            // A block computes for the query heads its KV head's placement serves.
+            let blocks = p.kv_heads_placed.iter().flat_map(|kh| kh.blocks.iter().map(move |b| (kh.query_count(), b)));
+            for (queries, block) in blocks {
+                let per_position = attention_position_cycles(params, queries, p.head_dim as u64);
                 let appended =
                     |tokens: u32| tokens.saturating_sub(block.positions.start).min(block.positions.len() as u32);
                 let load = |tokens: u32| {

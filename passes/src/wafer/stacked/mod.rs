@@ -43,7 +43,7 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use waferc_ir::wafer::{
-    AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement, NormPlacement, Pe,
+    AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement, NormPlacement, Pe, Plan,
     RegionKind, ResultLayout, Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
 };
 use waferc_ir::{Module, Op, ValueType, BLOCK};
@@ -161,6 +161,9 @@ struct KvShape {
     kv_heads: u64,
     head_dim: u64,
     q_per_kv: u64,
+    /// Copies of each head's cache (`Plan::Stacked::kv_copies`), each serving an equal share of
+    /// its query heads.
+    copies: u64,
     /// Positions the cache keeps: the capacity, or the window when it is shorter.
     positions: u64,
     positions_per_block: u64,
@@ -176,13 +179,18 @@ impl KvShape {
         };
         let c = &module.caches[*cache];
         let (head_dim, q_per_kv) = (c.head_dim as u64, (*heads / c.kv_heads) as u64);
+        let copies = match options.plan {
+            Plan::Stacked { kv_copies, .. } => (kv_copies as u64).clamp(1, q_per_kv.max(1)),
+            _ => 1,
+        };
         // A windowed cache keeps only the window's rows.
         let positions = window.map_or(options.max_context as u64, |w| (w as u64).min(options.max_context as u64));
-        let positions_per_block = positions_per_block(head_dim, q_per_kv, positions, usable)?;
+        let positions_per_block = positions_per_block(head_dim, q_per_kv / copies, positions, usable)?;
         Some(KvShape {
             kv_heads: c.kv_heads as u64,
             head_dim,
             q_per_kv,
+            copies,
             positions,
             positions_per_block,
             sequences: options.max_sequences.max(1) as u64,
@@ -193,11 +201,22 @@ impl KvShape {
         self.positions.div_ceil(self.positions_per_block)
     }
 
-    /// Columns of a KV strip `height` rows high holding every head's blocks (of every sequence)
-    /// in a band of its own.
+    /// The query heads each copy serves.
+    fn queries_per_copy(&self) -> u64 {
+        self.q_per_kv / self.copies
+    }
+
+    /// Bytes of one head's blocks, over its copies and sequences.
+    fn head_bytes(&self) -> u64 {
+        let block = kv_block_bytes(self.positions_per_block, self.head_dim, self.queries_per_copy());
+        self.sequences * self.copies * self.blocks_per_head() * block
+    }
+
+    /// Columns of a KV strip `height` rows high holding every head's blocks (of every sequence
+    /// and copy) in a band of its own.
     fn columns(&self, height: u64) -> Option<u64> {
         let band = height / self.kv_heads.max(1);
-        (band > 0).then(|| (self.sequences * self.blocks_per_head()).div_ceil(band))
+        (band > 0).then(|| (self.sequences * self.copies * self.blocks_per_head()).div_ceil(band))
     }
 }
 
@@ -291,8 +310,7 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
                     Op::Embed { table } => bytes += weight_bytes(module, *table),
                     Op::Attention { .. } => {
                         if let Some(kv) = KvShape::of(module, i, options, usable) {
-                            let block = kv_block_bytes(kv.positions_per_block, kv.head_dim, kv.q_per_kv);
-                            bytes += kv.sequences * kv.kv_heads * kv.blocks_per_head() * block;
+                            bytes += kv.kv_heads * kv.head_bytes();
                             attentions.push(kv);
                         }
                     }
@@ -1388,6 +1406,13 @@ impl Stacked<'_> {
         let kv = KvShape::of(module, i, self.placer.options, usable).ok_or_else(|| {
             unsupported(module, i, format!("32 positions of a KV head (head_dim {}) do not fit one PE", c.head_dim))
         })?;
+        if kv.q_per_kv % kv.copies != 0 {
+            return Err(unsupported(
+                module,
+                i,
+                format!("{} copies of a KV head cannot share its {} query heads evenly", kv.copies, kv.q_per_kv),
+            ));
+        }
         let (per, max) = (kv.positions_per_block, kv.positions);
         // The attention's own columns of the strip, a band of rows per KV head: the head's
         // reductions, its q/k/v deliveries and its collect stay inside the band (its q, k and v
@@ -1398,20 +1423,27 @@ impl Stacked<'_> {
         let strip = Rect { x: strip.x + region.kv_column, w: columns, ..strip };
         region.kv_column += columns;
         let mut placed = Vec::with_capacity((kv.sequences * kv.kv_heads) as usize);
-        // Each sequence in flight gets blocks of its own, in its head's band.
+        // Each sequence in flight, and each copy, gets blocks of its own, in its head's band:
+        // the copies' blocks side by side in its columns.
+        let queries = kv.queries_per_copy() as u32;
         for sequence in 0..kv.sequences {
             for h in 0..kv.kv_heads {
                 let band = strip.band(h, kv.kv_heads);
-                let mut blocks = Vec::new();
-                for b in 0..kv.blocks_per_head() {
-                    let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
-                    // The first block (where the head's reductions end and its output leaves)
-                    // in the band's middle row, so it has rows both ways.
-                    let pe = band.walk_from_middle(sequence * kv.blocks_per_head() + b);
-                    let index = self.placer.fill(pe, i as u32, kv_block_requests(module, i, h, positions.clone()))?[0];
-                    blocks.push(KvBlock { pe, positions, region: index });
+                for copy in 0..kv.copies {
+                    let query_heads = copy as u32 * queries..(copy as u32 + 1) * queries;
+                    let mut blocks = Vec::new();
+                    for b in 0..kv.blocks_per_head() {
+                        let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
+                        // Each copy's first block (where its reductions end and its output
+                        // leaves) near the band's middle row, so it has rows both ways.
+                        let cell = (sequence * kv.copies + copy) * kv.blocks_per_head() + b;
+                        let pe = band.walk_from_middle(cell);
+                        let requests = kv_block_requests(module, i, h, query_heads.clone(), positions.clone());
+                        let index = self.placer.fill(pe, i as u32, requests)?[0];
+                        blocks.push(KvBlock { pe, positions, region: index });
+                    }
+                    placed.push(KvHeadPlacement::unrouted(h as u32, sequence as u32, query_heads, blocks));
                 }
-                placed.push(KvHeadPlacement::unrouted(h as u32, sequence as u32, blocks));
             }
         }
         let piece = kv.q_per_kv * kv.head_dim;

@@ -52,7 +52,15 @@ impl Executor<'_> {
         // The step's sequence attends over its own KV blocks only.
         for (h_index, kh) in p.heads_of(self.sequence) {
             let h = kh.kv_head as u64;
-            let q_range = h * (group * dim) as u64..(h + 1) * (group * dim) as u64;
+            // The query heads these blocks serve: the whole group, or a copy's share of it.
+            let group = kh.query_count() as usize;
+            if group == 0 || kh.query_heads.end as usize > p.heads as usize / p.kv_heads as usize {
+                return Err(ExecError::Malformed {
+                    site: run.site.clone(),
+                    problem: format!("KV head {} serves query heads {:?} of its group", kh.kv_head, kh.query_heads),
+                });
+            }
+            let q_range = kh.query_elements((p.heads / p.kv_heads) as u64, dim as u64);
             let kv_range = h * dim as u64..(h + 1) * dim as u64;
 
             run.begin(Phase::Compute);
@@ -167,7 +175,8 @@ impl Executor<'_> {
             // the placement must still hold them.
             let sink_values = match (sinks, blocks.first()) {
                 (Some(weight), Some(first)) => {
-                    let cols = h * group as u64..(h + 1) * group as u64;
+                    let first_query = h * (p.heads / p.kv_heads) as u64 + kh.query_heads.start as u64;
+                    let cols = first_query..first_query + group as u64;
                     let region = self.find_weight_region(run, first.pe, weight, 0, &cols)?;
                     Some(match self.options.timing_only {
                         true => Vec::new(),
@@ -259,8 +268,9 @@ impl Executor<'_> {
         for (segment, &id) in segments.iter().zip(&collects) {
             let mut parts = Vec::new();
             for ((_, kh), (root, total)) in p.heads_of(self.sequence).zip(&heads_out) {
-                let first = kh.kv_head as u64 * (group * dim) as u64;
-                let Some(overlap) = intersect(&(first..first + (group * dim) as u64), &segment.elements) else {
+                let served = kh.query_elements(group as u64, dim as u64);
+                let first = served.start;
+                let Some(overlap) = intersect(&served, &segment.elements) else {
                     continue;
                 };
                 self.send(state, run, id, *root, Payload::Data(total.slice(relative(&overlap, first))))?;
