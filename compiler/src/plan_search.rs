@@ -30,6 +30,11 @@ const LAYERS_PER_REGION: [u16; 3] = [1, 2, 4];
 /// Shares of the wafer (percent) the search tries for the stacked plan.
 const WAFER_PERCENTS: [u8; 3] = [100, 35, 12];
 
+/// Stacked plans whose modeled cycles are within this factor of the fastest are tried again
+/// with KV heads held in copies, at most [`REFINED_PLANS`] of them.
+const REFINE_WITHIN: f64 = 1.03;
+const REFINED_PLANS: usize = 3;
+
 /// The most matvec tiles (`stacked_tiles_estimate`) of a stacked candidate the search lowers.
 /// A stacked lowering holds a few hundred bytes per tile (tile, SRAM region, routes), and the
 /// count grows with the group size, since every PE of a region holds a tile of each of its
@@ -141,9 +146,14 @@ pub fn search_keeping<T>(
     // larger groups are the largest lowerings, and usually the fastest, so later candidates are
     // rarely faster and rarely checked. The order changes nothing else: the winner is the least
     // (cycles, index) that the checker accepts.
+    let mut plans = plans;
     let mut records: Vec<Option<Record>> = (0..plans.len()).map(|_| None).collect();
     let mut best: Option<Kept<T>> = None;
-    for (index, &plan) in plans.iter().enumerate().rev() {
+    let mut run = |index: usize,
+                   plan: Plan,
+                   records: &mut Vec<Option<Record>>,
+                   best: &mut Option<Kept<T>>|
+     -> anyhow::Result<()> {
         let start = Instant::now();
         let module = modules.for_plan(&plan);
         let weight_bytes: u64 = module.weights.iter().filter_map(|(_, w)| w.ty.bytes()).sum();
@@ -194,7 +204,7 @@ pub fn search_keeping<T>(
                     // A tie goes to the earlier candidate.
                     if best.as_ref().is_none_or(|b| (cycles, index) < (b.cycles, b.index)) {
                         match lowering::check(&program, module) {
-                            Ok(()) => best = Some(Kept { index, cycles, kept: keep(program, module)? }),
+                            Ok(()) => *best = Some(Kept { index, cycles, kept: keep(program, module)? }),
                             Err(e) => {
                                 candidate.lost_because = Some(format!("rejected by the placement checker: {e}"));
                                 error = Some(anyhow::Error::new(e));
@@ -210,6 +220,30 @@ pub fn search_keeping<T>(
         }
         candidate.seconds = start.elapsed().as_secs_f64();
         records[index] = Some((candidate, error));
+        Ok(())
+    };
+    for (index, &plan) in plans.iter().enumerate().rev() {
+        run(index, plan, &mut records, &mut best)?;
+    }
+    // Then the stacked plans within `REFINE_WITHIN` of the fastest, with each KV head's cache
+    // in copies (more SRAM for KV, less attention work per block): each copy count is a
+    // lowering as large as its plan's, so only the few best plans are refined.
+    let fastest = best.as_ref().map_or(0, |b| b.cycles);
+    let mut close: Vec<(u64, usize)> = records
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| Some((r.as_ref()?.0.cycles_per_token?, i)))
+        .filter(|&(cycles, _)| cycles as f64 <= fastest as f64 * REFINE_WITHIN)
+        .collect();
+    close.sort_unstable();
+    for (_, index) in close.into_iter().take(REFINED_PLANS) {
+        let Plan::Stacked { layers_per_region, wafer_percent, kv_copies: 1 } = plans[index] else { continue };
+        for kv_copies in kv_copy_counts(modules.for_plan(&plans[index])) {
+            let plan = Plan::Stacked { layers_per_region, wafer_percent, kv_copies };
+            plans.push(plan);
+            records.push(None);
+            run(plans.len() - 1, plan, &mut records, &mut best)?;
+        }
     }
     let mut records: Vec<Record> = records.into_iter().map(|r| r.expect("every plan ran")).collect();
     let Some(best) = best else {
@@ -234,6 +268,21 @@ pub fn search_keeping<T>(
         }
     }
     Ok(Found { program: best.kept, plan: plans[best.index], candidates: records.into_iter().map(|(c, _)| c).collect() })
+}
+
+/// The copy counts of each KV head's cache the search tries beyond one: the smallest that
+/// divides the query heads per KV head, and one copy per query head (none without attention or
+/// with one query head per KV head).
+fn kv_copy_counts(module: &Module) -> Vec<u8> {
+    let group = module.body.iter().find_map(|(_, instr)| match &instr.op {
+        waferc_ir::Op::Attention { cache, heads, .. } => Some(heads / module.caches[*cache].kv_heads.max(1)),
+        _ => None,
+    });
+    let Some(group) = group.filter(|&g| g > 1 && g <= u8::MAX as u32) else { return Vec::new() };
+    let smallest = (2..=group).find(|d| group % d == 0).unwrap_or(group);
+    let mut counts = vec![smallest as u8, group as u8];
+    counts.dedup();
+    counts
 }
 
 /// Lowers `module` with `plan` and times one decode step (position 0, token 0) on the
