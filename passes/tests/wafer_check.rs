@@ -277,3 +277,27 @@ fn a_norm_group_cut_off_chunk_boundaries_is_caught() {
         "{err}"
     );
 }
+
+#[test]
+fn kv_copies_that_do_not_partition_the_query_heads_are_caught() {
+    let module = build(&Shape::tiny());
+    let options = CompileOptions {
+        plan: Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 2 },
+        ..CompileOptions::new(64)
+    };
+    let mut program = compile(&module, &Target::resolve("grid:16x16").unwrap(), &options).unwrap();
+    check(&program, &module).unwrap();
+    // Both copies of a KV head then serve its first query head; its second has no blocks.
+    let instr = program
+        .instrs
+        .iter_mut()
+        .find_map(|p| {
+            let Work::Attention(att) = &mut p.work else { return None };
+            let second = att.kv_heads_placed.iter_mut().find(|h| h.query_heads.start == 1)?;
+            second.query_heads = 0..1;
+            Some(p.instr)
+        })
+        .expect("an attention with a KV head in two copies");
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.instr == Some(instr) && p.message.contains("not the next ones")), "{err}");
+}

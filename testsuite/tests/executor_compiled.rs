@@ -161,6 +161,55 @@ fn stacked_dense_keeps_heads_in_their_bands_and_gate_up_twins_together_bit_exact
     validate(&program, &module, Some(&blob), &[5, 21, 2], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// KV heads held in copies: each copy's blocks serve one share of its head's query heads, the
+/// blocks compute less attention per step, and the logits stay the reference's bits.
+#[test]
+fn stacked_kv_copies_split_each_heads_queries_and_match_the_reference() {
+    let shape = Shape::dense();
+    let group = shape.heads / shape.kv_heads;
+    assert_eq!(group, 2, "two query heads per KV head, one per copy");
+    let module = rewrite_module(&build(&shape, 8), PlanKind::Stacked).unwrap();
+    let compile = |kv_copies| {
+        let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies };
+        compile_with(&module, "grid:16x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
+    };
+    let (single, copied) = (compile(1), compile(2));
+    let mut attentions = 0;
+    for p in &copied.instrs {
+        let waferc_ir::wafer::Work::Attention(att) = &p.work else { continue };
+        attentions += 1;
+        assert_eq!(att.kv_heads_placed.len() as u32, 2 * shape.kv_heads, "%{} places each KV head twice", p.instr);
+        for head in 0..shape.kv_heads {
+            let mut served: Vec<_> =
+                att.kv_heads_placed.iter().filter(|h| h.kv_head == head).map(|h| h.query_heads.clone()).collect();
+            served.sort_by_key(|r| r.start);
+            assert_eq!(served, vec![0..1, 1..2], "%{} KV head {head}'s copies split its query heads", p.instr);
+        }
+        let mut pes: Vec<_> = att.kv_heads_placed.iter().flat_map(|h| h.blocks.iter().map(|b| b.pe)).collect();
+        let blocks = pes.len();
+        pes.sort_unstable();
+        pes.dedup();
+        assert_eq!(pes.len(), blocks, "%{}: every copy's blocks on PEs of their own", p.instr);
+    }
+    assert!(attentions > 0);
+    // The busiest block's attention arithmetic at position 0: half the query heads, half of it
+    // but the append.
+    let attention_compute = |program: &waferc_ir::wafer::WaferProgram| {
+        let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+        let timing = Executor::new(program, &module, None, options).unwrap().step(1).unwrap().timing;
+        let spans = timing.spans.iter().filter(|s| s.op == "attention");
+        spans.map(|s| s.compute_cycles).sum::<u64>()
+    };
+    assert!(
+        attention_compute(&copied) < attention_compute(&single),
+        "copies compute less attention per block: {} vs {}",
+        attention_compute(&copied),
+        attention_compute(&single)
+    );
+    let blob = pack_tile_blob(&copied, &module);
+    validate(&copied, &module, Some(&blob), &[7, 3, 40], &greedy(6)).unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// The logits' bits for `tokens` fed in turn on `target` with `plan`, and the program's PE and
 /// matvec tile counts.
 fn logits_on(module: &waferc_ir::Module, target: &str, plan: Plan, tokens: &[u32]) -> (Vec<Vec<u32>>, usize, usize) {

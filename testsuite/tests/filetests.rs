@@ -120,22 +120,24 @@ fn parse_header(source: &str) -> Result<Header, String> {
     Ok(header)
 }
 
-/// `tiled`, `stacked:K[,P]` or `meshgemv:P,G`, as `waferc compile --plan` spells them.
+/// `tiled`, `stacked:K[,P[,kvC]]` or `meshgemv:P,G`, as `waferc compile --plan` spells them.
 fn parse_plan(text: &str) -> Result<Plan, String> {
     let bad = || {
         format!(
-            "`; plan: {text}`: expected `tiled`, `stacked:K[,P]` (e.g. stacked:2 or stacked:1,25) or `meshgemv:P,G` \
-             (e.g. meshgemv:4,2)"
+            "`; plan: {text}`: expected `tiled`, `stacked:K[,P[,kvC]]` (e.g. stacked:2 or stacked:1,25,kv2) or \
+             `meshgemv:P,G` (e.g. meshgemv:4,2)"
         )
     };
     if text == "tiled" {
         return Ok(Plan::Tiled);
     }
     if let Some(args) = text.strip_prefix("stacked:") {
-        let (k, percent) = args.split_once(',').unwrap_or((args, "100"));
-        return match (k.trim().parse(), percent.trim().parse()) {
-            (Ok(layers_per_region), Ok(wafer_percent)) => {
-                Ok(Plan::Stacked { layers_per_region, wafer_percent, kv_copies: 1 })
+        let mut fields = args.split(',').map(str::trim);
+        let (k, percent) = (fields.next().unwrap_or(""), fields.next().unwrap_or("100"));
+        let copies = fields.next().map_or(Some(1), |c| c.strip_prefix("kv").and_then(|c| c.parse().ok()));
+        return match (k.parse(), percent.parse(), copies, fields.next()) {
+            (Ok(layers_per_region), Ok(wafer_percent), Some(kv_copies), None) => {
+                Ok(Plan::Stacked { layers_per_region, wafer_percent, kv_copies })
             }
             _ => Err(bad()),
         };

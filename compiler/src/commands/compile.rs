@@ -66,8 +66,9 @@ pub struct CompileArgs {
     /// each candidate is lowered from its kind's module), or
     /// `tiled` (each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
-    /// `stacked:K[,P]` (K consecutive layers per region, every matvec tiled over the whole region; the
-    /// regions span P percent of each wafer, default 100).
+    /// `stacked:K[,P[,kvC]]` (K consecutive layers per region, every matvec tiled over the whole
+    /// region; the regions span P percent of each wafer, default 100; each KV head's cache is held
+    /// in C copies, each serving an equal share of its query heads, default 1).
     #[arg(long, default_value = "auto")]
     pub plan: String,
     /// Write the IR after every pass into DIR (00-frontend.ir, 01-<pass>.ir, ...).
