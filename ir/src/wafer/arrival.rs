@@ -64,13 +64,7 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
 /// replicated experts' instructions (whose copies get inputs on routes of their own) are left
 /// out.
 pub fn in_place_readers(program: &WaferProgram, module: &Module) -> HashSet<(InstrIndex, InstrIndex)> {
-    let mut source: Vec<usize> = Vec::with_capacity(module.body.len());
-    for (handle, instr) in module.body.iter() {
-        source.push(match &instr.op {
-            Op::Slice { x, .. } => source[x.index()],
-            _ => handle.index(),
-        });
-    }
+    let source = producers(module);
     let replicated = super::replica_slots(program);
     let mut pairs = HashSet::new();
     for (handle, instr) in module.body.iter() {
@@ -100,6 +94,19 @@ pub fn in_place_readers(program: &WaferProgram, module: &Module) -> HashSet<(Ins
         }
     }
     pairs
+}
+
+/// Per value, the instruction whose result holds it: itself, or a slice's `x`'s (through
+/// slices).
+pub(crate) fn producers(module: &Module) -> Vec<usize> {
+    let mut source: Vec<usize> = Vec::with_capacity(module.body.len());
+    for (handle, instr) in module.body.iter() {
+        source.push(match &instr.op {
+            Op::Slice { x, .. } => source[x.index()],
+            _ => handle.index(),
+        });
+    }
+    source
 }
 
 /// A multicast's latency and the cycle its message reaches each PE (see [`multicast_depths`]).

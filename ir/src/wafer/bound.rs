@@ -69,14 +69,7 @@ pub fn distance_bound_ends(
         }
     }
     let in_place = super::arrival::in_place_readers(program, module);
-    // The producer of each value, through slices.
-    let mut source: Vec<usize> = Vec::with_capacity(module.body.len());
-    for (handle, instr) in module.body.iter() {
-        source.push(match &instr.op {
-            Op::Slice { x, .. } => source[x.index()],
-            _ => handle.index(),
-        });
-    }
+    let source = super::arrival::producers(module);
     let runs = |i: usize| match (&module.body[Handle::new(i)].op, program.instrs.get(i)) {
         (Op::ExpertDispatch { .. }, _) => true,
         (_, Some(placement)) => match (placement.layer, placement.expert) {
