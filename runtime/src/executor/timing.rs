@@ -73,7 +73,10 @@
 //! another. An instruction starts when all its operands' instructions have finished (their
 //! `Deliver` steps done; an expert's also waits for the router's decision, and starts when its
 //! own PEs have received both multicasts, which for an expert near the dispatch point is before
-//! the multicasts reach their farthest PE: `ir::wafer::arrival`) **and** when its PEs are free:
+//! the multicasts reach their farthest PE: `ir::wafer::arrival`; a reader that takes no part in
+//! an operand's `Deliver`, no delivery starting or ending on its PEs, waits only for the steps
+//! before it: `arrival::in_place_readers`) **and** when its PEs are free (a PE last held by
+//! such an operand is free once those steps end):
 //! instructions on disjoint PEs whose inputs are ready overlap (the q, k and v projections; the
 //! chosen experts), instructions sharing PEs run one after the other, and overlapping
 //! instructions contend for links as above. The decode step's cycles are the end of its last
