@@ -22,10 +22,11 @@ fn smollm2_stacked_on_wse3_is_bit_exact() {
 }
 
 /// The default pipeline's module (q/k/v and gate/up fused), whose fused results the stacked plan
-/// cuts part by part.
+/// cuts part by part, at the plan the search picks for it: each KV head's cache in three copies,
+/// one per query head.
 #[test]
 fn smollm2_rewritten_stacked_on_wse3_is_bit_exact() {
-    bit_exact_on_wse3(Plan::Stacked { layers_per_region: 1, wafer_percent: 35, kv_copies: 1 }, true);
+    bit_exact_on_wse3(Plan::Stacked { layers_per_region: 1, wafer_percent: 35, kv_copies: 3 }, true);
 }
 
 fn bit_exact_on_wse3(plan: Plan, rewrite: bool) {
