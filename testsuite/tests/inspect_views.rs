@@ -674,6 +674,7 @@ fn json_lists_kv_blocks_segments_routes_and_pes() {
     assert_eq!(kv.len(), 2);
     assert_eq!(kv[1]["positions"], serde_json::json!([32, 64]));
     assert_eq!(kv[1]["bytes"], 16384);
+    assert_eq!(kv[1]["query_heads"], serde_json::json!([0, 1]), "the one query head its KV head has");
 
     let segments: usize = program
         .instrs

@@ -37,7 +37,8 @@ pub const PLACEMENT_SCHEMA: &str = "waferc.placement.v1";
 ///   `code_reserve_bytes`, `clock_hz`, `link_bytes_per_cycle`, `hop_latency_cycles`,
 ///   `colours_per_pe`, `f32_fma_per_cycle`, `inter_wafer_latency_cycles`,
 ///   `inter_wafer_bytes_per_cycle` (as in `waferc targets`).
-/// * `plan`: `{"kind": "tiled"}` or `{"kind": "mesh_gemv", "p", "group_num"}`.
+/// * `plan`: `{"kind": "tiled"}`, `{"kind": "mesh_gemv", "p", "group_num"}` or `{"kind":
+///   "stacked", "layers_per_region", "wafer_percent", "kv_copies"}`.
 /// * `max_context`: KV capacity in positions. `tile_blob_len`: bytes of packed weights.
 ///   `weights_present`: false for a shape-only compile.
 /// * `model`: `{"architecture", "num_layers", "vocab_size"}` when the module was given, else null.
@@ -57,8 +58,9 @@ pub const PLACEMENT_SCHEMA: &str = "waferc.placement.v1";
 ///   columns of the row); `pe`; `region` (index into the PE's `regions`, null if the PE has no
 ///   such region); `bytes` (of that weight region); `weight` and *if the module was given*
 ///   `weight_name` (the IR weight).
-/// * `kv_blocks[]`: one per attention KV block: `kv_head`, `positions` (capacity), `pe`,
-///   `region`, `bytes`.
+/// * `kv_blocks[]`: one per attention KV block: `kv_head`, `query_heads` (which of the KV
+///   head's query heads its placement serves: all, or a copy's share), `positions` (capacity),
+///   `pe`, `region`, `bytes`.
 /// * `segments[]`: one per piece of a vector result: `pe`, `elements`. An `expert_dispatch`'s
 ///   segments are its input's (the result aliases it; no SRAM of its own).
 /// * `routes[]`: `id`, `kind` (`operand`, `collect`, `reduce`, `statistic`, `routing`), `colour`,
@@ -465,6 +467,7 @@ struct KvBlockJson<'a> {
     op: &'a str,
     pe: PeJson,
     positions: [u32; 2],
+    query_heads: [u32; 2],
     region: Option<u32>,
 }
 
@@ -486,6 +489,7 @@ fn kv_blocks<'a>(view: &'a Analysis) -> impl Iterator<Item = KvBlockJson<'a>> + 
                     op: &placement.op,
                     pe: pe(block.pe),
                     positions: range(&block.positions),
+                    query_heads: range(&head.query_heads),
                     region: region.map(|(index, _)| index),
                 }
             })
