@@ -220,6 +220,16 @@ fn bad_options_are_refused() {
         ..CompileOptions::default()
     };
     assert!(matches!(compile(&module, &target, &mesh), Err(WaferError::Options(_))));
+    // Two query heads per KV head: three copies cannot share them.
+    let copies = CompileOptions {
+        plan: Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 3 },
+        ..CompileOptions::new(64)
+    };
+    let grid = Target::resolve("grid:16x16").unwrap();
+    match compile(&module, &grid, &copies) {
+        Err(e) => assert!(e.to_string().contains("3 copies of a KV head cannot share its 2 query heads"), "{e}"),
+        Ok(_) => panic!("kv3 over two query heads per KV head compiled"),
+    }
 }
 
 #[test]

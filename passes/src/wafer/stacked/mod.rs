@@ -179,13 +179,14 @@ impl KvShape {
         };
         let c = &module.caches[*cache];
         let (head_dim, q_per_kv) = (c.head_dim as u64, (*heads / c.kv_heads) as u64);
+        // A count that does not divide the query heads is refused when the attention is placed.
         let copies = match options.plan {
-            Plan::Stacked { kv_copies, .. } => (kv_copies as u64).clamp(1, q_per_kv.max(1)),
+            Plan::Stacked { kv_copies, .. } => (kv_copies as u64).max(1),
             _ => 1,
         };
         // A windowed cache keeps only the window's rows.
         let positions = window.map_or(options.max_context as u64, |w| (w as u64).min(options.max_context as u64));
-        let positions_per_block = positions_per_block(head_dim, q_per_kv / copies, positions, usable)?;
+        let positions_per_block = positions_per_block(head_dim, (q_per_kv / copies).max(1), positions, usable)?;
         Some(KvShape {
             kv_heads: c.kv_heads as u64,
             head_dim,
@@ -1406,7 +1407,7 @@ impl Stacked<'_> {
         let kv = KvShape::of(module, i, self.placer.options, usable).ok_or_else(|| {
             unsupported(module, i, format!("32 positions of a KV head (head_dim {}) do not fit one PE", c.head_dim))
         })?;
-        if kv.q_per_kv % kv.copies != 0 {
+        if kv.copies > kv.q_per_kv || kv.q_per_kv % kv.copies != 0 {
             return Err(unsupported(
                 module,
                 i,
