@@ -1435,8 +1435,9 @@ impl Stacked<'_> {
                     let mut blocks = Vec::new();
                     for b in 0..kv.blocks_per_head() {
                         let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
-                        // Each copy's first block (where its reductions end and its output
-                        // leaves) near the band's middle row, so it has rows both ways.
+                        // The band walked column by column from its middle row: the first
+                        // copy's first block (where its reductions end and its output leaves)
+                        // has rows both ways; the other copies' blocks follow on in the walk.
                         let cell = (sequence * kv.copies + copy) * kv.blocks_per_head() + b;
                         let pe = band.walk_from_middle(cell);
                         let requests = kv_block_requests(module, i, h, query_heads.clone(), positions.clone());
