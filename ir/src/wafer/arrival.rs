@@ -8,7 +8,7 @@
 //! ([`super::distance_bound_cycles`]) take the leads from here, so the bound subtracts exactly
 //! what the model does.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use super::{InstrIndex, InstrPlacement, Pe, ResultLayout, Route, RouteId, TargetParams, WaferProgram, Work};
 use crate::module::Module;
@@ -55,18 +55,19 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
     leads
 }
 
-/// The `(producer, reader)` pairs where `reader` takes no part in `producer`'s deliveries (the
-/// routes of its `Deliver` step): no delivery starts or ends on a PE of the reader, so the part
+/// Per reader (by value index), the producers it reads in place: those whose deliveries (the
+/// routes of their `Deliver` step) it takes no part in. No delivery starts or ends on a PE of
+/// the reader, so the part
 /// of the result it reads already lies on its PEs when the producer's steps before the
 /// `Deliver` end, and its PEs are idle during the `Deliver`. The timing model starts such a
 /// reader then, and the distance bound ([`super::distance_bound_ends`]) likewise. Producers are
 /// followed through slices; readers that compute nothing (`expert_dispatch`, `slice`) and
 /// replicated experts' instructions (whose copies get inputs on routes of their own) are left
 /// out.
-pub fn in_place_readers(program: &WaferProgram, module: &Module) -> HashSet<(InstrIndex, InstrIndex)> {
+pub fn in_place_readers(program: &WaferProgram, module: &Module) -> Vec<Vec<InstrIndex>> {
     let source = producers(module);
     let replicated = super::replica_slots(program);
-    let mut pairs = HashSet::new();
+    let mut in_place = vec![Vec::new(); module.body.len()];
     for (handle, instr) in module.body.iter() {
         let reader = handle.index();
         let Some(placement) = program.instrs.get(reader) else { continue };
@@ -88,12 +89,12 @@ pub fn in_place_readers(program: &WaferProgram, module: &Module) -> HashSet<(Ins
                 made.deliveries.iter().filter_map(|&id| program.routes.get(id as usize)).any(|route| {
                     route.sources.iter().chain(&route.destinations).any(|pe| pes.binary_search(pe).is_ok())
                 });
-            if !touches {
-                pairs.insert((producer as InstrIndex, reader as InstrIndex));
+            if !touches && !in_place[reader].contains(&(producer as InstrIndex)) {
+                in_place[reader].push(producer as InstrIndex);
             }
         }
     }
-    pairs
+    in_place
 }
 
 /// Per value, the instruction whose result holds it: itself, or a slice's `x`'s (through

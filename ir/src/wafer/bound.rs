@@ -90,7 +90,7 @@ pub fn distance_bound_ends(
         }
         op => {
             let operands = op.operands();
-            let early = |o: &crate::Value| in_place.contains(&(source[o.index()] as InstrIndex, i as InstrIndex));
+            let early = |o: &crate::Value| in_place[i].contains(&(source[o.index()] as InstrIndex));
             operands.iter().any(early).then(|| {
                 let ready = |o: &crate::Value| match early(o) {
                     true => end[source[o.index()]].saturating_sub(delivering[source[o.index()]]),

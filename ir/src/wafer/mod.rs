@@ -553,11 +553,18 @@ impl KvHeadPlacement {
         (self.query_heads.end - self.query_heads.start) as u64
     }
 
+    /// The query heads these blocks serve, numbered over the whole model, of a model with
+    /// `group` query heads per KV head.
+    pub fn query_range(&self, group: u64) -> Range<u64> {
+        let first = self.kv_head as u64 * group;
+        first + self.query_heads.start as u64..first + self.query_heads.end as u64
+    }
+
     /// The elements of the queries (and of the attention's output) these blocks serve, of a
     /// model with `group` query heads per KV head of `head_dim` elements.
     pub fn query_elements(&self, group: u64, head_dim: u64) -> Range<u64> {
-        let first = self.kv_head as u64 * group;
-        (first + self.query_heads.start as u64) * head_dim..(first + self.query_heads.end as u64) * head_dim
+        let heads = self.query_range(group);
+        heads.start * head_dim..heads.end * head_dim
     }
 }
 

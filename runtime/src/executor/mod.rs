@@ -161,10 +161,9 @@ pub struct Executor<'p> {
     /// Routes into expert copies, by the instruction whose `Deliver` step sends them, with the
     /// copies `(replica, copy)` each reaches; sent only in a step one of them serves.
     copy_inputs: CopyInputs,
-    /// `(producer, reader)` pairs where the reader reads the producer's result where it lies, so
-    /// it may start when the steps before the producer's `Deliver` end
-    /// (`waferc_ir::wafer::arrival::in_place_readers`).
-    reads_in_place: std::collections::HashSet<(InstrIndex, InstrIndex)>,
+    /// Per instruction, the producers whose results it reads where they lie, so it may start
+    /// when the steps before their `Deliver` end (`waferc_ir::wafer::arrival::in_place_readers`).
+    reads_in_place: Vec<Vec<InstrIndex>>,
     /// Attention's `Collect` routes (the placement does not list them), in element order.
     attention_collects: HashMap<InstrIndex, Vec<RouteId>>,
     rope_frequencies: Vec<Option<kernels::RopeTable>>,
@@ -460,7 +459,6 @@ impl<'p> Executor<'p> {
                 state.held[instr as usize] = Held::Absent;
             }
             let ready = self.ready_cycle(&state, instr);
-            let in_place = |producer: InstrIndex| self.reads_in_place.contains(&(producer, instr));
             state.timeline.finish_instr(
                 self.program,
                 &self.costs,
@@ -468,7 +466,7 @@ impl<'p> Executor<'p> {
                 open,
                 ready,
                 &self.instr_pes[instr as usize][copy as usize],
-                &in_place,
+                &self.reads_in_place[instr as usize],
             );
         }
         let logits = self.output_logits(&state)?;
@@ -520,7 +518,9 @@ impl<'p> Executor<'p> {
                 }
             }
             Op::Slice { x, .. } => self.done_cycle(state, x.index() as InstrIndex, reader),
-            _ if self.reads_in_place.contains(&(value, reader)) => (state.timeline.before_deliver(value), Some(value)),
+            _ if self.reads_in_place[reader as usize].contains(&value) => {
+                (state.timeline.before_deliver(value), Some(value))
+            }
             _ => (state.timeline.instr_end(value), Some(value)),
         }
     }

@@ -810,7 +810,7 @@ impl Timeline {
 
     /// Places an executed instruction's steps on the timeline: it starts at `ready` (its
     /// operands' end, and the instruction that ended last among them) or when its PEs are free,
-    /// whichever is later (a PE last held by a producer it reads in place, `in_place`, is free
+    /// whichever is later (a PE last held by a producer it reads in place, one of `in_place`, is free
     /// once that producer's steps before its `Deliver` end); an unchosen expert
     /// (`worked == false`) takes no time and occupies nothing.
     #[allow(clippy::too_many_arguments)]
@@ -822,7 +822,7 @@ impl Timeline {
         worked: bool,
         ready: (u64, Option<InstrIndex>),
         pes: &[Pe],
-        in_place: &dyn Fn(InstrIndex) -> bool,
+        in_place: &[InstrIndex],
     ) {
         let orphan = run.take_orphan();
         if let Some(last) = run.work.last_mut() {
@@ -834,7 +834,7 @@ impl Timeline {
         if worked {
             for pe in pes {
                 if let Some((free, by)) = self.pe_free.get(*pe) {
-                    let free = if in_place(by) { self.instrs[by as usize].before_deliver } else { free };
+                    let free = if in_place.contains(&by) { self.instrs[by as usize].before_deliver } else { free };
                     if free > at {
                         (at, cause) = (free, Some(by));
                     }

@@ -1269,9 +1269,10 @@ impl Stacked<'_> {
                             // `attention`), each in a column of its own and as near its rows'
                             // tiles as the band allows, so their collects run side by side.
                             let partner = self.partner_pe(halves, &seg, &layout, bytes);
-                            let pe = match (self.attention_head(i, &seg), tiles.get((r * g.col_blocks + c) as usize)) {
-                                _ if partner.is_some() => partner.expect("checked"),
-                                (Some((kv_heads, head)), _) => {
+                            let tile = tiles.get((r * g.col_blocks + c) as usize);
+                            let pe = match (partner, self.attention_head(i, &seg), tile) {
+                                (Some(pe), _, _) => pe,
+                                (None, Some((kv_heads, head)), _) => {
                                     // Slots interleave the bands, so no two segments share a column.
                                     let slot = in_band.entry(head).or_default();
                                     *slot += 1;
@@ -1294,7 +1295,7 @@ impl Stacked<'_> {
                                         row,
                                     )?
                                 }
-                                (None, Some(tile)) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
+                                (None, None, Some(tile)) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
                                 _ => self.fresh_pe(i, unit, bytes, &taken)?,
                             };
                             taken.insert(pe);

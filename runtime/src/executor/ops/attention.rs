@@ -53,14 +53,14 @@ impl Executor<'_> {
         for (h_index, kh) in p.heads_of(self.sequence) {
             let h = kh.kv_head as u64;
             // The query heads these blocks serve: the whole group, or a copy's share of it.
-            let group = kh.query_count() as usize;
-            if group == 0 || kh.query_heads.end as usize > p.heads as usize / p.kv_heads as usize {
+            let queries = kh.query_count() as usize;
+            if queries == 0 || kh.query_heads.end as usize > group {
                 return Err(ExecError::Malformed {
                     site: run.site.clone(),
                     problem: format!("KV head {} serves query heads {:?} of its group", kh.kv_head, kh.query_heads),
                 });
             }
-            let q_range = kh.query_elements((p.heads / p.kv_heads) as u64, dim as u64);
+            let q_range = kh.query_elements(group as u64, dim as u64);
             let kv_range = h * dim as u64..(h + 1) * dim as u64;
 
             run.begin(Phase::Compute);
@@ -110,7 +110,7 @@ impl Executor<'_> {
                 } else {
                     let empty = KvBlockState::default();
                     let cache = self.kv.get(&(run.instr, h_index, b_index)).unwrap_or(&empty);
-                    (0..group)
+                    (0..queries)
                         .map(|head| {
                             let q_head = &q_block.values()[head * dim..(head + 1) * dim];
                             (0..n)
@@ -119,10 +119,13 @@ impl Executor<'_> {
                         })
                         .collect()
                 };
-                let local = self.compute_data(group, || {
+                let local = self.compute_data(queries, || {
                     scores.iter().map(|s| s.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect()
                 });
-                run.compute(block.pe, self.costs.fma((n * group * dim) as u64) + self.costs.flops((n * group) as u64));
+                run.compute(
+                    block.pe,
+                    self.costs.fma((n * queries * dim) as u64) + self.costs.flops((n * queries) as u64),
+                );
                 blocks.push(BlockWork { pe: block.pe, valid, scores, local });
             }
 
@@ -155,7 +158,7 @@ impl Executor<'_> {
                             .iter()
                             .map(|b| match b.pe == root {
                                 true => Ok(total.clone()),
-                                false => self.receive_data(state, run, broadcast, root, b.pe, group),
+                                false => self.receive_data(state, run, broadcast, root, b.pe, queries),
                             })
                             .collect()
                     }
@@ -175,8 +178,7 @@ impl Executor<'_> {
             // the placement must still hold them.
             let sink_values = match (sinks, blocks.first()) {
                 (Some(weight), Some(first)) => {
-                    let first_query = h * (p.heads / p.kv_heads) as u64 + kh.query_heads.start as u64;
-                    let cols = first_query..first_query + group as u64;
+                    let cols = kh.query_range(group as u64);
                     let region = self.find_weight_region(run, first.pe, weight, 0, &cols)?;
                     Some(match self.options.timing_only {
                         true => Vec::new(),
@@ -186,7 +188,7 @@ impl Executor<'_> {
                 _ => None,
             };
             let with_sink_max = |m: Data| match &sink_values {
-                Some(sinks) => self.compute_data(group, || {
+                Some(sinks) => self.compute_data(queries, || {
                     m.values().iter().zip(sinks).map(|(&m, &s)| kernels::sink_max(m, s)).collect()
                 }),
                 None => m,
@@ -201,19 +203,19 @@ impl Executor<'_> {
                 } else {
                     block.scores.iter().zip(max.values()).map(|(s, &m)| kernels::softmax_numerators(s, m)).collect()
                 };
-                block.local = self.compute_data(group, || e.iter().map(|e| kernels::tree_sum(e)).collect());
+                block.local = self.compute_data(queries, || e.iter().map(|e| kernels::tree_sum(e)).collect());
                 numerators.push(e);
             }
             // Charge the exponentials and the local sums to the AttentionSum phase.
             let sums = {
                 run.begin(Phase::AttentionSum);
                 for block in &blocks {
-                    let n = (block.valid.len() * group) as u64;
+                    let n = (block.valid.len() * queries) as u64;
                     run.compute(block.pe, self.costs.flops(n * timing::EXP_FLOPS + n));
                 }
                 let root_max = maxima[0].clone();
                 let with_sink_sum = |z: Data| match &sink_values {
-                    Some(sinks) => self.compute_data(group, || {
+                    Some(sinks) => self.compute_data(queries, || {
                         (z.values().iter().zip(sinks).zip(root_max.values()))
                             .map(|((&z, &s), &m)| kernels::sink_denominator(z, s, m))
                             .collect()
@@ -227,10 +229,10 @@ impl Executor<'_> {
             let mut outs = Vec::with_capacity(blocks.len());
             for (b_index, (block, (e, z))) in blocks.iter().zip(numerators.into_iter().zip(&sums)).enumerate() {
                 let n = block.valid.len();
-                let out = self.compute_data(group * dim, || {
+                let out = self.compute_data(queries * dim, || {
                     let empty = KvBlockState::default();
                     let cache = self.kv.get(&(run.instr, h_index, b_index)).unwrap_or(&empty);
-                    let mut out = vec![0.0; group * dim];
+                    let mut out = vec![0.0; queries * dim];
                     for (head, (e, &z)) in e.into_iter().zip(z.values()).enumerate() {
                         let p = kernels::softmax_normalize(e, z);
                         let mut sum = VectorTreeSum::new(dim);
@@ -243,8 +245,8 @@ impl Executor<'_> {
                 });
                 run.compute(
                     block.pe,
-                    self.costs.flops((n * group) as u64 * timing::DIVIDE_FLOPS)
-                        + self.costs.fma((n * group * dim) as u64),
+                    self.costs.flops((n * queries) as u64 * timing::DIVIDE_FLOPS)
+                        + self.costs.fma((n * queries * dim) as u64),
                 );
                 outs.push(out);
             }
