@@ -13,6 +13,17 @@ fn compiled() -> (Module, WaferProgram) {
     (module, program)
 }
 
+/// The tiny model with the stacked plan (one layer per region, `kv_copies` copies of each KV
+/// head's cache) on a 16x16 grid, accepted by the checker.
+fn compiled_stacked(kv_copies: u8) -> (Module, WaferProgram) {
+    let module = build(&Shape::tiny());
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies };
+    let options = CompileOptions { plan, ..CompileOptions::new(64) };
+    let program = compile(&module, &Target::resolve("grid:16x16").unwrap(), &options).unwrap();
+    check(&program, &module).unwrap();
+    (module, program)
+}
+
 fn problems(program: &WaferProgram, module: &Module) -> CheckError {
     check(program, module).expect_err("the checker must reject the fault")
 }
@@ -256,13 +267,7 @@ fn a_collect_aimed_at_the_wrong_pe_is_named() {
 #[test]
 fn a_norm_group_cut_off_chunk_boundaries_is_caught() {
     // The stacked plan cuts norms over many segments.
-    let module = build(&Shape::tiny());
-    let options = CompileOptions {
-        plan: Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 },
-        ..CompileOptions::new(64)
-    };
-    let mut program = compile(&module, &Target::resolve("grid:16x16").unwrap(), &options).unwrap();
-    check(&program, &module).unwrap();
+    let (module, mut program) = compiled_stacked(1);
     // Move the boundary between a norm's first two segments of one group by half a chunk: the
     // reduction's leaves are then no longer subtrees of the chunk tree.
     let (instr, pe) = program
@@ -290,13 +295,7 @@ fn a_norm_group_cut_off_chunk_boundaries_is_caught() {
 
 #[test]
 fn kv_copies_that_do_not_partition_the_query_heads_are_caught() {
-    let module = build(&Shape::tiny());
-    let options = CompileOptions {
-        plan: Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 2 },
-        ..CompileOptions::new(64)
-    };
-    let mut program = compile(&module, &Target::resolve("grid:16x16").unwrap(), &options).unwrap();
-    check(&program, &module).unwrap();
+    let (module, mut program) = compiled_stacked(2);
     // Both copies of a KV head then serve its first query head; its second has no blocks.
     let instr = program
         .instrs
