@@ -132,7 +132,7 @@ pub fn search_keeping<T>(
     base: &CompileOptions,
     mut keep: impl FnMut(WaferProgram, &Module) -> anyhow::Result<T>,
 ) -> anyhow::Result<Found<T>> {
-    let plans = candidates(modules.for_plan(&Plan::Tiled));
+    let mut plans = candidates(modules.for_plan(&Plan::Tiled));
     let params = target.params();
     let wafer_bytes = params.grid_cols as u64 * params.grid_rows as u64 * params.usable_bytes_per_pe() as u64;
 
@@ -146,7 +146,6 @@ pub fn search_keeping<T>(
     // larger groups are the largest lowerings, and usually the fastest, so later candidates are
     // rarely faster and rarely checked. The order changes nothing else: the winner is the least
     // (cycles, index) that the checker accepts.
-    let mut plans = plans;
     let mut records: Vec<Option<Record>> = (0..plans.len()).map(|_| None).collect();
     let mut best: Option<Kept<T>> = None;
     let mut run = |index: usize,
