@@ -89,12 +89,29 @@ const NARROW_PANELS: u64 = 4;
 /// the input (SmolLM2's matrices lose 7% of the speed at eight panels; the 8B's gate/up
 /// projection gains 12%).
 const DEEP_TILE_ROWS: u64 = 8;
-/// The longest segment (8 KiB of f32): only the logits are long enough to need more than
-/// [`MAX_SEGMENTS`] of these, and nothing reads them on the wafer.
-const MAX_SEGMENT_ELEMENTS: u64 = 512;
+/// The longest segment of a vector cut in [`MAX_SEGMENTS`] or more ([`vector_cut`]): each
+/// segment of a matvec's result receives its rows' pieces one after another, so its length is
+/// the collect's serialisation. Only long vectors that no matvec reads reach it (the logits,
+/// which leave the wafer): SmolLM2's 49,152 logits in 384 segments collect in 426 cycles, in
+/// 96 of 512 elements in 847.
+const MAX_SEGMENT_ELEMENTS: u64 = 128;
 /// The most segments the embedding's result is cut in: each is gathered from its own band of
-/// the table, and all of an instruction's routes need distinct colours where they meet.
-const EMBED_SEGMENTS: u64 = 8;
+/// the table, and all of an instruction's routes need distinct colours where they meet. Its
+/// delivery to the first layer serialises a segment per route: SmolLM2's 576 elements in 18
+/// segments deliver in 200 cycles, in 6 in 262.
+const EMBED_SEGMENTS: u64 = 18;
+
+/// The share of a PE's usable SRAM a unit's weights and KV take on average at the fewest PEs
+/// [`area_shares`] gives it: below [`TILE_SHARE`], since tiles are uneven (a row block or a
+/// chunk more on some PEs) and vectors need room beside them (the 8B's `stacked:4` overflowed a
+/// PE with its floors at [`TILE_SHARE`]). A model whose bytes fill its block beyond this (the
+/// 8B on one WSE-3) gets areas in proportion to bytes.
+const FLOOR_FILL: f64 = 0.4;
+
+/// The share of a PE's usable SRAM an embedding table's blocks may take on average: a row-block
+/// cut serves every band of the table ([`Stacked::embed`]), and the smallest band may have half
+/// the rows of the others.
+const EMBED_TABLE_SHARE: f64 = TILE_SHARE / 2.0;
 
 /// Flops an element of a matvec's input takes in the vector ops before it (a norm, a residual
 /// add, SiLU and a product), for the tiling's cost estimate.
@@ -145,8 +162,12 @@ impl Rect {
 /// A run of instructions placed together, and what it holds.
 struct Unit {
     instrs: Range<usize>,
-    /// Weight bytes plus KV bytes: what the unit's rectangle is sized by.
+    /// Weight bytes plus KV bytes: what the unit's rectangle must hold.
     bytes: u64,
+    /// Multiply-adds of its matvecs per token: the arithmetic its rectangle shares out.
+    fmas: u64,
+    /// The fewest PEs that hold its bytes with room for vectors ([`area_shares`]).
+    floor_pes: f64,
     /// The fewest PEs its rectangle may have: one instruction's result segments sit on
     /// distinct PEs (a PE sends one message per route), so the most segments any of its
     /// instructions is cut in.
@@ -301,14 +322,19 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
         .windows(2)
         .map(|w| {
             let instrs = w[0]..w[1];
-            let (mut bytes, mut attentions, mut min_pes) = (0, Vec::new(), 1);
+            let (mut bytes, mut fmas, mut attentions, mut min_pes) = (0, 0, Vec::new(), 1);
+            let mut floor_pes = 0.0;
             for i in instrs.clone() {
                 min_pes = min_pes.max(result_segments(module, i));
                 match &module.body[waferc_ir::Handle::new(i)].op {
                     Op::MatVec { weight, bias, .. } => {
                         bytes += weight_bytes(module, *weight) + bias.map_or(0, |b| weight_bytes(module, b));
+                        fmas += module.weights[*weight].ty.shape.iter().product::<u64>();
                     }
-                    Op::Embed { table } => bytes += weight_bytes(module, *table),
+                    Op::Embed { table } => {
+                        bytes += weight_bytes(module, *table);
+                        floor_pes += weight_bytes(module, *table) as f64 / (EMBED_TABLE_SHARE * usable as f64);
+                    }
                     Op::Attention { .. } => {
                         if let Some(kv) = KvShape::of(module, i, options, usable) {
                             bytes += kv.kv_heads * kv.head_bytes();
@@ -318,7 +344,10 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
                     _ => {}
                 }
             }
-            Unit { instrs, bytes, min_pes, attentions }
+            let table_pes = floor_pes;
+            let others = bytes as f64 - table_pes * EMBED_TABLE_SHARE * usable as f64;
+            let floor_pes = (table_pes + others / (FLOOR_FILL * usable as f64)).max(min_pes as f64);
+            Unit { instrs, bytes, fmas, floor_pes, min_pes, attentions }
         })
         .collect()
 }
@@ -335,13 +364,54 @@ fn result_segments(module: &Module, i: usize) -> u64 {
     }
 }
 
+/// The columns and rows of the block of `wafer_percent` of a wafer (both sides scaled alike).
+fn block_size(params: &TargetParams, wafer_percent: u8) -> (u64, u64) {
+    let side = (wafer_percent.clamp(1, 100) as f64 / 100.0).sqrt();
+    let scaled = |n: u16| ((n as f64 * side).round() as u64).clamp(1, n as u64);
+    (scaled(params.grid_cols), scaled(params.grid_rows))
+}
+
+fn block_pes(params: &TargetParams, wafer_percent: u8) -> u64 {
+    let (cols, rows) = block_size(params, wafer_percent);
+    cols * rows
+}
+
+/// How the `pes` of a block are shared out among `units` (in PEs, before [`rectangles`] fits
+/// them): each unit gets at least its `floor_pes` (its bytes at [`FLOOR_FILL`] of a PE's
+/// usable SRAM, an embedding table's at [`EMBED_TABLE_SHARE`]), and beyond that shares in proportion to the square root of its multiply-adds. The
+/// square root minimises the units' summed arithmetic time (`fmas / area` summed, at a fixed
+/// total area), so a unit of much arithmetic (an LM head as large as SmolLM2's) gets more PEs
+/// than its bytes would give it, and an embedding, which only gathers a row, no more than its
+/// table needs. When the floors fill the block, the shares are the bytes: area in proportion
+/// to bytes, as the tile budgets assume.
+fn area_shares(units: &[&Unit], pes: u64) -> Vec<u64> {
+    let floors: Vec<f64> = units.iter().map(|u| u.floor_pes).collect();
+    let weights: Vec<f64> = units.iter().map(|u| (u.fmas as f64).sqrt()).collect();
+    let filled = |lambda: f64| -> f64 { floors.iter().zip(&weights).map(|(f, w)| f.max(lambda * w)).sum() };
+    let pes = pes as f64;
+    if filled(0.0) >= pes || weights.iter().all(|&w| w == 0.0) {
+        return units.iter().map(|u| u.bytes).collect();
+    }
+    // `filled` grows with `lambda`: bisect for the one that shares out the whole block.
+    let (mut low, mut high) = (0.0f64, pes / weights.iter().cloned().fold(f64::MIN_POSITIVE, f64::max));
+    for _ in 0..64 {
+        let mid = (low + high) / 2.0;
+        if filled(mid) > pes {
+            high = mid;
+        } else {
+            low = mid;
+        }
+    }
+    floors.iter().zip(&weights).map(|(f, w)| f.max(low * w).ceil() as u64).collect()
+}
+
 /// Wafer of each unit: consecutive units, the heaviest wafer's bytes least (`partition`).
 fn unit_wafers(units: &[Unit], wafers: u16) -> Vec<u16> {
     let bytes: Vec<u64> = units.iter().map(|u| u.bytes).collect();
     super::partition::partition(&bytes, wafers, u64::MAX).unwrap_or_else(|| vec![0; units.len()])
 }
 
-/// Rectangles for the units of one wafer, areas in proportion to their bytes: the block of
+/// Rectangles for the units of one wafer, areas in proportion to their `shares` ([`area_shares`]): the block of
 /// `wafer_percent` of the wafer at its north-west corner (both sides scaled alike) is cut into
 /// vertical strips about as wide as a unit's square side, and units fill the strips in a snake
 /// (down the first, up the next), so consecutive units are neighbours; the units of a strip then
@@ -351,24 +421,22 @@ fn rectangles(
     params: &TargetParams,
     wafer_percent: u8,
     wafer: u16,
-    bytes: &[u64],
+    shares: &[u64],
     min_pes: &[u64],
 ) -> Option<Vec<Rect>> {
-    let side = (wafer_percent.clamp(1, 100) as f64 / 100.0).sqrt();
-    let scaled = |n: u16| ((n as f64 * side).round() as u64).clamp(1, n as u64);
-    let (cols, rows) = (scaled(params.grid_cols), scaled(params.grid_rows));
-    let total: u64 = bytes.iter().sum::<u64>().max(1);
-    let typical = (cols * rows) / bytes.len().max(1) as u64;
+    let (cols, rows) = block_size(params, wafer_percent);
+    let total: u64 = shares.iter().sum::<u64>().max(1);
+    let typical = (cols * rows) / shares.len().max(1) as u64;
     let strips = ((cols as f64 / (typical as f64).sqrt()).round() as u64).clamp(1, cols);
     let width = |s: u64| cols * (s + 1) / strips - cols * s / strips;
     let start = |s: u64| cols * s / strips;
     // Shrink the heights until the snake fits the strips (units never straddle two strips).
     let mut scale = 1.0f64;
     for _ in 0..64 {
-        let mut out = Vec::with_capacity(bytes.len());
+        let mut out = Vec::with_capacity(shares.len());
         let (mut strip, mut used) = (0u64, 0u64);
         let mut fits = true;
-        for (&b, &least) in bytes.iter().zip(min_pes) {
+        for (&b, &least) in shares.iter().zip(min_pes) {
             let mut placed = false;
             while strip < strips {
                 let w = width(strip);
@@ -593,9 +661,10 @@ pub(super) fn place(
         if on.is_empty() {
             continue;
         }
-        let bytes: Vec<u64> = on.iter().map(|&u| units[u].bytes).collect();
+        let on_units: Vec<&Unit> = on.iter().map(|&u| &units[u]).collect();
+        let shares = area_shares(&on_units, block_pes(params, wafer_percent));
         let min_pes: Vec<u64> = on.iter().map(|&u| units[u].min_pes).collect();
-        let rects = rectangles(params, wafer_percent, wafer, &bytes, &min_pes).ok_or_else(|| {
+        let rects = rectangles(params, wafer_percent, wafer, &shares, &min_pes).ok_or_else(|| {
             WaferError::Options(format!(
                 "{}: {} regions do not fit wafer {wafer} of {}",
                 options.plan,
@@ -1002,9 +1071,10 @@ impl Stacked<'_> {
         // An op reading the vector of the region beside sits in the rows that vector arrives
         // on, so its deliveries run straight along rows, side by side (`columns`).
         let across = self.reads_from_beside(i);
-        // The residual stream inside a region runs along its middle row (`columns`).
-        if !across && self.residual_in_middle_row(i) {
-            if let Some(cut) = self.aligned_cut(i, len) {
+        // The residual stream inside a region runs along its middle row, or else the norm on
+        // it does (`columns`).
+        if !across && (self.residual_in_middle_row(i) || self.norm_in_middle_row(i)) {
+            if let Some(cut) = self.aligned_cut(i, len, 0) {
                 return self.aligned_layout(i, unit, cut, true, requests);
             }
         }
@@ -1013,7 +1083,7 @@ impl Stacked<'_> {
                 return Ok(layout);
             }
         }
-        if let Some(cut) = self.aligned_cut(i, len) {
+        if let Some(cut) = self.aligned_cut(i, len, 0) {
             return self.aligned_layout(i, unit, cut, false, requests);
         }
         if across {
@@ -1182,7 +1252,7 @@ impl Stacked<'_> {
             Op::MatVec { weight, bias, .. } => {
                 let (rows, cols) = (module.weights[*weight].ty.shape[0], module.weights[*weight].ty.shape[1]);
                 let (area, mut g) = self.matvec_grid(i, unit)?;
-                let aligned = self.aligned_cut(i, rows);
+                let aligned = self.aligned_cut(i, rows, g.rows_per_tile);
                 g.rows_across_panels = aligned.is_some();
                 let width_of =
                     |c: u64| (c * g.chunks_per_tile * CHUNK)..((c + 1) * g.chunks_per_tile * CHUNK).min(cols);
@@ -1454,7 +1524,7 @@ impl Stacked<'_> {
         // on rows of their own in the head's band, nearest its middle row (where the head's root
         // block is) first: the collects from the root leave north, south and west and run along
         // those rows, side by side.
-        let cut = self.aligned_cut(i, len).filter(|cut| cut.len() as u64 <= MAX_ALIGNED_PER_BAND * kv.kv_heads);
+        let cut = self.aligned_cut(i, len, 0).filter(|cut| cut.len() as u64 <= MAX_ALIGNED_PER_BAND * kv.kv_heads);
         if let Some(cut) = cut {
             let area = self.region(unit).area;
             let mut layout = VectorLayout::default();
