@@ -25,7 +25,7 @@ use crate::wafer::WaferError;
 /// columns, so they take a colour each there.
 pub(super) const SEGMENTS_PER_COLUMN: u64 = 4;
 /// The shortest segment of a matvec's result that reaches matvecs through elementwise ops alone
-/// (a quarter chunk). A norm's partial sums must be whole chunks of the chunk tree, and an
+/// (a quarter chunk; an expert's, [`MIN_EXPERT_ELEMENTWISE_SEGMENT`]). A norm's partial sums must be whole chunks of the chunk tree, and an
 /// attention output's collects crowd its KV band's colours, so only these get it: SiLU (13
 /// flops an element) and the product before the down projection then run on up to four times
 /// the PEs. Never shorter than the matvec's row block, whose root would otherwise feed several
@@ -34,6 +34,10 @@ const MIN_ELEMENTWISE_SEGMENT: u64 = CHUNK / 4;
 /// [`SEGMENTS_PER_COLUMN`] for those segments: SmolLM2's SiLU on 8 elements instead of 16 saves
 /// 105 cycles a layer.
 const ELEMENTWISE_SEGMENTS_PER_COLUMN: u64 = 8;
+/// [`MIN_ELEMENTWISE_SEGMENT`] for an expert's matvec (at [`SEGMENTS_PER_COLUMN`] a column):
+/// the experts of a layer share the columns, so their segments' routes crowd the routers'
+/// colours (Qwen3-30B-A3B ran out of them with a quarter chunk).
+const MIN_EXPERT_ELEMENTWISE_SEGMENT: u64 = CHUNK / 2;
 /// The fewest rows an expert's lane needs for its vectors to be column-aligned: each segment
 /// takes a PE of its column in the lane, and a lane of a few rows (many experts, or a small
 /// area) runs out of them; there the expert's vectors keep the general layout.
@@ -192,18 +196,18 @@ impl Stacked<'_> {
     pub(super) fn aligned_cut(&mut self, i: usize, len: u64, row_block: u64) -> Option<Vec<(Range<u64>, u64)>> {
         let Consumers { matvecs: consumers, through_norm, .. } = self.consumers(i)?;
         let from_matvec = matches!(self.placer.module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. });
-        let shortest = match from_matvec && !through_norm {
-            true => MIN_ELEMENTWISE_SEGMENT.max(row_block.next_power_of_two()),
-            false => CHUNK,
+        let expert = self.placer.analysis.expert[i].is_some();
+        let (shortest, per_column) = match (from_matvec && !through_norm, expert) {
+            (true, false) => {
+                (MIN_ELEMENTWISE_SEGMENT.max(row_block.next_power_of_two()), ELEMENTWISE_SEGMENTS_PER_COLUMN)
+            }
+            (true, true) => (MIN_EXPERT_ELEMENTWISE_SEGMENT, SEGMENTS_PER_COLUMN),
+            (false, _) => (CHUNK, SEGMENTS_PER_COLUMN),
         };
         let mut cut = Vec::new();
         let mut at = 0;
         while at < len {
             let c = consumers.iter().find(|c| c.base <= at && at < c.base + c.cols)?;
-            let per_column = match shortest < CHUNK {
-                true => ELEMENTWISE_SEGMENTS_PER_COLUMN,
-                false => SEGMENTS_PER_COLUMN,
-            };
             let per_column = per_column.min(c.width / shortest).max(1);
             let piece = c.width / per_column;
             let offset = at - c.base;

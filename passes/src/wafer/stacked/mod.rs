@@ -3,8 +3,9 @@
 //! At batch 1 a decoder runs its layers one after another, so a plan that gives each matrix PEs
 //! of its own leaves almost all of them idle at any moment. Here the module is cut into *units*
 //! (the prologue before the first layer, groups of `layers_per_region` consecutive layers, the
-//! epilogue after the last), each unit gets one rectangle of PEs sized by the bytes it holds, and
-//! inside a unit's rectangle:
+//! epilogue after the last), each unit gets one rectangle of PEs (at least what holds its bytes,
+//! and beyond that a share growing with its arithmetic: `area_shares`), and inside a unit's
+//! rectangle:
 //!
 //! * **every matvec is tiled over the whole tile area** (the rectangle less its KV strip), so
 //!   each PE holds a slice of every matrix of its layers and the q/k/v, o, gate/up and down
@@ -94,12 +95,20 @@ const DEEP_TILE_ROWS: u64 = 8;
 /// the collect's serialisation. Only long vectors that no matvec reads reach it (the logits,
 /// which leave the wafer): SmolLM2's 49,152 logits in 384 segments collect in 426 cycles, in
 /// 96 of 512 elements in 847.
-const MAX_SEGMENT_ELEMENTS: u64 = 128;
+const MAX_SEGMENT_ELEMENTS: u64 = 64;
 /// The most segments the embedding's result is cut in: each is gathered from its own band of
 /// the table, and all of an instruction's routes need distinct colours where they meet. Its
 /// delivery to the first layer serialises a segment per route: SmolLM2's 576 elements in 18
 /// segments deliver in 200 cycles, in 6 in 262.
 const EMBED_SEGMENTS: u64 = 18;
+
+/// How steeply a unit's area grows with its arithmetic ([`area_shares`]). A square root would
+/// minimise the units' summed arithmetic time (`fmas / area`, at a fixed total area), but a
+/// layer's time is mostly latency that more area does not shorten, while an LM head's
+/// reduction messages shrink with its area as its arithmetic does. Measured on SmolLM2
+/// (`stacked:1,35,kv3`, wse3): exponent 0.5 gives 110,341 cycles a token, 0.6 110,296, 0.75
+/// 109,945, 1.0 114,025.
+const ARITHMETIC_SHARE_EXPONENT: f64 = 0.75;
 
 /// The share of a PE's usable SRAM a unit's weights and KV take on average at the fewest PEs
 /// [`area_shares`] gives it: below [`TILE_SHARE`], since tiles are uneven (a row block or a
@@ -377,16 +386,15 @@ fn block_pes(params: &TargetParams, wafer_percent: u8) -> u64 {
 }
 
 /// How the `pes` of a block are shared out among `units` (in PEs, before [`rectangles`] fits
-/// them): each unit gets at least its `floor_pes` (its bytes at [`FLOOR_FILL`] of a PE's
-/// usable SRAM, an embedding table's at [`EMBED_TABLE_SHARE`]), and beyond that shares in proportion to the square root of its multiply-adds. The
-/// square root minimises the units' summed arithmetic time (`fmas / area` summed, at a fixed
-/// total area), so a unit of much arithmetic (an LM head as large as SmolLM2's) gets more PEs
-/// than its bytes would give it, and an embedding, which only gathers a row, no more than its
-/// table needs. When the floors fill the block, the shares are the bytes: area in proportion
-/// to bytes, as the tile budgets assume.
+/// them): each unit gets at least its `floor_pes` (its bytes at [`FLOOR_FILL`] of a PE's usable
+/// SRAM, an embedding table's at [`EMBED_TABLE_SHARE`]), and beyond that shares in proportion to
+/// its multiply-adds to the power [`ARITHMETIC_SHARE_EXPONENT`]. So a unit of much arithmetic
+/// (an LM head as large as SmolLM2's) gets more PEs than its bytes would give it, and an
+/// embedding, which only gathers a row, no more than its table needs. When the floors fill the
+/// block, the shares are the bytes: area in proportion to bytes, as the tile budgets assume.
 fn area_shares(units: &[&Unit], pes: u64) -> Vec<u64> {
     let floors: Vec<f64> = units.iter().map(|u| u.floor_pes).collect();
-    let weights: Vec<f64> = units.iter().map(|u| (u.fmas as f64).sqrt()).collect();
+    let weights: Vec<f64> = units.iter().map(|u| (u.fmas as f64).powf(ARITHMETIC_SHARE_EXPONENT)).collect();
     let filled = |lambda: f64| -> f64 { floors.iter().zip(&weights).map(|(f, w)| f.max(lambda * w)).sum() };
     let pes = pes as f64;
     if filled(0.0) >= pes || weights.iter().all(|&w| w == 0.0) {
@@ -411,12 +419,12 @@ fn unit_wafers(units: &[Unit], wafers: u16) -> Vec<u16> {
     super::partition::partition(&bytes, wafers, u64::MAX).unwrap_or_else(|| vec![0; units.len()])
 }
 
-/// Rectangles for the units of one wafer, areas in proportion to their `shares` ([`area_shares`]): the block of
-/// `wafer_percent` of the wafer at its north-west corner (both sides scaled alike) is cut into
-/// vertical strips about as wide as a unit's square side, and units fill the strips in a snake
-/// (down the first, up the next), so consecutive units are neighbours; the units of a strip then
-/// share the rows it has left. A unit gets at least the rows that hold its `min_pes`. `None`
-/// when the units do not fit the block.
+/// Rectangles for the units of one wafer, areas in proportion to their `shares`
+/// ([`area_shares`]): the block of `wafer_percent` of the wafer at its north-west corner (both
+/// sides scaled alike) is cut into vertical strips about as wide as a unit's square side, and
+/// units fill the strips in a snake (down the first, up the next), so consecutive units are
+/// neighbours; the units of a strip then share the rows it has left. A unit gets at least the
+/// rows that hold its `min_pes`. `None` when the units do not fit the block.
 fn rectangles(
     params: &TargetParams,
     wafer_percent: u8,
