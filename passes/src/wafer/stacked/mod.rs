@@ -90,12 +90,14 @@ const NARROW_PANELS: u64 = 4;
 /// the input (SmolLM2's matrices lose 7% of the speed at eight panels; the 8B's gate/up
 /// projection gains 12%).
 const DEEP_TILE_ROWS: u64 = 8;
-/// The longest segment of a vector cut in [`MAX_SEGMENTS`] or more ([`vector_cut`]): each
-/// segment of a matvec's result receives its rows' pieces one after another, so its length is
-/// the collect's serialisation. Only long vectors that no matvec reads reach it (the logits,
-/// which leave the wafer): SmolLM2's 49,152 logits in 384 segments collect in 426 cycles, in
-/// 96 of 512 elements in 847.
-const MAX_SEGMENT_ELEMENTS: u64 = 64;
+/// The longest segment (2 KiB of f32): only the logits are long enough to need more than
+/// [`MAX_SEGMENTS`] of these, and they take [`OUTPUT_SEGMENT_ELEMENTS`].
+const MAX_SEGMENT_ELEMENTS: u64 = 512;
+/// The segment of a matvec's result that nothing on the wafer reads (the logits): each
+/// receives its rows' pieces one after another, so its length is the collect's serialisation,
+/// and no multicast leaves it. SmolLM2's 49,152 logits collect in 367 cycles in segments of 64
+/// elements, in 847 in 512.
+const OUTPUT_SEGMENT_ELEMENTS: u64 = 64;
 /// The most segments the embedding's result is cut in: each is gathered from its own band of
 /// the table, and all of an instruction's routes need distinct colours where they meet. Its
 /// delivery to the first layer serialises a segment per route: SmolLM2's 576 elements in 18
@@ -1459,9 +1461,13 @@ impl Stacked<'_> {
     }
 
     /// The result cut of a matvec's `len` rows: a head when rope reads it (rope and attention
-    /// then run on single heads), else [`vector_cut`].
+    /// then run on single heads), [`OUTPUT_SEGMENT_ELEMENTS`] when nothing reads it, else
+    /// [`vector_cut`].
     fn segment_cut(&self, i: usize, len: u64) -> u64 {
         let module = self.placer.module;
+        if self.placer.analysis.readers[i].is_empty() {
+            return OUTPUT_SEGMENT_ELEMENTS;
+        }
         self.placer.analysis.readers[i]
             .iter()
             .filter_map(|&r| match &module.body[waferc_ir::Handle::new(r as usize)].op {
