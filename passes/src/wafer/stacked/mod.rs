@@ -93,10 +93,12 @@ const DEEP_TILE_ROWS: u64 = 8;
 /// The longest segment (2 KiB of f32): only the logits are long enough to need more than
 /// [`MAX_SEGMENTS`] of these, and they take [`OUTPUT_SEGMENT_ELEMENTS`].
 const MAX_SEGMENT_ELEMENTS: u64 = 512;
-/// The segment of a matvec's result that nothing on the wafer reads (the logits): each
-/// receives its rows' pieces one after another, so its length is the collect's serialisation,
-/// and no multicast leaves it. SmolLM2's 49,152 logits collect in 367 cycles in segments of 64
-/// elements, in 847 in 512.
+/// The segment of a matvec's result that nothing on the wafer reads (the logits), unless the
+/// matvec's row blocks are longer: each segment receives its rows' pieces one after another, so
+/// its length is the collect's serialisation, and no multicast leaves it. SmolLM2's 49,152
+/// logits collect in 367 cycles in segments of 64 elements, in 847 in 512. A segment shorter
+/// than a row block has its root feed several segments, and Qwen3-30B-A3B's 151,936 logits ran
+/// out of colours so.
 const OUTPUT_SEGMENT_ELEMENTS: u64 = 64;
 /// The most segments the embedding's result is cut in: each is gathered from its own band of
 /// the table, and all of an instruction's routes need distinct colours where they meet. Its
@@ -904,7 +906,7 @@ impl Stacked<'_> {
     fn band_blocks(&self, i: usize, rows: u64, g: &Grid, area: Rect) -> Option<RowBlocks> {
         let mut placed: Vec<u64> = Vec::new();
         let mut blocks = Vec::with_capacity(g.row_blocks as usize);
-        for head_rows in super::size::segments(rows, self.segment_cut(i, rows)) {
+        for head_rows in super::size::segments(rows, self.segment_cut(i, rows, g.rows_per_tile)) {
             let (kv_heads, head) = self.attention_head(i, &head_rows)?;
             if placed.is_empty() {
                 placed = vec![0; kv_heads as usize];
@@ -1332,7 +1334,7 @@ impl Stacked<'_> {
                     // its own (segments spread over the panel's columns), not all on the row
                     // roots. The layers of a group interleave their columns.
                     None => {
-                        let segments = super::size::segments(rows, self.segment_cut(i, rows));
+                        let segments = super::size::segments(rows, self.segment_cut(i, rows, g.rows_per_tile));
                         let count = segments.len() as u64;
                         let (k, local) = match ir.layer {
                             Some(l) => (self.layers_per_region, l as u64 % self.layers_per_region),
@@ -1461,12 +1463,12 @@ impl Stacked<'_> {
     }
 
     /// The result cut of a matvec's `len` rows: a head when rope reads it (rope and attention
-    /// then run on single heads), [`OUTPUT_SEGMENT_ELEMENTS`] when nothing reads it, else
-    /// [`vector_cut`].
-    fn segment_cut(&self, i: usize, len: u64) -> u64 {
+    /// then run on single heads), [`OUTPUT_SEGMENT_ELEMENTS`] (at least its `row_block` rows)
+    /// when nothing reads it, else [`vector_cut`].
+    fn segment_cut(&self, i: usize, len: u64, row_block: u64) -> u64 {
         let module = self.placer.module;
         if self.placer.analysis.readers[i].is_empty() {
-            return OUTPUT_SEGMENT_ELEMENTS;
+            return OUTPUT_SEGMENT_ELEMENTS.max(row_block.next_power_of_two());
         }
         self.placer.analysis.readers[i]
             .iter()
