@@ -96,14 +96,14 @@ const MAX_SEGMENT_ELEMENTS: u64 = 512;
 /// The segment of a matvec's result that nothing on the wafer reads (the logits), unless the
 /// matvec's row blocks are longer: each segment receives its rows' pieces one after another, so
 /// its length is the collect's serialisation, and no multicast leaves it. SmolLM2's 49,152
-/// logits collect in 367 cycles in segments of 64 elements, in 847 in 512. A segment shorter
+/// logits collect in 572 cycles in segments of 64 elements, in 1,007 in 512. A segment shorter
 /// than a row block has its root feed several segments, and Qwen3-30B-A3B's 151,936 logits ran
 /// out of colours so.
 const OUTPUT_SEGMENT_ELEMENTS: u64 = 64;
 /// The most segments the embedding's result is cut in: each is gathered from its own band of
 /// the table, and all of an instruction's routes need distinct colours where they meet. Its
 /// delivery to the first layer serialises a segment per route: SmolLM2's 576 elements in 18
-/// segments deliver in 200 cycles, in 6 in 262.
+/// segments deliver in 190 cycles, in 6 in 252.
 const EMBED_SEGMENTS: u64 = 18;
 
 /// How steeply a unit's area grows with its arithmetic ([`area_shares`]). A square root would
@@ -177,7 +177,8 @@ struct Unit {
     instrs: Range<usize>,
     /// Weight bytes plus KV bytes: what the unit's rectangle must hold.
     bytes: u64,
-    /// Multiply-adds of its matvecs per token: the arithmetic its rectangle shares out.
+    /// Multiply-adds of its matvecs (every expert's, not only those a token picks): the
+    /// arithmetic its rectangle shares out.
     fmas: u64,
     /// The fewest PEs that hold its bytes with room for vectors ([`area_shares`]).
     floor_pes: f64,
@@ -335,8 +336,7 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
         .windows(2)
         .map(|w| {
             let instrs = w[0]..w[1];
-            let (mut bytes, mut fmas, mut attentions, mut min_pes) = (0, 0, Vec::new(), 1);
-            let mut floor_pes = 0.0;
+            let (mut bytes, mut table_bytes, mut fmas, mut attentions, mut min_pes) = (0, 0, 0, Vec::new(), 1);
             for i in instrs.clone() {
                 min_pes = min_pes.max(result_segments(module, i));
                 match &module.body[waferc_ir::Handle::new(i)].op {
@@ -344,10 +344,7 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
                         bytes += weight_bytes(module, *weight) + bias.map_or(0, |b| weight_bytes(module, b));
                         fmas += module.weights[*weight].ty.shape.iter().product::<u64>();
                     }
-                    Op::Embed { table } => {
-                        bytes += weight_bytes(module, *table);
-                        floor_pes += weight_bytes(module, *table) as f64 / (EMBED_TABLE_SHARE * usable as f64);
-                    }
+                    Op::Embed { table } => table_bytes += weight_bytes(module, *table),
                     Op::Attention { .. } => {
                         if let Some(kv) = KvShape::of(module, i, options, usable) {
                             bytes += kv.kv_heads * kv.head_bytes();
@@ -357,10 +354,10 @@ fn units(module: &Module, options: &CompileOptions, usable: u64, layers_per_regi
                     _ => {}
                 }
             }
-            let table_pes = floor_pes;
-            let others = bytes as f64 - table_pes * EMBED_TABLE_SHARE * usable as f64;
-            let floor_pes = (table_pes + others / (FLOOR_FILL * usable as f64)).max(min_pes as f64);
-            Unit { instrs, bytes, fmas, floor_pes, min_pes, attentions }
+            let usable = usable as f64;
+            let floor_pes = (table_bytes as f64 / (EMBED_TABLE_SHARE * usable) + bytes as f64 / (FLOOR_FILL * usable))
+                .max(min_pes as f64);
+            Unit { instrs, bytes: bytes + table_bytes, fmas, floor_pes, min_pes, attentions }
         })
         .collect()
 }
@@ -382,11 +379,6 @@ fn block_size(params: &TargetParams, wafer_percent: u8) -> (u64, u64) {
     let side = (wafer_percent.clamp(1, 100) as f64 / 100.0).sqrt();
     let scaled = |n: u16| ((n as f64 * side).round() as u64).clamp(1, n as u64);
     (scaled(params.grid_cols), scaled(params.grid_rows))
-}
-
-fn block_pes(params: &TargetParams, wafer_percent: u8) -> u64 {
-    let (cols, rows) = block_size(params, wafer_percent);
-    cols * rows
 }
 
 /// How the `pes` of a block are shared out among `units` (in PEs, before [`rectangles`] fits
@@ -448,11 +440,11 @@ fn rectangles(
         let mut out = Vec::with_capacity(shares.len());
         let (mut strip, mut used) = (0u64, 0u64);
         let mut fits = true;
-        for (&b, &least) in shares.iter().zip(min_pes) {
+        for (&share, &least) in shares.iter().zip(min_pes) {
             let mut placed = false;
             while strip < strips {
                 let w = width(strip);
-                let h = ((scale * (b as f64 / total as f64) * (cols * rows) as f64 / w as f64).floor() as u64)
+                let h = ((scale * (share as f64 / total as f64) * (cols * rows) as f64 / w as f64).floor() as u64)
                     .max(least.div_ceil(w).max(1));
                 if used + h <= rows {
                     let y = if strip % 2 == 0 { used } else { rows - used - h };
@@ -674,7 +666,8 @@ pub(super) fn place(
             continue;
         }
         let on_units: Vec<&Unit> = on.iter().map(|&u| &units[u]).collect();
-        let shares = area_shares(&on_units, block_pes(params, wafer_percent));
+        let (cols, rows) = block_size(params, wafer_percent);
+        let shares = area_shares(&on_units, cols * rows);
         let min_pes: Vec<u64> = on.iter().map(|&u| units[u].min_pes).collect();
         let rects = rectangles(params, wafer_percent, wafer, &shares, &min_pes).ok_or_else(|| {
             WaferError::Options(format!(
