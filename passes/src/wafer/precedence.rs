@@ -70,6 +70,11 @@ impl Precedence {
         Precedence { epoch, slot, ancestors }
     }
 
+    /// The epoch of instruction `i`: instructions of different epochs are always ordered.
+    pub(crate) fn epoch(&self, i: usize) -> u32 {
+        self.epoch[i]
+    }
+
     /// Whether instructions `a` and `b` are never active at the same time: one precedes the other.
     pub(crate) fn ordered(&self, a: usize, b: usize) -> bool {
         if a == b {
