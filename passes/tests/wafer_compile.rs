@@ -151,3 +151,15 @@ fn stacked_tile_estimate_bounds_the_lowered_tiles() {
         }
     }
 }
+
+/// The 70B's layers on a quarter wafer each leave no room for their smallest tiles: the placer
+/// stops at the first PE that overflows and says what already holds it.
+#[test]
+fn an_overfilled_pe_is_reported_with_what_holds_it() {
+    let module = build(&Shape::llama70b());
+    let target = Target::resolve("wse3x4").unwrap();
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    let err = compile(&module, &target, &CompileOptions { plan, ..CompileOptions::new(2048) }).unwrap_err().to_string();
+    assert!(err.contains("bytes of SRAM, more than 49152 (code 2048, %"), "{err}");
+    assert!(err.contains(" matvec "), "the tiles on the PE are named: {err}");
+}

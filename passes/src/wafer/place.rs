@@ -101,6 +101,27 @@ fn make_room(regions: &mut Vec<Region>, extra: usize) {
     }
 }
 
+/// Who holds a PE's SRAM, for an overflow message: the code reserve's bytes, then each
+/// instruction's bytes in the order its regions were placed (`%12 matvec 34304`), so a plan
+/// that overfills a PE says what shares it.
+fn sram_holders(module: &Module, regions: &[Region]) -> String {
+    let mut holders: Vec<(Option<u32>, u64)> = Vec::new();
+    for region in regions {
+        match holders.iter_mut().find(|(instr, _)| *instr == region.instr) {
+            Some((_, bytes)) => *bytes += region.bytes as u64,
+            None => holders.push((region.instr, region.bytes as u64)),
+        }
+    }
+    holders
+        .into_iter()
+        .map(|(instr, bytes)| match instr {
+            Some(i) => format!("%{i} {} {bytes}", module.body[waferc_ir::Handle::new(i as usize)].op.name()),
+            None => format!("code {bytes}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Index in the placer's images of each PE's image: a dense grid index (the placer looks PEs up
 /// millions of times), a map for a PE off the grid.
 struct ImageIndex {
@@ -549,7 +570,11 @@ impl<'a> Placer<'a> {
                 instr,
                 op: op.op.name(),
                 layer: op.layer,
-                message: format!("{pe} would need {offset} bytes of SRAM, more than {}", self.params.sram_bytes_per_pe),
+                message: format!(
+                    "{pe} would need {offset} bytes of SRAM, more than {} ({})",
+                    self.params.sram_bytes_per_pe,
+                    sram_holders(self.module, regions)
+                ),
             });
         }
         Ok((first..regions.len() as u32).collect())
