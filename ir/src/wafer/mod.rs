@@ -556,8 +556,7 @@ impl KvHeadPlacement {
     /// The query heads these blocks serve, numbered over the whole model, of a model with
     /// `group` query heads per KV head.
     pub fn query_range(&self, group: u64) -> Range<u64> {
-        let first = self.kv_head as u64 * group;
-        first + self.query_heads.start as u64..first + self.query_heads.end as u64
+        group_query_heads(self.kv_head as u64, group, &self.query_heads)
     }
 
     /// The elements of the queries (and of the attention's output) these blocks serve, of a
@@ -566,6 +565,13 @@ impl KvHeadPlacement {
         let heads = self.query_range(group);
         heads.start * head_dim..heads.end * head_dim
     }
+}
+
+/// Query heads `query_heads` of KV head `kv_head`'s group, numbered over the whole model, of a
+/// model with `group` query heads per KV head.
+pub fn group_query_heads(kv_head: u64, group: u64, query_heads: &Range<u32>) -> Range<u64> {
+    let first = kv_head * group;
+    first + query_heads.start as u64..first + query_heads.end as u64
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -3,7 +3,7 @@
 use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use std::ops::Range;
 
-use waferc_ir::wafer::{replica_slots_in, ExpertReplicas};
+use waferc_ir::wafer::{group_query_heads, replica_slots_in, ExpertReplicas};
 use waferc_ir::wafer::{
     AttentionPlacement, EmbedBlock, GroupRoutes, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement,
     NormPlacement, Pe, PeImage, Phase, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId, RouteKind,
@@ -1489,8 +1489,9 @@ pub(super) fn kv_block_requests(
     let hd = c.head_dim as u64;
     let group = (*heads / c.kv_heads) as u64;
     let n = (positions.end - positions.start) as u64;
-    let (first_query, queries) = (h * group + query_heads.start as u64, (query_heads.end - query_heads.start) as u64);
-    let q_range = first_query * hd..(first_query + queries) * hd;
+    let served = group_query_heads(h, group, &query_heads);
+    let queries = served.end - served.start;
+    let q_range = served.start * hd..served.end * hd;
     let kv_range = h * hd..(h + 1) * hd;
     let first = positions.start == 0;
     let mut requests = vec![
@@ -1503,9 +1504,9 @@ pub(super) fn kv_block_requests(
     ];
     // The sink logits of the block's query heads live on its first block, the reductions' root.
     if let (Some(sinks), true) = (sinks, first) {
-        let cols = first_query..first_query + queries;
         let bytes = module.weights[*sinks].ty.dtype.row_bytes(queries).unwrap_or(queries * F32);
-        requests.push((RegionKind::Weight { weight: sinks.index() as u32, rows: 0..1, cols, blob: 0..0 }, bytes));
+        requests
+            .push((RegionKind::Weight { weight: sinks.index() as u32, rows: 0..1, cols: served, blob: 0..0 }, bytes));
     }
     requests
 }

@@ -320,13 +320,6 @@ pub(super) struct RouteOrder<'a> {
 }
 
 impl RouteOrder<'_> {
-    /// The routes by the epoch of their instruction ([`Precedence::epoch`]), then by index.
-    fn visit_order(&self, routes: &[Route]) -> Vec<u32> {
-        let mut visit: Vec<u32> = (0..routes.len() as u32).collect();
-        visit.sort_by_key(|&r| (self.precedence.epoch(routes[r as usize].instr as usize), r));
-        visit
-    }
-
     fn apart(&self, routes: &[Route], r: usize, s: usize) -> bool {
         self.instrs_apart((r, routes[r].instr as usize), (s, routes[s].instr as usize))
     }
@@ -343,8 +336,9 @@ impl RouteOrder<'_> {
 
 /// The route conflict graph: node `r` is route `r`; two routes are adjacent when they touch a
 /// common PE and are not apart by [`RouteOrder`] (routes never active together may share a
-/// colour: the router switches the colour between them). Edges are added route by route in
-/// [`RouteOrder::visit_order`], so the graph is the same on every run (the colouring reads only
+/// colour: the router switches the colour between them). Edges are added route by route, by
+/// the epoch of the route's instruction ([`Precedence::epoch`]) and then by index, so the graph
+/// is the same on every run (the colouring reads only
 /// neighbour sets, so the order of the edges does not matter to it).
 #[cfg(test)]
 pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, order: &RouteOrder) -> UnGraph<(), ()> {
@@ -357,11 +351,13 @@ pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, order: &Ro
 /// (the 8B's PEs each carry about a hundred routes of a dozen epochs).
 fn conflict_graph_of(routes: &[Route], pes: &[Vec<u32>], params: &TargetParams, order: &RouteOrder) -> UnGraph<(), ()> {
     let pe_count = params.grid_cols as usize * params.grid_rows as usize * params.wafers as usize;
-    let visit = order.visit_order(routes);
     // Each route's instruction and epoch, read for every pair: looked up in the routes
     // themselves they were most of the colouring's time in cache misses.
     let instr: Vec<u32> = routes.iter().map(|route| route.instr).collect();
     let epoch: Vec<u32> = instr.iter().map(|&i| order.precedence.epoch(i as usize)).collect();
+    // Routes are visited by epoch, then by index.
+    let mut visit: Vec<u32> = (0..routes.len() as u32).collect();
+    visit.sort_by_key(|&r| (epoch[r as usize], r));
     // Each PE's routes in visit order, in compressed rows.
     let mut starts = vec![0u32; pe_count + 1];
     for list in pes {
