@@ -163,3 +163,50 @@ fn an_overfilled_pe_is_reported_with_what_holds_it() {
     assert!(err.contains("bytes of SRAM, more than 49152 (code 2048, %"), "{err}");
     assert!(err.contains(" matvec "), "the tiles on the PE are named: {err}");
 }
+
+/// Qwen3's per-head q and k norms sit between the projection and rope: the stacked plan still
+/// cuts the projection's result in whole heads (not the general segments of `len / 16`, two
+/// heads each here), so each head's norm and rope run on a PE of its own. Fused or not.
+#[test]
+fn stacked_qk_norms_run_on_one_head_a_segment() {
+    let shape = Shape { hidden: 128, heads: 32, kv_heads: 2, head_dim: 16, qk_norm: true, ..Shape::tiny() };
+    let unfused = build(&shape);
+    let fused = waferc_passes::rewrite::rewrite_module(&unfused, waferc_passes::PlanKind::Stacked).unwrap();
+    let target = Target::resolve("grid:32x32").unwrap();
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    for module in [unfused, fused] {
+        let program = compile(&module, &target, &CompileOptions { plan, ..CompileOptions::new(64) }).unwrap();
+        check(&program, &module).unwrap();
+        let hd = shape.head_dim as u64;
+        let mut normed = 0;
+        for (handle, instr) in module.body.iter() {
+            let waferc_ir::Op::RmsNorm { x, weight, .. } = &instr.op else { continue };
+            if module.weights[*weight].ty.shape != [hd] {
+                continue;
+            }
+            // The norm reads a slice of a projection (fused) or the projection itself.
+            let (source, offset) = match &module.body[*x].op {
+                waferc_ir::Op::Slice { x, offset, .. } => (*x, *offset as u64),
+                _ => (*x, 0),
+            };
+            let waferc_ir::wafer::ResultLayout::Vector(layout) = &program.instrs[source.index()].result else {
+                panic!("%{} has a vector result", source.index())
+            };
+            let len = match &instr.ty {
+                waferc_ir::ValueType::Tensor(t) => t.elements(),
+                waferc_ir::ValueType::Routing { .. } => unreachable!(),
+            };
+            for (segment, _) in layout.overlapping(offset..offset + len) {
+                let (start, end) = (segment.elements.start, segment.elements.end);
+                assert!(
+                    (start - offset).is_multiple_of(hd) && end - start == hd,
+                    "norm %{} reads segment {start}..{end} of %{}: not one head",
+                    handle.index(),
+                    source.index()
+                );
+            }
+            normed += 1;
+        }
+        assert_eq!(normed, 2 * shape.layers, "a q and a k norm a layer");
+    }
+}

@@ -975,7 +975,8 @@ impl Stacked<'_> {
                         .then(|| base + analysis.offset[operand.index()])
                 };
                 match &module.body[waferc_ir::Handle::new(r)].op {
-                    Op::Rope { x, .. } => frontier.extend(offset_of(*x).map(|o| (r, o))),
+                    // Rope and a per-head norm (Qwen3's q and k norms) run on the rows in place.
+                    Op::Rope { x, .. } | Op::RmsNorm { x, .. } => frontier.extend(offset_of(*x).map(|o| (r, o))),
                     Op::Attention { q, k, v, cache, heads, .. } => {
                         let c = &module.caches[*cache];
                         let (hd, kv_heads) = (c.head_dim as u64, c.kv_heads as u64);
@@ -1463,8 +1464,16 @@ impl Stacked<'_> {
         if self.placer.analysis.readers[i].is_empty() {
             return OUTPUT_SEGMENT_ELEMENTS.max(row_block.next_power_of_two());
         }
-        self.placer.analysis.readers[i]
+        let readers = &self.placer.analysis.readers;
+        // Rope reads the result directly, or through a per-head norm (Qwen3's q and k norms),
+        // which runs on the same segments.
+        let through_norm = |r: u32| match &module.body[waferc_ir::Handle::new(r as usize)].op {
+            Op::RmsNorm { .. } => readers[r as usize].as_slice(),
+            _ => &[],
+        };
+        readers[i]
             .iter()
+            .chain(readers[i].iter().flat_map(|&r| through_norm(r)))
             .filter_map(|&r| match &module.body[waferc_ir::Handle::new(r as usize)].op {
                 Op::Rope { head_dim, .. } => Some(*head_dim as u64),
                 _ => None,
