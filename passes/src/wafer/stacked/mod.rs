@@ -22,8 +22,9 @@
 //!   The chunks per tile (hence `C`) are chosen per matrix by a small cost estimate: arithmetic
 //!   of the busiest tile, the reduction tree's depth and span, and the multicast's span.
 //!   MoE experts are spread the same way over *lanes* (horizontal bands of the area, one per
-//!   expert while the area has rows for them), so the chosen experts run side by side and the
-//!   routes of experts that may run together meet only where their lanes' paths cross.
+//!   expert; bands cut across into columns of lanes where full-width ones would be under
+//!   [`MIN_LANE_ROWS`] high), so the chosen experts run side by side and the routes of experts
+//!   that may run together meet only where their lanes' paths cross.
 //! * **vectors are cut in small segments spread over the area**: a matvec's result segments are
 //!   whole row blocks on their roots (32 elements or a head, so norms and rope can run on them in
 //!   place); elementwise ops run on their operand's segments, except the residual adds inside a
@@ -82,6 +83,14 @@ const MAX_SEGMENTS: u64 = 16;
 /// reductions interleaved along it, and the reductions of sibling matvecs (separate q, k and v)
 /// run at the same time, so each panel costs a colour per sibling on every PE of the row.
 const MAX_PANELS: u64 = 8;
+/// The fewest rows of an expert's lane while the area's width can be cut into columns of lanes
+/// (`Stacked::area_of`), and the fewest columns such a lane keeps. With one-row lanes beside
+/// two-row ones an expert's tiles held twice another's bytes a PE (Qwen3-30B-A3B's 128 experts
+/// at `stacked:1` overflowed a PE); two rows (the least that evens this out) keep the full-width
+/// bands wherever they already have them, as at `stacked:1,100,kv8`, whose bands measured
+/// faster than four-row lanes a third as wide (543.8 against 494.9 modeled tok/s).
+const MIN_LANE_ROWS: u64 = 2;
+const MIN_LANE_COLUMNS: u64 = 16;
 /// The most panels unless the matrices reading an input are deep (see [`DEEP_TILE_ROWS`]).
 const NARROW_PANELS: u64 = 4;
 /// Tiles at least this many rows deep at [`NARROW_PANELS`] panels may fold into up to
@@ -162,6 +171,13 @@ impl Rect {
         let h = self.h as u64;
         let cell = cell % self.pes().max(1);
         self.at(cell / h, (cell + h / 2) % h)
+    }
+
+    /// Column `index` of `count` vertical strips.
+    fn column(&self, index: u64, count: u64) -> Rect {
+        let w = self.w as u64;
+        let (left, right) = (w * index / count, w * (index + 1) / count);
+        Rect { x: self.x + left as u16, w: (right - left).max(1) as u16, ..*self }
     }
 
     /// Band `index` of `count` horizontal bands.
@@ -1101,7 +1117,7 @@ impl Stacked<'_> {
     }
 
     /// The tile area of instruction `i` and how many lanes its area is cut into: the unit's area,
-    /// or its expert's lane.
+    /// or its expert's lane (a band of the area, or a column of a band: see [`MIN_LANE_ROWS`]).
     fn area_of(&mut self, i: usize, unit: usize) -> (Rect, u64) {
         let area = self.region(unit).area;
         let analysis = self.placer.analysis;
@@ -1112,8 +1128,16 @@ impl Stacked<'_> {
             ValueType::Routing { experts, .. } => experts as u64,
             _ => 1,
         };
-        let lanes = experts.clamp(1, area.h as u64);
-        (area.band(expert as u64 % lanes, lanes), lanes)
+        // Bands of the full width while each has `MIN_LANE_ROWS`; else the bands are cut across
+        // into as few columns of lanes as give them that (Qwen3-30B-A3B's 128 experts: bands of
+        // one or two rows had held one expert's tiles at twice another's bytes a PE).
+        let (w, h) = (area.w as u64, area.h as u64);
+        let most_across = (w / MIN_LANE_COLUMNS).max(1);
+        let across = (1..=most_across).find(|&a| h / experts.div_ceil(a) >= MIN_LANE_ROWS).unwrap_or(most_across);
+        let bands = experts.div_ceil(across).clamp(1, h);
+        let lanes = (across * bands).min(experts.max(1));
+        let lane = expert as u64 % lanes;
+        (area.band(lane % bands, bands).column(lane / bands, across), lanes)
     }
 
     /// The most panels matvec `i`'s tiling may fold into: [`MAX_PANELS`] when the matvec leading
