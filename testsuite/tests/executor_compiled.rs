@@ -120,6 +120,29 @@ fn stacked_experts_in_lanes_cut_across_match_the_reference() {
     validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// An attention output cut for its o projection in more pieces than a KV band's colours take
+/// (32 query heads of 64 over two KV heads: 64 one-chunk pieces) is merged into whole query
+/// heads, one segment each, rather than one segment per KV head; the bits stay the reference's.
+#[test]
+fn stacked_attention_output_too_fine_for_its_bands_is_cut_in_query_heads() {
+    let shape = Shape { heads: 32, kv_heads: 2, head_dim: 64, ..Shape::dense() };
+    let module = rewrite_module(&build(&shape, 3), PlanKind::Stacked).unwrap();
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    let program =
+        compile_with(&module, "grid:48x48", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
+    let hd = shape.head_dim as u64;
+    let mut attentions = 0;
+    for p in program.instrs.iter().filter(|p| p.op == "attention") {
+        let waferc_ir::wafer::ResultLayout::Vector(layout) = &p.result else { panic!("%{} is a vector", p.instr) };
+        let lengths: Vec<u64> = layout.segments.iter().map(|s| s.elements.end - s.elements.start).collect();
+        assert_eq!(lengths, vec![hd; shape.heads as usize], "%{}: one segment a query head", p.instr);
+        attentions += 1;
+    }
+    assert_eq!(attentions, shape.layers);
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[7, 3, 11], &greedy(4)).unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// The stacked plan keeps each head's fused q/k/v rows in whole-head row blocks inside its KV
 /// head's band (near the head's segment), puts each up-projection segment on its gate twin's PE
 /// so SiLU and the product need no delivery, and stays bit-exact.

@@ -767,6 +767,19 @@ pub(super) fn place(
     stacked.placer.finish()
 }
 
+/// `cut` (consecutive pieces, each with its PE column) merged into runs of whole `unit`s: each
+/// run ends where a unit does, and keeps its first piece's column.
+fn merge_pieces(cut: Vec<(Range<u64>, u64)>, unit: u64) -> Vec<(Range<u64>, u64)> {
+    let mut merged: Vec<(Range<u64>, u64)> = Vec::new();
+    for (piece, column) in cut {
+        match merged.last_mut() {
+            Some((run, _)) if !run.end.is_multiple_of(unit) => run.end = piece.end,
+            _ => merged.push((piece, column)),
+        }
+    }
+    merged
+}
+
 /// Chooses the PE of a result segment (its elements, its bytes, the PEs taken so far).
 type SegmentPicker<'p, S> = dyn FnMut(&mut S, &Range<u64>, u64, &HashSet<Pe>) -> Result<Pe, WaferError> + 'p;
 
@@ -1566,7 +1579,14 @@ impl Stacked<'_> {
         // on rows of their own in the head's band, nearest its middle row (where the head's root
         // block is) first: the collects from the root leave north, south and west and run along
         // those rows, side by side.
-        let cut = self.aligned_cut(i, len, 0).filter(|cut| cut.len() as u64 <= MAX_ALIGNED_PER_BAND * kv.kv_heads);
+        // Too fine a cut for the bands' colours is merged into whole query heads, each in its
+        // first piece's column (Qwen3-30B-A3B: 32 pieces a band become its 8 heads).
+        let most = MAX_ALIGNED_PER_BAND * kv.kv_heads;
+        let cut = self.aligned_cut(i, len, 0).map(|cut| match cut.len() as u64 > most {
+            true => merge_pieces(cut, kv.head_dim),
+            false => cut,
+        });
+        let cut = cut.filter(|cut| cut.len() as u64 <= most);
         if let Some(cut) = cut {
             let area = self.region(unit).area;
             let mut layout = VectorLayout::default();
