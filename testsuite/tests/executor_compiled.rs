@@ -47,7 +47,8 @@ fn quantised_module_with_biases_matches_the_reference() {
 
 /// On a grid tall enough for lanes of many rows, the stacked plan column-aligns each expert's
 /// vectors inside its lane (SiLU and the product on half-chunk segments, as a dense layer's)
-/// and puts each combine segment in its experts' column; the bits stay the reference's.
+/// and puts each combine segment in its experts' column, in a row of its own; the bits stay the
+/// reference's.
 #[test]
 fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference() {
     let module = build(&Shape::moe(), 5);
@@ -70,7 +71,8 @@ fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference()
         silu_segments.iter().all(|&len| len == 16),
         "every expert SiLU segment is half a chunk (column-aligned), got {silu_segments:?}"
     );
-    // Each combine segment sits in the column of the experts' output segments it gathers.
+    // Each combine segment sits in the column of the experts' output segments it gathers, and
+    // in a row of its own (its delivery runs along that row, not queued behind the others').
     let vector = |p: &waferc_ir::wafer::InstrPlacement| match &p.result {
         waferc_ir::wafer::ResultLayout::Vector(layout) => layout.segments.clone(),
         waferc_ir::wafer::ResultLayout::Routing { .. } => Vec::new(),
@@ -82,10 +84,19 @@ fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference()
             panic!("instruction {} is a combine", combine.instr)
         };
         let first = vector(&program.instrs[experts[0].index()]);
+        let mut rows = std::collections::HashSet::new();
         for seg in vector(combine) {
             let source = first.iter().find(|s| s.elements.contains(&seg.elements.start)).expect("an expert segment");
             assert_eq!(seg.pe.x, source.pe.x, "combine %{} segment {:?}", combine.instr, seg.elements);
+            assert!(
+                rows.insert(seg.pe.y),
+                "combine %{} segment {:?} shares row {}",
+                combine.instr,
+                seg.elements,
+                seg.pe.y
+            );
         }
+        assert!(rows.len() > 1, "combine %{} is cut in segments", combine.instr);
     }
     let blob = pack_tile_blob(&program, &module);
     validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));

@@ -1049,14 +1049,20 @@ impl Stacked<'_> {
     fn combine_layout(&mut self, i: usize, unit: usize, top_k: u64, len: u64) -> Result<VectorLayout, WaferError> {
         let area = self.region(unit).area;
         let segments = super::size::segments(len, vector_cut(len));
+        let count = segments.len() as u64;
         let scratch = |seg: &Range<u64>| vec![(RegionKind::Scratch, top_k * (seg.end - seg.start) * F32 + top_k * 8)];
         self.layout_on(i, &segments, &scratch, &mut |s, seg, bytes, taken| {
             let column = s
                 .operand_pe(i, seg.start)
                 .filter(|pe| pe.wafer == area.wafer && (area.x..area.x + area.w).contains(&pe.x))
                 .map(|pe| (pe.x - area.x) as u64);
+            // Segment `j` of `count` in row `(2j + 1) h / 2count`: one row each down the area, so
+            // their deliveries (the result's consumers lie in other columns) run along rows of
+            // their own instead of queueing along one.
+            let j = seg.start * count / len.max(1);
+            let row = (2 * j + 1) * area.h as u64 / (2 * count.max(1));
             match column {
-                Some(dx) => s.column_pe(i, unit, dx, area.h as u64 / 2, bytes, taken),
+                Some(dx) => s.column_pe(i, unit, dx, row, bytes, taken),
                 None => s.fresh_pe(i, unit, bytes, taken),
             }
         })
