@@ -1328,6 +1328,11 @@ impl<'a> Placer<'a> {
                 }
             }
             phases.sort_by_key(|(phase, _)| *phase);
+            for (phase, routes) in &mut phases {
+                if *phase == Phase::Deliver {
+                    route::order_in_waves(&self.routes, routes);
+                }
+            }
             steps.extend(phases.into_iter().map(|(phase, routes)| Step { instr: i as u32, phase, routes }));
         }
         steps

@@ -7,8 +7,9 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
 use petgraph::graph::{NodeIndex, UnGraph};
+use rustc_hash::FxHashMap;
 
-use waferc_ir::wafer::{reduce_root, reduce_tree, Pe, Route, RouteKind, Run, TargetParams};
+use waferc_ir::wafer::{reduce_root, reduce_tree, Pe, Route, RouteId, RouteKind, Run, TargetParams};
 
 use super::detour::{paths_for_legs, MeshView};
 use super::precedence::Precedence;
@@ -277,6 +278,61 @@ pub(super) fn for_each_pe(route: &Route, mut visit: impl FnMut(Pe)) {
             }
         }
     }
+}
+
+/// Orders one step's deliveries in *waves*: each route, in its given order, joins the first
+/// wave none of whose routes shares a directed link with it, and the waves are sent one after
+/// another. A step's routes start together, and where two share a link one waits for the other
+/// (the timing model grants a link first come, first served, in the schedule's order, and a
+/// route starts once all its links are free); listed in segment order, routes whose links
+/// overlap only their neighbours' (a vector's segments multicast to consumers whose column
+/// ranges overlap at their edges) each waited for the one before, a chain as long as the step.
+/// In waves, a route waits only for the earlier waves it meets. Past [`MAX_WAVES`] waves the
+/// rest keep their order at the end.
+pub(super) fn order_in_waves(routes: &[Route], ids: &mut [RouteId]) {
+    if ids.len() < 3 {
+        return;
+    }
+    // Per directed link, the waves holding a route on it.
+    let mut waves_on: FxHashMap<u64, u64> = FxHashMap::default();
+    let mut keys = Vec::new();
+    let mut wave_of = Vec::with_capacity(ids.len());
+    for &id in ids.iter() {
+        keys.clear();
+        for run in &routes[id as usize].path {
+            for (from, to) in run.hops() {
+                keys.push(link_key(from, to));
+            }
+        }
+        let taken = keys.iter().fold(0u64, |taken, key| taken | waves_on.get(key).copied().unwrap_or(0));
+        let wave = (!taken).trailing_zeros() as usize;
+        if wave < MAX_WAVES {
+            for &key in &keys {
+                *waves_on.entry(key).or_default() |= 1 << wave;
+            }
+        }
+        wave_of.push(wave.min(MAX_WAVES));
+    }
+    let mut order: Vec<(usize, RouteId)> = wave_of.into_iter().zip(ids.iter().copied()).collect();
+    order.sort_by_key(|&(wave, _)| wave);
+    for (slot, (_, id)) in ids.iter_mut().zip(order) {
+        *slot = id;
+    }
+}
+
+/// The most waves [`order_in_waves`] tells apart (one bit each per link).
+const MAX_WAVES: usize = 63;
+
+/// A directed link as one key: its first PE and the direction of the hop (or the other wafer).
+fn link_key(from: Pe, to: Pe) -> u64 {
+    let direction = match (to.wafer != from.wafer, to.x.cmp(&from.x), to.y.cmp(&from.y)) {
+        (true, _, _) => 4 + to.wafer as u64,
+        (false, std::cmp::Ordering::Greater, _) => 0,
+        (false, std::cmp::Ordering::Less, _) => 1,
+        (false, _, std::cmp::Ordering::Greater) => 2,
+        (false, _, _) => 3,
+    };
+    (((from.wafer as u64) << 32 | (from.x as u64) << 16 | from.y as u64) << 20) | direction
 }
 
 /// A route that found every colour taken at `pe`.
@@ -789,5 +845,21 @@ mod tests {
         let precedence = module_precedence();
         let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
         assert!(assign_colours(&mut routes, &params, &order).is_err());
+    }
+
+    #[test]
+    fn deliveries_overlapping_their_neighbours_go_in_two_waves() {
+        let pe = |x, y| Pe::new(0, x, y);
+        // Each route runs along row 0 over its neighbours' ends: 0..=2, 2..=4, 4..=6, 6..=8.
+        let routes: Vec<Route> = (0..4).map(|k| route(k, 1, pe(2 * k as u16, 0), pe(2 * k as u16 + 2, 0))).collect();
+        let mut ids: Vec<RouteId> = vec![0, 1, 2, 3];
+        order_in_waves(&routes, &mut ids);
+        // The runs share PEs at their ends but no directed link: one wave, order kept.
+        assert_eq!(ids, [0, 1, 2, 3]);
+        let routes: Vec<Route> = (0..5).map(|k| route(k, 1, pe(2 * k as u16, 0), pe(2 * k as u16 + 3, 0))).collect();
+        let mut ids: Vec<RouteId> = vec![0, 1, 2, 3, 4];
+        order_in_waves(&routes, &mut ids);
+        // Now each shares the link from x = 2k + 2 with the next: evens first, then odds.
+        assert_eq!(ids, [0, 2, 4, 1, 3]);
     }
 }

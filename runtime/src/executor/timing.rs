@@ -52,7 +52,9 @@
 //!
 //! Every directed link (one per PE and direction, plus one per ordered pair of wafers) has a
 //! *busy-until* cycle for the decode step, starting at 0. Routes claim links in the order the
-//! executor sends on them (schedule order, then send order within a step): a route starts at the
+//! schedule lists them (step by step, and within a step in its listed order, which the placer
+//! chooses: see `order_in_waves` in the route pass; the executor's own send order inside a
+//! step is an implementation detail and does not matter): a route starts at the
 //! later of when it may start (its step's compute done, the collectives it depends on done) and
 //! the busy-until of **every** link it uses; it then holds each of its links for its own bytes on
 //! that link over the link's bandwidth, from its start: the link's busy-until becomes the route's
@@ -846,7 +848,12 @@ impl Timeline {
         let first_span = self.spans.len();
         let mut before_deliver = at;
         for ((index, step), work) in run.steps.iter().zip(&run.work) {
-            let (compute, routes) = (&work.compute, &work.routes);
+            let compute = &work.compute;
+            // Routes claim links in the order the schedule lists them for the step.
+            let listed: HashMap<RouteId, usize> = step.routes.iter().enumerate().map(|(k, &id)| (id, k)).collect();
+            let mut routes = work.routes.clone();
+            routes.sort_by_key(|(id, _)| listed.get(id).copied().unwrap_or(usize::MAX));
+            let routes = &routes;
             let compute_cycles = if worked { compute.values().copied().max().unwrap_or(0) } else { 0 };
             let (comm_cycles, wait_cycles) = match worked && !routes.is_empty() {
                 true => self.communicate(program, costs, routes, &work.reach, at + compute_cycles),
