@@ -1329,7 +1329,9 @@ impl<'a> Placer<'a> {
             }
             phases.sort_by_key(|(phase, _)| *phase);
             for (phase, routes) in &mut phases {
-                if *phase == Phase::Deliver {
+                // Reductions and broadcasts keep their order: a later one may wait for an
+                // earlier one's total (a MeshGemv row reduce after its group reduces).
+                if matches!(*phase, Phase::Deliver | Phase::Collect | Phase::Gather) {
                     route::order_in_waves(&self.routes, routes);
                 }
             }

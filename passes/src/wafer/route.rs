@@ -280,9 +280,9 @@ pub(super) fn for_each_pe(route: &Route, mut visit: impl FnMut(Pe)) {
     }
 }
 
-/// Orders one step's deliveries in *waves*: each route, in its given order, joins the first
-/// wave none of whose routes shares a directed link with it, and the waves are sent one after
-/// another. A step's routes start together, and where two share a link one waits for the other
+/// Orders one step's independent routes (deliveries, collects, gathers) in *waves*: each route,
+/// in its given order, joins the first wave none of whose routes shares a directed link with
+/// it, and the waves are sent one after another. A step's routes start together, and where two share a link one waits for the other
 /// (the timing model grants a link first come, first served, in the schedule's order, and a
 /// route starts once all its links are free); listed in segment order, routes whose links
 /// overlap only their neighbours' (a vector's segments multicast to consumers whose column
