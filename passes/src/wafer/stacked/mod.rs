@@ -21,10 +21,10 @@
 //!   so each row holds one root of a head's rows and its collect does not queue along a row.
 //!   The chunks per tile (hence `C`) are chosen per matrix by a small cost estimate: arithmetic
 //!   of the busiest tile, the reduction tree's depth and span, and the multicast's span.
-//!   MoE experts are spread the same way over *lanes* (horizontal bands of the area, one per
-//!   expert; bands cut across into columns of lanes where full-width ones would be under
-//!   [`MIN_LANE_ROWS`] high), so the chosen experts run side by side and the routes of experts
-//!   that may run together meet only where their lanes' paths cross.
+//!   MoE experts are spread the same way over *lanes* (bands of the area cut across into as
+//!   many columns of lanes as the experts' tilings' cost picks: `lanes`), one per expert, so the
+//!   chosen experts run side by side and the routes of experts that may run together meet only
+//!   where their lanes' paths cross.
 //! * **vectors are cut in small segments spread over the area**: a matvec's result segments are
 //!   whole row blocks on their roots (32 elements or a head, so norms and rope can run on them in
 //!   place); elementwise ops run on their operand's segments, except the residual adds inside a
@@ -40,6 +40,7 @@
 //! ([`Placer::finish`]).
 
 mod columns;
+mod lanes;
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -83,14 +84,6 @@ const MAX_SEGMENTS: u64 = 16;
 /// reductions interleaved along it, and the reductions of sibling matvecs (separate q, k and v)
 /// run at the same time, so each panel costs a colour per sibling on every PE of the row.
 const MAX_PANELS: u64 = 8;
-/// The fewest rows of an expert's lane while the area's width can be cut into columns of lanes
-/// (`Stacked::area_of`), and the fewest columns such a lane keeps. With one-row lanes beside
-/// two-row ones an expert's tiles held twice another's bytes a PE (Qwen3-30B-A3B's 128 experts
-/// at `stacked:1` overflowed a PE); two rows (the least that evens this out) keep the full-width
-/// bands wherever they already have them, as at `stacked:1,100,kv8`, whose bands measured
-/// faster than four-row lanes a third as wide (543.8 against 494.9 modeled tok/s).
-const MIN_LANE_ROWS: u64 = 2;
-const MIN_LANE_COLUMNS: u64 = 16;
 /// The most panels unless the matrices reading an input are deep (see [`DEEP_TILE_ROWS`]).
 const NARROW_PANELS: u64 = 4;
 /// Tiles at least this many rows deep at [`NARROW_PANELS`] panels may fold into up to
@@ -582,6 +575,11 @@ impl Grid {
         chunk * self.col_blocks * self.panels / chunks.max(1)
     }
 
+    /// The levels of a row block's reduction tree over the column blocks.
+    fn depth(&self) -> u64 {
+        64 - (self.col_blocks - 1).leading_zeros() as u64
+    }
+
     /// The estimated cycles of the tiling over `area`: the busiest tile's multiply-adds, the
     /// reduction tree (its span along a row over every panel's interleaved columns, and per
     /// level one message and one add of a row block), the activation multicast (along a row
@@ -589,7 +587,7 @@ impl Grid {
     /// (as fine as a quarter column block, see `columns`: the elementwise ops and norms that
     /// produce the input run on them, a few flops an element).
     fn cost(&self, area: Rect) -> u64 {
-        let depth = 64 - (self.col_blocks - 1).leading_zeros() as u64;
+        let depth = self.depth();
         let segment = (self.chunks_per_tile * CHUNK / columns::SEGMENTS_PER_COLUMN).max(CHUNK);
         self.rows_per_tile * self.chunks_per_tile * CHUNK
             + self.panels * self.col_blocks
@@ -597,6 +595,16 @@ impl Grid {
             + self.panels
             + area.h as u64
             + VECTOR_FLOPS_PER_ELEMENT * segment
+    }
+}
+
+/// The most panels a matrix of `rows` rows folds into over an area `height` rows high:
+/// [`MAX_PANELS`] when its tiles are [`DEEP_TILE_ROWS`] deep at [`NARROW_PANELS`] panels, else
+/// [`NARROW_PANELS`].
+fn panel_cap(rows: u64, height: u64) -> u64 {
+    match rows >= DEEP_TILE_ROWS * NARROW_PANELS * height {
+        true => MAX_PANELS,
+        false => NARROW_PANELS,
     }
 }
 
@@ -738,6 +746,7 @@ pub(super) fn place(
         unit_led_tiles: Vec::new(),
         expert_pes: HashMap::new(),
         lane_cursors: HashMap::new(),
+        lane_columns: HashMap::new(),
         layers_per_region: layers_per_region.max(1) as u64,
         vector_bytes: HashMap::new(),
         unit_of: units.iter().enumerate().flat_map(|(u, unit)| unit.instrs.clone().map(move |_| u)).collect(),
@@ -821,6 +830,8 @@ struct Stacked<'a> {
     expert_pes: HashMap<u32, HashSet<Pe>>,
     /// The walk's next cell in each expert lane, by the lane's corner.
     lane_cursors: HashMap<(u16, u16, u16), u64>,
+    /// Per MoE block (its router's value), the columns of lanes its experts' lanes are cut in.
+    lane_columns: HashMap<u32, u64>,
     layers_per_region: u64,
     /// Bytes of vectors placed on fresh PEs (`fresh_pe`, `band_pe`) per PE, kept under
     /// [`Stacked::vector_cap`] so the tiles placed later still fit.
@@ -1136,7 +1147,7 @@ impl Stacked<'_> {
     }
 
     /// The tile area of instruction `i` and how many lanes its area is cut into: the unit's area,
-    /// or its expert's lane (a band of the area, or a column of a band: see [`MIN_LANE_ROWS`]).
+    /// or its expert's lane (see `lanes`).
     fn area_of(&mut self, i: usize, unit: usize) -> (Rect, u64) {
         let area = self.region(unit).area;
         let analysis = self.placer.analysis;
@@ -1147,16 +1158,22 @@ impl Stacked<'_> {
             ValueType::Routing { experts, .. } => experts as u64,
             _ => 1,
         };
-        // Bands of the full width while each has `MIN_LANE_ROWS`; else the bands are cut across
-        // into as few columns of lanes as give them that (Qwen3-30B-A3B's 128 experts: bands of
-        // one or two rows had held one expert's tiles at twice another's bytes a PE).
-        let (w, h) = (area.w as u64, area.h as u64);
-        let most_across = (w / MIN_LANE_COLUMNS).max(1);
-        let across = (1..=most_across).find(|&a| h / experts.div_ceil(a) >= MIN_LANE_ROWS).unwrap_or(most_across);
-        let bands = experts.div_ceil(across).clamp(1, h);
-        let lanes = (across * bands).min(experts.max(1));
-        let lane = expert as u64 % lanes;
-        (area.band(lane % bands, bands).column(lane / bands, across), lanes)
+        let across = match self.lane_columns.get(&router) {
+            Some(&across) => across,
+            None => {
+                // The block's experts share shapes: the first one met stands for them all.
+                let start = self.unit_of.partition_point(|&u| u < unit);
+                let end = self.unit_of.partition_point(|&u| u <= unit);
+                let shapes: Vec<(u64, u64)> = (start..end)
+                    .filter(|&j| analysis.router[j] == Some(router) && analysis.expert[j] == Some(expert))
+                    .filter_map(|j| matvec_shape(self.placer.module, j))
+                    .collect();
+                let across = lanes::lane_columns(area, experts, &shapes);
+                self.lane_columns.insert(router, across);
+                across
+            }
+        };
+        lanes::lane(area, experts, across, expert as u64)
     }
 
     /// The most panels matvec `i`'s tiling may fold into: [`MAX_PANELS`] when the matvec leading
@@ -1166,10 +1183,7 @@ impl Stacked<'_> {
     fn max_panels(&mut self, i: usize, unit: usize) -> u64 {
         let area = self.area_of(i, unit).0;
         let leader = self.leader_of(i, unit);
-        match matvec_shape(self.placer.module, leader) {
-            Some((rows, _)) if rows >= DEEP_TILE_ROWS * NARROW_PANELS * area.h as u64 => MAX_PANELS,
-            _ => NARROW_PANELS,
-        }
+        matvec_shape(self.placer.module, leader).map_or(NARROW_PANELS, |(rows, _)| panel_cap(rows, area.h as u64))
     }
 
     /// The matvec whose tiling matvec `i` shares: the leader of its input width in its unit

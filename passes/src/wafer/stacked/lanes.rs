@@ -1,0 +1,95 @@
+//! Expert lanes: how a region's tile area is shared among the experts of an MoE block.
+//!
+//! The experts of a layer run side by side and never share a PE, so their routes (which may be
+//! active together) need no colours from each other: each gets a *lane*, a rectangle of the
+//! area. Lanes are bands of rows, cut across into `across` columns of lanes. Full-width bands
+//! are the fewest routes across the area, but a band of a few rows folds each matrix into many
+//! interleaved panels, whose reductions queue on the band's row links (Qwen3-30B-A3B's 128
+//! experts in bands of two or three rows: 5.8k of a layer's 38k cycles waiting in the experts'
+//! reductions). So the columns of lanes are chosen by the experts' tilings' estimated cost,
+//! charged for those interleaved reductions too.
+
+use super::{panel_cap, Grid, Rect};
+
+/// The fewest rows of an expert's lane while the area's width can be cut into columns of lanes
+/// ([`lane_columns`]), and the fewest columns such a lane keeps. With one-row lanes beside
+/// two-row ones an expert's tiles held twice another's bytes a PE (Qwen3-30B-A3B's 128 experts
+/// at `stacked:1` overflowed a PE).
+const MIN_LANE_ROWS: u64 = 2;
+const MIN_LANE_COLUMNS: u64 = 16;
+
+/// Expert `expert`'s lane among `experts` lanes of `area` in `across` columns of lanes, and the
+/// number of lanes (at most `experts`).
+pub(super) fn lane(area: Rect, experts: u64, across: u64, expert: u64) -> (Rect, u64) {
+    let bands = experts.div_ceil(across).clamp(1, area.h as u64);
+    let lanes = (across * bands).min(experts.max(1));
+    let lane = expert % lanes;
+    (area.band(lane % bands, bands).column(lane / bands, across), lanes)
+}
+
+/// The columns of lanes for `experts` experts over `area`, each expert's matrices of `shapes`
+/// (rows, columns): among 1, 2, 4, ... columns whose lanes keep [`MIN_LANE_ROWS`] rows and
+/// [`MIN_LANE_COLUMNS`] columns, the one whose lanes tile the matrices at the least
+/// [`lane_cost`] (ties: fewer columns). With no such count, as many columns as the width holds.
+pub(super) fn lane_columns(area: Rect, experts: u64, shapes: &[(u64, u64)]) -> u64 {
+    let (w, h) = (area.w as u64, area.h as u64);
+    let most = (w / MIN_LANE_COLUMNS).max(1);
+    (0..)
+        .map(|j| 1u64 << j)
+        .take_while(|&across| across <= most)
+        .filter(|&across| h / experts.div_ceil(across) >= MIN_LANE_ROWS)
+        .filter_map(|across| {
+            let (rect, _) = lane(area, experts, across, 0);
+            let cost: Option<u64> = shapes.iter().map(|&(rows, cols)| lane_cost(rows, cols, rect)).sum();
+            cost.map(|cost| (cost, across))
+        })
+        .min()
+        .map_or(most, |(_, across)| across)
+}
+
+/// The least estimated cycles of a `rows x cols` matrix tiled over `lane` ([`Grid::cost`]),
+/// plus its reduction's queueing: each level of the tree puts one message of a row block per
+/// panel on the row's links (the panels interleave), which [`Grid::cost`] leaves out. `None`
+/// when no tiling fits the lane's width.
+fn lane_cost(rows: u64, cols: u64, lane: Rect) -> Option<u64> {
+    Grid::candidates(rows, cols, lane, panel_cap(rows, lane.h as u64))
+        .map(|g| g.cost(lane) + g.panels * g.depth() * g.rows_per_tile)
+        .min()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn area(w: u16, h: u16) -> Rect {
+        Rect { wafer: 0, x: 0, y: 0, w, h }
+    }
+
+    #[test]
+    fn lanes_partition_the_experts_without_overlap() {
+        let area = area(64, 40);
+        for across in [1, 2, 4] {
+            let rects: Vec<Rect> = (0..16).map(|e| lane(area, 16, across, e).0).collect();
+            for (a, ra) in rects.iter().enumerate() {
+                assert!(ra.x + ra.w <= 64 && ra.y + ra.h <= 40, "{ra:?}");
+                for rb in &rects[a + 1..] {
+                    let apart =
+                        ra.x + ra.w <= rb.x || rb.x + rb.w <= ra.x || ra.y + ra.h <= rb.y || rb.y + rb.h <= ra.y;
+                    assert!(apart, "{ra:?} and {rb:?} overlap ({across} across)");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn many_small_experts_take_lanes_cut_across_and_few_large_ones_keep_wide_bands() {
+        // Qwen3-30B-A3B's experts (gate/up 1536 x 2048, down 2048 x 768), 128 of them on a
+        // 224 x 288 area: two-row bands would interleave seven panels a row.
+        let qwen = [(1536, 2048), (2048, 768)];
+        assert!(lane_columns(area(224, 288), 128, &qwen) > 1);
+        // Mixtral's down projection (4096 x 14336: 112 column blocks at four chunks a tile)
+        // needs lanes at least 112 wide: never four columns of lanes on 370.
+        let mixtral = [(28672, 4096), (4096, 14336)];
+        assert!(lane_columns(area(370, 292), 8, &mixtral) <= 2);
+    }
+}
