@@ -282,9 +282,10 @@ pub(super) fn for_each_pe(route: &Route, mut visit: impl FnMut(Pe)) {
 
 /// Orders one step's independent routes (deliveries, collects, gathers) in *waves*: each route,
 /// in its given order, joins the first wave none of whose routes shares a directed link with
-/// it, and the waves are sent one after another. A step's routes start together, and where two share a link one waits for the other
-/// (the timing model grants a link first come, first served, in the schedule's order, and a
-/// route starts once all its links are free); listed in segment order, routes whose links
+/// it, and the waves are sent one after another. A step's routes start together, and where two
+/// share a link one waits for the other (the timing model grants a link first come, first
+/// served, in the schedule's order, and a route starts once all its links are free); listed in
+/// segment order, routes whose links
 /// overlap only their neighbours' (a vector's segments multicast to consumers whose column
 /// ranges overlap at their edges) each waited for the one before, a chain as long as the step.
 /// In waves, a route waits only for the earlier waves it meets. Past [`MAX_WAVES`] waves the
@@ -294,21 +295,15 @@ pub(super) fn order_in_waves(routes: &[Route], ids: &mut [RouteId]) {
         return;
     }
     // Per directed link, the waves holding a route on it.
-    let mut waves_on: FxHashMap<u64, u64> = FxHashMap::default();
-    let mut keys = Vec::new();
+    let mut waves_on: FxHashMap<(Pe, Pe), u64> = FxHashMap::default();
     let mut wave_of = Vec::with_capacity(ids.len());
     for &id in ids.iter() {
-        keys.clear();
-        for run in &routes[id as usize].path {
-            for (from, to) in run.hops() {
-                keys.push(link_key(from, to));
-            }
-        }
-        let taken = keys.iter().fold(0u64, |taken, key| taken | waves_on.get(key).copied().unwrap_or(0));
+        let links: Vec<(Pe, Pe)> = routes[id as usize].path.iter().flat_map(|run| run.hops()).collect();
+        let taken = links.iter().fold(0u64, |taken, link| taken | waves_on.get(link).copied().unwrap_or(0));
         let wave = (!taken).trailing_zeros() as usize;
         if wave < MAX_WAVES {
-            for &key in &keys {
-                *waves_on.entry(key).or_default() |= 1 << wave;
+            for link in links {
+                *waves_on.entry(link).or_default() |= 1 << wave;
             }
         }
         wave_of.push(wave.min(MAX_WAVES));
@@ -322,18 +317,6 @@ pub(super) fn order_in_waves(routes: &[Route], ids: &mut [RouteId]) {
 
 /// The most waves [`order_in_waves`] tells apart (one bit each per link).
 const MAX_WAVES: usize = 63;
-
-/// A directed link as one key: its first PE and the direction of the hop (or the other wafer).
-fn link_key(from: Pe, to: Pe) -> u64 {
-    let direction = match (to.wafer != from.wafer, to.x.cmp(&from.x), to.y.cmp(&from.y)) {
-        (true, _, _) => 4 + to.wafer as u64,
-        (false, std::cmp::Ordering::Greater, _) => 0,
-        (false, std::cmp::Ordering::Less, _) => 1,
-        (false, _, std::cmp::Ordering::Greater) => 2,
-        (false, _, _) => 3,
-    };
-    (((from.wafer as u64) << 32 | (from.x as u64) << 16 | from.y as u64) << 20) | direction
-}
 
 /// A route that found every colour taken at `pe`.
 pub(super) struct ColourClash {

@@ -5,7 +5,7 @@
 use std::collections::hash_map::Entry;
 use std::sync::OnceLock;
 
-use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
 use waferc_ir::wafer::{InstrIndex, InstrPlacement, Pe, Phase, RouteId, Step, WaferProgram, Work};
@@ -41,8 +41,8 @@ pub(crate) struct InstrRun {
     operand_routes_to: OnceLock<HashMap<Pe, Vec<RouteId>>>,
     /// Per step, where each route it sent on sits in its `StepWork::routes`.
     route_slots: Vec<HashMap<RouteId, usize>>,
-    /// Per step, the routes the schedule lists for it.
-    listed: Vec<HashSet<RouteId>>,
+    /// Per step, the routes the schedule lists for it, each with its place in the list.
+    listed: Vec<HashMap<RouteId, usize>>,
     /// The copy of a replicated expert's instruction that runs (0: the original).
     pub(crate) copy: u32,
 }
@@ -51,7 +51,7 @@ impl InstrRun {
     pub(super) fn new(program: &WaferProgram, instr: InstrIndex, steps: Range<usize>) -> Self {
         let steps: Vec<(usize, Step)> = steps.map(|i| (i, program.schedule[i].clone())).collect();
         let work = vec![StepWork::default(); steps.len()];
-        let listed = steps.iter().map(|(_, s)| s.routes.iter().copied().collect()).collect();
+        let listed = steps.iter().map(|(_, s)| s.routes.iter().enumerate().map(|(k, &id)| (id, k)).collect()).collect();
         InstrRun {
             instr,
             site: site_of(program, instr),
@@ -98,7 +98,18 @@ impl InstrRun {
     }
 
     pub(super) fn current_lists(&self, route: RouteId) -> bool {
-        self.current.is_some_and(|c| self.listed[c].contains(&route))
+        self.current.is_some_and(|c| self.listed[c].contains_key(&route))
+    }
+
+    /// Puts each step's sent routes in the order the schedule lists them: the order they claim
+    /// links in (`timing`), whatever order the executor sent them in.
+    pub(crate) fn sort_sent_as_listed(&mut self) {
+        for ((work, listed), slots) in self.work.iter_mut().zip(&self.listed).zip(&mut self.route_slots) {
+            work.routes.sort_by_key(|(id, _)| listed[id]);
+            for (k, (id, _)) in work.routes.iter().enumerate() {
+                slots.insert(*id, k);
+            }
+        }
     }
 
     pub(super) fn compute(&mut self, pe: Pe, cycles: u64) {

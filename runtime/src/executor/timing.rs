@@ -847,13 +847,10 @@ impl Timeline {
         let is_attention = matches!(placement.work, Work::Attention(_));
         let first_span = self.spans.len();
         let mut before_deliver = at;
+        // Routes claim links in the order the schedule lists them for each step.
+        run.sort_sent_as_listed();
         for ((index, step), work) in run.steps.iter().zip(&run.work) {
-            let compute = &work.compute;
-            // Routes claim links in the order the schedule lists them for the step.
-            let listed: HashMap<RouteId, usize> = step.routes.iter().enumerate().map(|(k, &id)| (id, k)).collect();
-            let mut routes = work.routes.clone();
-            routes.sort_by_key(|(id, _)| listed.get(id).copied().unwrap_or(usize::MAX));
-            let routes = &routes;
+            let (compute, routes) = (&work.compute, &work.routes);
             let compute_cycles = if worked { compute.values().copied().max().unwrap_or(0) } else { 0 };
             let (comm_cycles, wait_cycles) = match worked && !routes.is_empty() {
                 true => self.communicate(program, costs, routes, &work.reach, at + compute_cycles),

@@ -1162,9 +1162,8 @@ impl Stacked<'_> {
             Some(&across) => across,
             None => {
                 // The block's experts share shapes: the first one met stands for them all.
-                let start = self.unit_of.partition_point(|&u| u < unit);
-                let end = self.unit_of.partition_point(|&u| u <= unit);
-                let shapes: Vec<(u64, u64)> = (start..end)
+                let shapes: Vec<(u64, u64)> = self
+                    .unit_instrs(unit)
                     .filter(|&j| analysis.router[j] == Some(router) && analysis.expert[j] == Some(expert))
                     .filter_map(|j| matvec_shape(self.placer.module, j))
                     .collect();
@@ -1293,12 +1292,15 @@ impl Stacked<'_> {
         leader
     }
 
+    /// The instructions of `unit`.
+    fn unit_instrs(&self, unit: usize) -> Range<usize> {
+        self.unit_of.partition_point(|&u| u < unit)..self.unit_of.partition_point(|&u| u <= unit)
+    }
+
     /// The dense (not an expert's) matvecs of `unit` whose input is `cols` wide, with their rows.
     fn dense_readers(&self, unit: usize, cols: u64) -> impl Iterator<Item = (usize, u64)> + '_ {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
-        let start = self.unit_of.partition_point(|&u| u < unit);
-        let end = self.unit_of.partition_point(|&u| u <= unit);
-        (start..end)
+        self.unit_instrs(unit)
             .filter(move |&j| analysis.expert[j].is_none())
             .filter_map(move |j| matvec_shape(module, j).filter(|&(_, width)| width == cols).map(|(rows, _)| (j, rows)))
     }
