@@ -39,13 +39,20 @@ impl Precedence {
                 seen_reader[u] = true;
             }
         }
+        // An instruction without operands (the embedding) descends from nothing, so no cut
+        // may come before it.
+        let last_source =
+            module.body.iter().filter(|(_, instr)| instr.op.operands().is_empty()).map(|(h, _)| h.index()).max();
         let (mut epoch, mut slot) = (vec![0u32; n], vec![0u32; n]);
-        let (mut current, mut start, mut furthest) = (0u32, 0usize, 0usize);
+        // `furthest`: the furthest reader of any instruction before `i`; `i` is a cut when it
+        // is not past `i` (edges leaving `i` itself do not jump over it).
+        let (mut current, mut start, mut furthest) = (0u32, 0usize, last_source.unwrap_or(0));
         for i in 0..n {
             epoch[i] = current;
             slot[i] = (i - start) as u32;
+            let cut = furthest <= i;
             furthest = furthest.max(reach[i]);
-            if furthest <= i {
+            if cut {
                 current += 1;
                 start = i + 1;
             }
@@ -104,5 +111,9 @@ mod tests {
         assert!(p.ordered(0, 1) && p.ordered(0, 4));
         assert!(p.ordered(1, 5) && p.ordered(3, 5));
         assert!(!p.ordered(3, 3));
+        // The embedding, the block and the head are epochs of their own: the residual edge
+        // %0 -> %4 ends at the block's cut, it does not jump over it.
+        let epochs: Vec<u32> = (0..6).map(|i| p.epoch(i)).collect();
+        assert_eq!(epochs, [0, 1, 1, 1, 1, 2]);
     }
 }
