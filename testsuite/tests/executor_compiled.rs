@@ -375,3 +375,30 @@ fn generate_drives_the_executor_like_the_reference_decoder() {
         "{error}"
     );
 }
+
+/// A wide matrix over a narrow area takes tiles of eight chunks: half the column blocks, so
+/// three times the panels fit the width (a deep down projection over 48 columns: 16 blocks in
+/// three panels rather than 32 in one). The reduction still combines the contract's subtrees
+/// (an aligned run of eight chunks is one), so the bits stay the reference's.
+#[test]
+fn stacked_tiles_of_eight_chunks_match_the_reference() {
+    let shape = Shape { ffn: 4096, ..Shape::dense() };
+    let module = rewrite_module(&build(&shape, 8), PlanKind::Stacked).unwrap();
+    let plan = Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1 };
+    let program =
+        compile_with(&module, "grid:48x24", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
+    let runs: Vec<(u32, u64, u64)> = program
+        .instrs
+        .iter()
+        .filter_map(|p| match &p.work {
+            waferc_ir::wafer::Work::MatVec(mv) => {
+                let t = &mv.tiles[0];
+                Some((p.instr, mv.cols, t.chunks.end - t.chunks.start))
+            }
+            _ => None,
+        })
+        .collect();
+    assert!(runs.iter().any(|&(_, cols, run)| cols == shape.ffn && run == 8), "{runs:?}");
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[6, 14, 9], &greedy(4)).unwrap_or_else(|e| panic!("{e}"));
+}

@@ -73,9 +73,12 @@ const LED_TILE_SHARE: f64 = 0.72;
 /// segments, so their routes cross one another's; beyond this (Qwen3-30B-A3B's 32 a band) they
 /// run out of colours, and the output keeps one segment per KV head.
 const MAX_ALIGNED_PER_BAND: u64 = 16;
-/// The most 32-element chunks a tile spans: each chunk of a matvec's input is one multicast
-/// down the tile's column, and more than four per column crowd the router's colours.
-const MAX_CHUNKS_PER_TILE: u64 = 4;
+/// The most 32-element chunks a tile spans. A column block's input arrives in at most
+/// [`columns::SEGMENTS_PER_COLUMN`] multicasts whatever its chunks, so a wider tile costs no
+/// colours; it halves the column blocks, so a wide matrix folds into more panels over a narrow
+/// area (Mixtral's down projection, 448 chunks over an expert lane 181 columns wide: 56 blocks
+/// in three panels at eight chunks, 7.3k cycles a tile at four: 917 -> 995 tok/s).
+const MAX_CHUNKS_PER_TILE: u64 = 8;
 /// The most segments a vector that does not feed matvecs only (see `columns`) is cut in. Every
 /// segment is one multicast to the PEs that read it, and multicasts to readers spread over the
 /// area cross each other, so they need a colour each.
