@@ -42,7 +42,8 @@ use std::time::Instant;
 use waferc::plan_search;
 use waferc::synth::{synth, Preset};
 use waferc_ir::wafer::distance_bound_cycles;
-use waferc_ir::{Module, Op};
+use waferc_ir::wafer::profile::timing_only_experts;
+use waferc_ir::Module;
 use waferc_passes::quantize::Quantize;
 use waferc_passes::wafer::{compile, CompileOptions, WaferError};
 use waferc_passes::Pass;
@@ -191,16 +192,9 @@ fn run(wanted: &[String], scratch: &Path, sequences_only: bool) -> Result<(), Bo
                 let prefill = report.prefill.iter().find(|p| p.prompt_tokens == tokens);
                 prefill.and_then(|p| p.ttft_us).map(|us| us / 1000.0)
             };
-            // The timing-only step chooses experts 0..top_k, as the bound assumes.
-            let top_k = module
-                .body
-                .iter()
-                .find_map(|(_, instr)| match instr.op {
-                    Op::RouterTopK { top_k, .. } => Some(top_k),
-                    _ => None,
-                })
-                .unwrap_or(u32::MAX);
-            let bound = distance_bound_cycles(&program, &module, 0, |_, expert| expert < top_k);
+            // The experts the timing-only step chose, as the bound assumes.
+            let chosen = timing_only_experts(&module, program.routing_profile.as_ref(), 0);
+            let bound = distance_bound_cycles(&program, &module, 0, chosen);
             rows.push(Row {
                 model: label.clone(),
                 target: target.name.clone(),

@@ -5,6 +5,7 @@
 mod executor_common;
 
 use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
+use waferc_ir::wafer::profile::{timing_only_experts, timing_picks};
 use waferc_ir::wafer::{distance_bound_cycles, distance_bound_ends, LayerProfile, Plan, RoutingProfile};
 use waferc_passes::rewrite::rewrite_module;
 use waferc_passes::wafer::CompileOptions;
@@ -50,7 +51,7 @@ fn timing_is_deterministic_and_the_same_without_values() {
 /// gpt-oss's attention sinks are weights the attention reads on its reductions' root; a
 /// timing-only run (no SRAM) walks the same steps without reading them, past the sliding layers'
 /// window of 8 positions, and times every attention (sliding and full) as a run with values does.
-/// Only the experts differ: the timing-only router takes experts 0..top_k.
+/// Only the experts differ: the timing-only router takes a uniform router's picks.
 #[test]
 fn gpt_oss_times_attention_the_same_without_values() {
     let name = "gpt-oss-tiny-mxfp4";
@@ -157,18 +158,35 @@ fn llama8b_on_wse3_times_a_token_quickly() {
     assert!(prepared + stepped < std::time::Duration::from_secs(30));
 }
 
+/// Without a profile, a timing-only step charges a uniform router's picks, drawn per layer and
+/// position ([`timing_picks`]): exactly those experts compute, and the picks move, so no plan is
+/// timed on one fixed set of experts.
 #[test]
-fn timing_only_moe_runs_the_first_top_k_experts() {
+fn timing_only_moe_runs_a_uniform_routers_picks() {
     let module = build(&Shape { bytes: false, ..Shape::moe() }, 9);
     let program = compile_for(&module, "grid:12x12", 64);
-    let timing = &timings(&program, &module, None, 2)[1];
     let computing = |s: &&waferc_runtime::executor::StepSpan| {
         s.expert.is_some() && s.phase == waferc_ir::wafer::Phase::Compute && s.op != "expert_dispatch"
     };
-    for span in timing.spans.iter().filter(computing) {
-        let expert = span.expert.unwrap();
-        assert_eq!(span.duration_cycles > 0, expert < 2, "expert {expert} of %{} ({})", span.instr, span.op);
+    let mut picked = std::collections::BTreeSet::new();
+    for (position, timing) in timings(&program, &module, None, 4).iter().enumerate() {
+        let runs = timing_only_experts(&module, None, position as u32);
+        for span in timing.spans.iter().filter(computing) {
+            let (layer, expert) = (span.layer.unwrap(), span.expert.unwrap());
+            assert_eq!(
+                span.duration_cycles > 0,
+                runs(layer, expert),
+                "position {position}: expert {expert} of %{} ({})",
+                span.instr,
+                span.op
+            );
+            if span.duration_cycles > 0 {
+                picked.insert((layer, expert));
+            }
+        }
+        assert_eq!((0..8).filter(|&e| runs(0, e)).count(), timing_picks(None, 0, 8, 2, position as u32).len());
     }
+    assert!(picked.len() > 2 * Shape::moe().layers as usize, "the picks never move: {picked:?}");
 }
 
 /// The model never times a step faster than the placement's own distance bound (only hops, no
@@ -210,14 +228,13 @@ fn modeled_cycles_never_undercut_the_distance_bound() {
             (_, Some(_)) => compile_with(&module, target, options),
         };
         let plan = program.plan;
-        // The timing-only router chooses experts 0..top_k.
-        let top_k = shape.moe.map_or(u32::MAX, |(_, k)| k);
         let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
         let mut executor = Executor::new(&program, &module, None, options).unwrap();
         // Positions 0..70 cross two 32-position KV chunk boundaries.
         for position in 0..70u32 {
             let cycles = executor.step(1).unwrap().timing.cycles;
-            let bound = distance_bound_cycles(&program, &module, position, |_, expert| expert < top_k);
+            let chosen = timing_only_experts(&module, program.routing_profile.as_ref(), position);
+            let bound = distance_bound_cycles(&program, &module, position, &chosen);
             assert!(bound > 1, "{target} {plan:?}: a bound of {bound} cycles says nothing");
             assert!(
                 cycles >= bound,
@@ -232,7 +249,7 @@ fn modeled_cycles_never_undercut_the_distance_bound() {
 /// as soon as its own PEs have the input and the routing (not when the multicasts reach the
 /// farthest expert), and a combine waits only for its chosen experts. Experts chosen by a skewed
 /// profile's expected picks (which move from position to position) and by the profile-free
-/// default (experts 0..top_k), on every plan kind.
+/// default (a uniform router's picks), on every plan kind.
 #[test]
 fn the_distance_bound_holds_for_experts_when_distance_dominates() {
     let shape = Shape { bytes: false, moe: Some((8, 2)), ..Shape::moe() };
@@ -262,12 +279,9 @@ fn the_distance_bound_holds_for_experts_when_distance_dominates() {
             for position in 0..6u32 {
                 let timing = executor.step(1).unwrap().timing;
                 let cycles = timing.cycles;
-                let chosen = |layer: u32, expert: u32| match profile.as_ref().and_then(|p| p.layer(layer)) {
-                    Some(picks) => picks.expected_picks(position).contains(&expert),
-                    None => expert < 2,
-                };
+                let chosen = timing_only_experts(&module, profile.as_ref(), position);
                 // Instruction by instruction: none ends, modeled, before its distance floor.
-                let ends = distance_bound_ends(&program, &module, position, chosen);
+                let ends = distance_bound_ends(&program, &module, position, &chosen);
                 let mut modeled_end = vec![None::<u64>; ends.len()];
                 for span in &timing.spans {
                     let end = modeled_end[span.instr as usize].get_or_insert(0);
@@ -281,7 +295,7 @@ fn the_distance_bound_holds_for_experts_when_distance_dominates() {
                         profile.is_some()
                     );
                 }
-                let bound = distance_bound_cycles(&program, &module, position, chosen);
+                let bound = distance_bound_cycles(&program, &module, position, &chosen);
                 assert!(
                     cycles >= bound,
                     "{plan:?} profile {} position {position}: modeled {cycles} cycles undercut the distance bound {bound}",

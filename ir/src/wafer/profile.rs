@@ -1,7 +1,8 @@
 //! Routing profiles: how often a model's MoE routers pick each expert, and each pair of experts
 //! together, over some prompts. `waferc profile` records one from the reference decoder; the
 //! placer orders experts by it (`passes::wafer::experts`); the artifact stores it, `inspect`
-//! shows it as expert heat, and a `--timing-only` run draws each step's picks from it.
+//! shows it as expert heat, and a `--timing-only` run draws each step's picks from it (from a
+//! uniform router's without one: [`timing_picks`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -63,6 +64,39 @@ impl RoutingProfile {
         (layers.len() != self.layers.len() || !layers.is_sorted())
             .then(|| "layers must be listed once each, in increasing order".to_string())
     }
+}
+
+/// The experts a `--timing-only` step charges in MoE layer `layer` at `position`: the profile's
+/// expected picks for the layer ([`LayerProfile::expected_picks`]), or without one (or with one
+/// recorded for another shape) a uniform router's, drawn the same way from an empty profile. A
+/// fixed choice, such as the first `top_k` experts, would favour whichever plan places those
+/// experts well: experts sharing PEs, say, that it never picks together.
+pub fn timing_picks(profile: Option<&RoutingProfile>, layer: u32, experts: u32, top_k: u32, position: u32) -> Vec<u32> {
+    match profile.and_then(|p| p.layer(layer)) {
+        Some(recorded) if recorded.experts == experts && recorded.top_k == top_k => recorded.expected_picks(position),
+        _ => LayerProfile::new(layer, experts, top_k.min(experts)).expected_picks(position),
+    }
+}
+
+/// Per MoE layer of `module`, the experts a `--timing-only` step at `position` runs
+/// ([`timing_picks`] with the program's profile), as a predicate over (layer, expert): what
+/// `bound::distance_bound_cycles` asks of the step it bounds.
+pub fn timing_only_experts(
+    module: &crate::Module,
+    profile: Option<&RoutingProfile>,
+    position: u32,
+) -> impl Fn(u32, u32) -> bool {
+    let mut chosen: std::collections::HashMap<u32, Vec<u32>> = std::collections::HashMap::new();
+    for (_, instr) in module.body.iter() {
+        if let (crate::Op::RouterTopK { logits, top_k, .. }, Some(layer)) = (&instr.op, instr.layer) {
+            let experts = match &module.body[*logits].ty {
+                crate::ValueType::Tensor(t) => t.elements() as u32,
+                crate::ValueType::Routing { experts, .. } => *experts,
+            };
+            chosen.insert(layer, timing_picks(profile, layer, experts, *top_k, position));
+        }
+    }
+    move |layer, expert| chosen.get(&layer).is_some_and(|picks| picks.contains(&expert))
 }
 
 impl LayerProfile {

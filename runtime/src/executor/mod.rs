@@ -16,7 +16,7 @@
 //! With [`ExecOptions::timing_only`] the executor walks the same schedule, routes and messages
 //! without values (for shape-only programs of full-size models): per-step work is proportional
 //! to routes and tiles, never to elements, and the router chooses the routing profile's expected
-//! picks for the layer and position (experts `0..top_k` without a profile).
+//! picks for the layer and position (a uniform router's without a profile: `timing_picks`).
 //!
 //! Each step also produces its [`StepTiming`] from the [`timing`] model.
 //!

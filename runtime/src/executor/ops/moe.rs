@@ -1,6 +1,7 @@
 //! Mixture of experts: the router's top-k decision, and the weighted combine of the chosen
 //! experts' outputs.
 
+use waferc_ir::wafer::profile::timing_picks;
 use waferc_ir::wafer::{InstrIndex, Pe, Phase, ResultLayout, RouteId, Segment};
 use waferc_ir::ValueType;
 
@@ -28,17 +29,13 @@ impl Executor<'_> {
         run.begin(Phase::Compute);
         let x = self.operand(state, run, pe, logits, 0..experts)?;
         let routing = if self.options.timing_only {
-            // No values: the routing profile's expected picks for this layer and position (the
-            // first `top_k` experts without a profile), equally weighted; which experts are
-            // picked decides how far their outputs travel to the combine.
+            // No values: the routing profile's expected picks for this layer and position (a
+            // uniform router's without a profile), equally weighted; which experts are picked
+            // decides how far their outputs travel to the combine, and which PEs they share.
             let weight = 1.0 / top_k as f32;
-            let profile = self.program.routing_profile.as_ref().zip(run.site.layer).and_then(|(p, l)| p.layer(l));
-            let chosen = match profile {
-                Some(layer) if layer.experts as u64 == experts && layer.top_k == top_k => {
-                    layer.expected_picks(self.position)
-                }
-                _ => (0..top_k).collect(),
-            };
+            let profile = self.program.routing_profile.as_ref();
+            let layer = run.site.layer.unwrap_or(0);
+            let chosen = timing_picks(profile, layer, experts as u32, top_k, self.position);
             Routing { experts: experts as usize, chosen: chosen.into_iter().map(|e| (e, weight)).collect() }
         } else {
             if top_k == 0 || top_k as u64 > experts {
