@@ -385,60 +385,57 @@ pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, order: &Ro
 }
 
 /// [`conflict_graph`] of routes whose PEs ([`route_pes`]) are already listed. Only routes of
-/// one epoch can be active together, so each PE's routes are listed epoch by epoch and a route
-/// is compared with the later routes of its own epoch there, not with every route of the PE
-/// (the 8B's PEs each carry about a hundred routes of a dozen epochs).
+/// one epoch can be active together, so routes are taken epoch by epoch (then by index), and
+/// each is compared with the routes of its epoch taken before it at each of its PEs. Those
+/// lists live only for the epoch (a linked list per PE, reset when the epoch first touches the
+/// PE), so the working set is one epoch's region of the wafer rather than every route of
+/// every PE (the 8B's 95 million route-PE pairs: reading per-PE lists of the whole program, in
+/// route order, was most of the colouring's time in cache misses).
 fn conflict_graph_of(routes: &[Route], pes: &[Vec<u32>], params: &TargetParams, order: &RouteOrder) -> UnGraph<(), ()> {
+    const NONE: u32 = u32::MAX;
     let pe_count = params.grid_cols as usize * params.grid_rows as usize * params.wafers as usize;
     // Each route's instruction and epoch, read for every pair: looked up in the routes
     // themselves they were most of the colouring's time in cache misses.
     let instr: Vec<u32> = routes.iter().map(|route| route.instr).collect();
     let epoch: Vec<u32> = instr.iter().map(|&i| order.precedence.epoch(i as usize)).collect();
-    // Routes are visited by epoch, then by index.
     let mut visit: Vec<u32> = (0..routes.len() as u32).collect();
     visit.sort_by_key(|&r| (epoch[r as usize], r));
-    // Each PE's routes in visit order, in compressed rows.
-    let mut starts = vec![0u32; pe_count + 1];
-    for list in pes {
-        for &p in list {
-            starts[p as usize + 1] += 1;
-        }
-    }
-    for p in 0..pe_count {
-        starts[p + 1] += starts[p];
-    }
-    let mut fill = starts.clone();
-    let mut pe_routes = vec![0u32; *starts.last().unwrap_or(&0) as usize];
-    for &r in &visit {
-        for &p in &pes[r as usize] {
-            pe_routes[fill[p as usize] as usize] = r;
-            fill[p as usize] += 1;
-        }
-    }
-    drop(fill);
     let mut graph = UnGraph::with_capacity(routes.len(), 0);
     for _ in routes {
         graph.add_node(());
     }
-    // `seen_by[s] == r`: the pair (r, s) was already considered.
-    let mut seen_by = vec![u32::MAX; routes.len()];
-    // Routes are taken in visit order, the order of each PE's list, so the routes after `r` at
-    // `p` start past the `done[p]` routes already taken there.
-    let mut done = vec![0u32; pe_count];
+    // Per PE: the epoch its list belongs to, and the list's head in `met` (route, next).
+    let mut list_epoch = vec![NONE; pe_count];
+    let mut head = vec![NONE; pe_count];
+    let mut met: Vec<(u32, u32)> = Vec::new();
+    // `seen_by[s] == r`: the pair (s, r) was already considered.
+    let mut seen_by = vec![NONE; routes.len()];
+    let mut current = NONE;
     for &r in &visit {
         let (r_instr, r_epoch) = (instr[r as usize] as usize, epoch[r as usize]);
+        if r_epoch != current {
+            current = r_epoch;
+            met.clear();
+        }
         for &p in &pes[r as usize] {
             let p = p as usize;
-            done[p] += 1;
-            let later = &pe_routes[(starts[p] + done[p]) as usize..starts[p + 1] as usize];
-            for &s in later.iter().take_while(|&&s| epoch[s as usize] == r_epoch) {
+            if list_epoch[p] != r_epoch {
+                list_epoch[p] = r_epoch;
+                head[p] = NONE;
+            }
+            let mut at = head[p];
+            while at != NONE {
+                let (s, next) = met[at as usize];
                 if seen_by[s as usize] != r {
                     seen_by[s as usize] = r;
-                    if !order.instrs_apart((r as usize, r_instr), (s as usize, instr[s as usize] as usize)) {
-                        graph.add_edge(NodeIndex::new(r as usize), NodeIndex::new(s as usize), ());
+                    if !order.instrs_apart((s as usize, instr[s as usize] as usize), (r as usize, r_instr)) {
+                        graph.add_edge(NodeIndex::new(s as usize), NodeIndex::new(r as usize), ());
                     }
                 }
+                at = next;
             }
+            met.push((r, head[p]));
+            head[p] = (met.len() - 1) as u32;
         }
     }
     graph
