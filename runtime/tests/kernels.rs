@@ -418,13 +418,19 @@ fn router_takes_the_top_k_with_ties_to_the_lower_index() {
     assert_eq!(routing.experts, 5);
     let top1 = kernels::router_topk(&[3.0, 1.0, 3.0], 1, true);
     assert_eq!(top1.chosen, vec![(0, 1.0)]);
-    // Normalised weights: p_i / (p_best + p_second), summed in descending-probability order.
-    let logits = [0.1, 1.5, -0.3, 0.9];
-    let p = kernels::softmax(&logits);
+    // Normalised weights: the softmax of the chosen logits alone, summed in descending-logit
+    // order; within rounding of the full softmax's chosen probabilities renormalised.
+    let logits = [0.1f32, 1.5, -0.3, 0.9];
     let routing = kernels::router_topk(&logits, 3, true);
-    let total = (p[1] + p[3]) + p[0];
-    assert_eq!(routing.chosen, vec![(0, p[0] / total), (1, p[1] / total), (3, p[3] / total)]);
-    assert_eq!(routing.weight_of(3), Some(p[3] / total));
+    let e = |l: f32| (l - 1.5f32).exp();
+    let total = (e(1.5) + e(0.9)) + e(0.1);
+    assert_eq!(routing.chosen, vec![(0, e(0.1) / total), (1, e(1.5) / total), (3, e(0.9) / total)]);
+    assert_eq!(routing.weight_of(3), Some(e(0.9) / total));
+    let p = kernels::softmax(&logits);
+    let renormalised = (p[1] + p[3]) + p[0];
+    for (expert, w) in &routing.chosen {
+        assert!((w - p[*expert as usize] / renormalised).abs() < 1e-6, "expert {expert}: {w}");
+    }
     assert_eq!(routing.weight_of(2), None);
 }
 

@@ -23,8 +23,10 @@
 //! tile `rows x elements` MACs; a norm's segment its squares, then two multiplies per element;
 //! attention per block `positions x head_dim` MACs per query head for the scores, the same again
 //! for the weighted values, plus one exponential and one division per score; the combine one
-//! MAC per chosen expert per element; the router an exponential and a division per expert; each
-//! edge of a reduction tree one add per element on the receiving PE. A step's compute time is its
+//! MAC per chosen expert per element; the router one slot per expert to find its top k, then an
+//! exponential and a division per weight (per chosen expert when it normalises,
+//! `kernels::router_topk`; else per expert); each edge of a reduction tree one add per element on
+//! the receiving PE. A step's compute time is its
 //! **busiest PE's**. An attention KV block holding no position yet (all its positions beyond the
 //! step's) computes nothing and sends nothing: the reduction edges whose sender's subtree holds
 //! only such blocks are skipped (bit-exact: an empty subtree's partial is +0.0 or, for the

@@ -347,19 +347,27 @@ impl Routing {
     }
 }
 
-/// Softmax over the router logits, the `top_k` largest probabilities (ties to the lower index),
-/// and if `normalize`, `w_i = p_i / s` with `s` the chosen probabilities summed left to right in
-/// descending-probability order. Panics unless `1 <= top_k <= logits.len()`.
+/// The router's choice: the `top_k` largest logits (ties to the lower index). Normalising, their
+/// weights are the softmax of the chosen logits alone: `m` the largest, `e_i = exp(l_i - m)`,
+/// `s` the `e_i` summed left to right in descending-logit order, `w_i = e_i / s`. That is the
+/// full softmax's chosen probabilities renormalised (its denominator cancels), with `top_k`
+/// exponentials rather than one per expert. Not normalising, `w_i` is the full softmax's `p_i`.
+/// Panics unless `1 <= top_k <= logits.len()`.
 pub fn router_topk(logits: &[f32], top_k: usize, normalize: bool) -> Routing {
     assert!(top_k >= 1 && top_k <= logits.len(), "top_k {top_k} of {} experts", logits.len());
-    let p = softmax(logits);
-    let mut order: Vec<usize> = (0..p.len()).collect();
-    // Stable, so equal probabilities keep increasing index order.
-    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    // Stable, so equal logits keep increasing index order.
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
     order.truncate(top_k);
-    let total = order[1..].iter().fold(p[order[0]], |s, &e| s + p[e]);
-    let mut chosen: Vec<(u32, f32)> =
-        order.iter().map(|&e| (e as u32, if normalize { p[e] / total } else { p[e] })).collect();
+    let mut chosen: Vec<(u32, f32)> = if normalize {
+        let m = logits[order[0]];
+        let e: Vec<f32> = order.iter().map(|&i| (logits[i] - m).exp()).collect();
+        let total = e[1..].iter().fold(e[0], |s, &x| s + x);
+        order.iter().zip(&e).map(|(&i, &x)| (i as u32, x / total)).collect()
+    } else {
+        let p = softmax(logits);
+        order.iter().map(|&i| (i as u32, p[i])).collect()
+    };
     chosen.sort_by_key(|&(e, _)| e);
     Routing { experts: logits.len(), chosen }
 }

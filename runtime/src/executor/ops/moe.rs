@@ -46,7 +46,10 @@ impl Executor<'_> {
             }
             kernels::router_topk(x.values(), top_k as usize, normalize)
         };
-        run.compute(pe, self.costs.flops(experts * (timing::EXP_FLOPS + timing::DIVIDE_FLOPS + 1)));
+        // A scan of the logits for the top k, then an exponential and a division per weight:
+        // for the chosen experts only when normalising (`kernels::router_topk`).
+        let weights = if normalize { top_k as u64 } else { experts };
+        run.compute(pe, self.costs.flops(experts + weights * (timing::EXP_FLOPS + timing::DIVIDE_FLOPS)));
         state.held[run.instr as usize] = Held::Routing(routing.clone());
         run.begin(Phase::Deliver);
         // The expert copies serving this step learn the decision on their own routes.
