@@ -104,31 +104,48 @@ fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference()
 
 /// Many experts on a short region: rather than bands of one row (whose tiles would hold twice
 /// the bytes a PE of a two-row band's), the stacked plan cuts the bands across into columns of
-/// lanes at least two rows high. Experts still never share a PE, and the bits stay the
+/// lanes at least two rows high, as many as tile the experts cheapest, which need not be a power
+/// of two (three on a 96-column grid). Experts still never share a PE, and the bits stay the
 /// reference's.
 #[test]
 fn stacked_experts_in_lanes_cut_across_match_the_reference() {
     let shape = Shape { moe: Some((32, 4)), ffn: 256, ..Shape::moe() };
     let module = build(&shape, 8);
     let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
-    let program =
-        compile_with(&module, "grid:64x128", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
-    let mut rows: std::collections::BTreeMap<(u32, u32), std::collections::BTreeSet<u16>> = Default::default();
-    let mut owner = std::collections::HashMap::new();
-    for p in &program.instrs {
-        let (Some(expert), waferc_ir::wafer::Work::MatVec(mv)) = (p.expert, &p.work) else { continue };
-        let layer = module.body[waferc_ir::Handle::new(p.instr as usize)].layer.expect("an expert is in a layer");
-        for t in &mv.tiles {
-            rows.entry((layer, expert)).or_default().insert(t.pe.y);
-            assert_eq!(*owner.entry(t.pe).or_insert((layer, expert)), (layer, expert), "{} holds two experts", t.pe);
+    for (grid, lane_columns) in [("grid:64x128", None), ("grid:96x128", Some(3))] {
+        let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
+        let program = compile_with(&module, grid, options);
+        let mut rows: std::collections::BTreeMap<(u32, u32), std::collections::BTreeSet<u16>> = Default::default();
+        let mut owner = std::collections::HashMap::new();
+        for p in &program.instrs {
+            let (Some(expert), waferc_ir::wafer::Work::MatVec(mv)) = (p.expert, &p.work) else { continue };
+            let layer = module.body[waferc_ir::Handle::new(p.instr as usize)].layer.expect("an expert is in a layer");
+            for t in &mv.tiles {
+                rows.entry((layer, expert)).or_default().insert(t.pe.y);
+                let first = *owner.entry(t.pe).or_insert((layer, expert));
+                assert_eq!(first, (layer, expert), "{grid}: {} holds two experts", t.pe);
+            }
         }
+        assert_eq!(rows.len(), 32 * shape.layers as usize, "{grid}: every expert has tiles");
+        for ((layer, expert), ys) in rows {
+            assert!(ys.len() >= 2, "{grid}: layer {layer} expert {expert}: tiles on rows {ys:?} only");
+        }
+        // The columns of lanes: the distinct westmost columns of layer 0's experts.
+        let mut west: std::collections::BTreeMap<u32, u16> = Default::default();
+        for (pe, (layer, expert)) in &owner {
+            if *layer == 0 {
+                let x = west.entry(*expert).or_insert(pe.x);
+                *x = (*x).min(pe.x);
+            }
+        }
+        let columns = west.values().collect::<std::collections::BTreeSet<_>>().len();
+        assert!(columns > 1, "{grid}: the bands are not cut across");
+        if let Some(expected) = lane_columns {
+            assert_eq!(columns, expected, "{grid}: columns of lanes");
+        }
+        let blob = pack_tile_blob(&program, &module);
+        validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5)).unwrap_or_else(|e| panic!("{grid}: {e}"));
     }
-    assert_eq!(rows.len(), 32 * shape.layers as usize, "every expert has tiles");
-    for ((layer, expert), ys) in rows {
-        assert!(ys.len() >= 2, "layer {layer} expert {expert}: tiles on rows {ys:?} only");
-    }
-    let blob = pack_tile_blob(&program, &module);
-    validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// An attention output cut for its o projection in more pieces than a KV band's colours take
