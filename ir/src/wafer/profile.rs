@@ -68,13 +68,13 @@ impl RoutingProfile {
 
 /// The experts a `--timing-only` step charges in MoE layer `layer` at `position`: the profile's
 /// expected picks for the layer ([`LayerProfile::expected_picks`]), or without one (or with one
-/// recorded for another shape) a uniform router's, drawn the same way from an empty profile. A
+/// recorded for another shape) a uniform router's, drawn the same way with equal weights. A
 /// fixed choice, such as the first `top_k` experts, would favour whichever plan places those
 /// experts well: experts sharing PEs, say, that it never picks together.
 pub fn timing_picks(profile: Option<&RoutingProfile>, layer: u32, experts: u32, top_k: u32, position: u32) -> Vec<u32> {
     match profile.and_then(|p| p.layer(layer)) {
         Some(recorded) if recorded.experts == experts && recorded.top_k == top_k => recorded.expected_picks(position),
-        _ => LayerProfile::new(layer, experts, top_k.min(experts)).expected_picks(position),
+        _ => draw_picks(layer, vec![1; experts as usize], top_k.min(experts), position),
     }
 }
 
@@ -88,12 +88,8 @@ pub fn timing_only_experts(
 ) -> impl Fn(u32, u32) -> bool {
     let mut chosen: std::collections::HashMap<u32, Vec<u32>> = std::collections::HashMap::new();
     for (_, instr) in module.body.iter() {
-        if let (crate::Op::RouterTopK { logits, top_k, .. }, Some(layer)) = (&instr.op, instr.layer) {
-            let experts = match &module.body[*logits].ty {
-                crate::ValueType::Tensor(t) => t.elements() as u32,
-                crate::ValueType::Routing { experts, .. } => *experts,
-            };
-            chosen.insert(layer, timing_picks(profile, layer, experts, *top_k, position));
+        if let (crate::ValueType::Routing { experts, top_k }, Some(layer)) = (&instr.ty, instr.layer) {
+            chosen.insert(layer, timing_picks(profile, layer, *experts, *top_k, position));
         }
     }
     move |layer, expert| chosen.get(&layer).is_some_and(|picks| picks.contains(&expert))
@@ -143,26 +139,31 @@ impl LayerProfile {
     /// still come up), from a hash of the layer and position, so over many steps each expert's
     /// share approaches its profile share and every run is reproducible. Increasing order.
     pub fn expected_picks(&self, position: u32) -> Vec<u32> {
-        let mut weights: Vec<u64> = self.picks.iter().map(|p| p + 1).collect();
-        let mut chosen = Vec::with_capacity(self.top_k as usize);
-        for draw in 0..self.top_k as u64 {
-            let total: u64 = weights.iter().sum();
-            let seed = (self.layer as u64) << 40 ^ (position as u64) << 8 ^ draw;
-            let mut ticket = splitmix64(seed) % total.max(1);
-            let mut pick = 0;
-            for (e, &w) in weights.iter().enumerate() {
-                if ticket < w {
-                    pick = e;
-                    break;
-                }
-                ticket -= w;
-            }
-            weights[pick] = 0;
-            chosen.push(pick as u32);
-        }
-        chosen.sort_unstable();
-        chosen
+        draw_picks(self.layer, self.picks.iter().map(|p| p + 1).collect(), self.top_k, position)
     }
+}
+
+/// `top_k` distinct experts drawn without replacement in proportion to `weights`, from a hash of
+/// the layer, the position and the draw; increasing order.
+fn draw_picks(layer: u32, mut weights: Vec<u64>, top_k: u32, position: u32) -> Vec<u32> {
+    let mut chosen = Vec::with_capacity(top_k as usize);
+    for draw in 0..top_k as u64 {
+        let total: u64 = weights.iter().sum();
+        let seed = (layer as u64) << 40 ^ (position as u64) << 8 ^ draw;
+        let mut ticket = splitmix64(seed) % total.max(1);
+        let mut pick = 0;
+        for (e, &w) in weights.iter().enumerate() {
+            if ticket < w {
+                pick = e;
+                break;
+            }
+            ticket -= w;
+        }
+        weights[pick] = 0;
+        chosen.push(pick as u32);
+    }
+    chosen.sort_unstable();
+    chosen
 }
 
 /// SplitMix64 (Steele, Lea, Flood 2014): a fixed, well-mixed hash of a 64-bit counter.

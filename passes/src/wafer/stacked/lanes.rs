@@ -88,8 +88,8 @@ mod tests {
         // 224 x 288 area: two-row bands would interleave seven panels a row.
         let qwen = [(1536, 2048), (2048, 768)];
         assert!(lane_columns(area(224, 288), 128, &qwen) > 1);
-        // Mixtral's down projection (4096 x 14336: 112 column blocks at four chunks a tile)
-        // needs lanes at least 112 wide: never four columns of lanes on 370.
+        // Mixtral's down projection (4096 x 14336: at least 56 column blocks, at eight chunks a
+        // tile) folds into few panels in narrow lanes: never more than two columns of lanes on 370.
         let mixtral = [(28672, 4096), (4096, 14336)];
         assert!(lane_columns(area(370, 292), 8, &mixtral) <= 2);
     }
