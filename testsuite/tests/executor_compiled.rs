@@ -102,6 +102,48 @@ fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference()
     validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// An MoE layer's input cannot be column-aligned for every expert's lane, so each of its
+/// segments keeps a row and a column of its own (their multicasts to the lanes share no link),
+/// on a diagonal of adjacent PEs at the region's centre, where the norm on them reduces over a
+/// few hops; the layers of a region take diagonals side by side. The bits stay the reference's.
+#[test]
+fn stacked_moe_input_sits_on_a_central_diagonal_and_matches_the_reference() {
+    let shape = Shape { hidden: 512, layers: 4, ..Shape::moe() };
+    let module = build(&shape, 6);
+    let dispatched: std::collections::HashSet<usize> = module
+        .body
+        .iter()
+        .filter_map(|(_, instr)| match &instr.op {
+            Op::ExpertDispatch { x, .. } => Some(x.index()),
+            _ => None,
+        })
+        .collect();
+    for layers_per_region in [1, 2] {
+        let plan = Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1 };
+        let program =
+            compile_with(&module, "grid:96x96", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
+        let mut held = std::collections::HashSet::new();
+        let mut norms = 0;
+        for norm in program.instrs.iter().filter(|p| dispatched.contains(&(p.instr as usize))) {
+            let waferc_ir::wafer::ResultLayout::Vector(layout) = &norm.result else {
+                panic!("%{} is a vector", norm.instr)
+            };
+            assert!(layout.segments.len() > 1, "%{} is cut in segments", norm.instr);
+            for pair in layout.segments.windows(2) {
+                let (a, b) = (pair[0].pe, pair[1].pe);
+                assert_eq!((b.x, b.y), (a.x + 1, a.y + 1), "%{} at stacked:{layers_per_region}", norm.instr);
+            }
+            for seg in &layout.segments {
+                assert!(held.insert(seg.pe), "%{} shares {:?} with another layer's input", norm.instr, seg.pe);
+            }
+            norms += 1;
+        }
+        assert_eq!(norms, shape.layers, "one MoE input a layer");
+        let blob = pack_tile_blob(&program, &module);
+        validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(4)).unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
 /// Many experts on a short region: rather than bands of one row (whose tiles would hold twice
 /// the bytes a PE of a two-row band's), the stacked plan cuts the bands across into columns of
 /// lanes at least two rows high, as many as tile the experts cheapest, which need not be a power

@@ -141,6 +141,32 @@ impl Stacked<'_> {
             && self.consumers(i).is_some_and(|c| c.through_norm)
     }
 
+    /// Whether instruction `i`'s result reaches an MoE layer's experts (whose matvecs read it
+    /// through `expert_dispatch`, which `readers` looks through) by the residual add and norm
+    /// that run in place on it, in its own unit (see `central_diagonal`).
+    pub(super) fn feeds_experts(&self, i: usize) -> bool {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        let mut stack = vec![i];
+        let mut seen = HashSet::new();
+        while let Some(value) = stack.pop() {
+            if !seen.insert(value) || seen.len() > SEARCH_LIMIT {
+                continue;
+            }
+            for &reader in &analysis.readers[value] {
+                let r = reader as usize;
+                if self.unit_of[r] != self.unit_of[i] {
+                    continue;
+                }
+                match &module.body[waferc_ir::Handle::new(r)].op {
+                    Op::MatVec { .. } if analysis.expert[r].is_some() => return true,
+                    Op::Add { .. } | Op::RmsNorm { .. } => stack.push(r),
+                    _ => {}
+                }
+            }
+        }
+        false
+    }
+
     /// Whether norm `i` takes segments of its own in its region's middle row: when it reads a
     /// residual add of its own region that stays on its matvec's diagonal (the add before a
     /// region's last residual add, see [`Stacked::residual_in_middle_row`]). The add's result
