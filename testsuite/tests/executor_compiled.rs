@@ -105,9 +105,12 @@ fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference()
 /// An MoE layer's input cannot be column-aligned for every expert's lane, so each of its
 /// segments keeps a row and a column of its own (their multicasts to the lanes share no link),
 /// on a diagonal of adjacent PEs at the region's centre, where the norm on them reduces over a
-/// few hops; the layers of a region take diagonals side by side. The bits stay the reference's.
+/// few hops; the layers of a region continue one diagonal. The router's logits matvec takes its
+/// first expert's column blocks in that expert's lane (split where its share of a PE is too
+/// small for the expert's tile), so the input reaches it down the lane's columns.
+/// The bits stay the reference's.
 #[test]
-fn stacked_moe_input_sits_on_a_central_diagonal_and_matches_the_reference() {
+fn stacked_moe_input_sits_on_a_central_diagonal_and_the_router_in_an_experts_columns() {
     let shape = Shape { hidden: 512, layers: 4, ..Shape::moe() };
     let module = build(&shape, 6);
     let dispatched: std::collections::HashSet<usize> = module
@@ -139,6 +142,32 @@ fn stacked_moe_input_sits_on_a_central_diagonal_and_matches_the_reference() {
             norms += 1;
         }
         assert_eq!(norms, shape.layers, "one MoE input a layer");
+        let tiles = |instr: usize| match &program.instrs[instr].work {
+            waferc_ir::wafer::Work::MatVec(mv) => mv.tiles.clone(),
+            _ => panic!("%{instr} is a matvec"),
+        };
+        for (_, instr) in module.body.iter() {
+            let Op::RouterTopK { logits, .. } = &instr.op else { continue };
+            let router = tiles(logits.index());
+            let first_expert = program
+                .instrs
+                .iter()
+                .find(|p| p.expert == Some(0) && p.instr as usize > logits.index() && p.op == "matvec")
+                .expect("the router's experts follow it");
+            let expert = tiles(first_expert.instr as usize);
+            for t in &router {
+                assert!(
+                    expert
+                        .iter()
+                        .any(|e| e.pe.x == t.pe.x && e.chunks.start <= t.chunks.start && t.chunks.end <= e.chunks.end),
+                    "router %{} tile {:?} chunks {:?} is not in a column of %{}'s tiles of those chunks",
+                    logits.index(),
+                    t.pe,
+                    t.chunks,
+                    first_expert.instr
+                );
+            }
+        }
         let blob = pack_tile_blob(&program, &module);
         validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(4)).unwrap_or_else(|e| panic!("{e}"));
     }

@@ -131,6 +131,13 @@ const FLOOR_FILL: f64 = 0.4;
 /// the rows of the others.
 const EMBED_TABLE_SHARE: f64 = TILE_SHARE / 2.0;
 
+/// The SRAM a router's logits matvec may take for its tile on a PE of its first expert's lane
+/// (see `Stacked::matvec_grid`) where its share of the unit's tile SRAM is less. Its rows are
+/// the experts (8 to 128), so its tiles are a few hundred bytes on a few hundred PEs, taken from
+/// the room beside the tiles that vector segments use (`Stacked::vector_cap`, kilobytes); its
+/// share by weight bytes is tens of bytes.
+const ROUTER_TILE_ROOM: u64 = 1024;
+
 /// Flops an element of a matvec's input takes in the vector ops before it (a norm, a residual
 /// add, SiLU and a product), for the tiling's cost estimate.
 const VECTOR_FLOPS_PER_ELEMENT: u64 = 8;
@@ -1235,6 +1242,27 @@ impl Stacked<'_> {
             None => smallest_tile(rows, cols, span, &tile),
         };
         let budget = base + (share * lanes as f64 * slack) as u64;
+        // A router's logits matvec takes its first expert's column blocks, in that expert's
+        // lane: the MoE input multicasts to every lane's columns anyway, and in other columns its
+        // segments' runs to the router queued behind one another's (Mixtral's post-attention
+        // norm delivered in 1,455 cycles, 726 of them waiting; in the lane's, 729: 1,338 ->
+        // 1,375 tok/s). Its tile may take [`ROUTER_TILE_ROOM`] where its share is less; where
+        // the expert's tile is larger, a block is split in `s` (fewer chunks, `s` times fewer
+        // panels), so each piece still sits in a column of its block's.
+        if let Some(expert) = self.first_expert_reading_alike(i, unit, cols) {
+            let (lane, led) = self.matvec_grid(expert, unit)?;
+            let room = budget.max(ROUTER_TILE_ROOM);
+            let fits =
+                |g: &Grid| tile(g.rows_per_tile, (g.chunks_per_tile * CHUNK).min(cols)).is_some_and(|b| b <= room);
+            let split = (0..)
+                .map(|j| 1u64 << j)
+                .take_while(|&s| s <= led.chunks_per_tile && led.panels.is_multiple_of(s))
+                .filter_map(|s| Grid::over(rows, cols, lane, led.chunks_per_tile / s, led.panels / s))
+                .find(fits);
+            if let Some(g) = split {
+                return Ok((lane, g));
+            }
+        }
         // Matvecs that read inputs of one width share the tiling of the largest of them, so a
         // vector read by several suits them all (`columns`); one whose share of a PE cannot take
         // that tiling picks its own.
@@ -1255,6 +1283,20 @@ impl Stacked<'_> {
             )
         })?;
         Ok((area, g))
+    }
+
+    /// For a router's logits matvec `i` (read by a `router_topk`), the first expert's matvec of
+    /// that router reading an input as wide (`cols`).
+    fn first_expert_reading_alike(&self, i: usize, unit: usize, cols: u64) -> Option<usize> {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        let topk = analysis.readers[i]
+            .iter()
+            .find(|&&r| matches!(module.body[waferc_ir::Handle::new(r as usize)].op, Op::RouterTopK { .. }))?;
+        self.unit_instrs(unit).find(|&j| {
+            analysis.router[j] == Some(*topk)
+                && analysis.expert[j] == Some(0)
+                && matvec_shape(module, j).is_some_and(|(_, c)| c == cols)
+        })
     }
 
     /// Matvec `i`'s smallest tile, and its tile at its input leader's least-cost tiling (the
