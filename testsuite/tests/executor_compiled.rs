@@ -47,8 +47,8 @@ fn quantised_module_with_biases_matches_the_reference() {
 
 /// On a grid tall enough for lanes of many rows, the stacked plan column-aligns each expert's
 /// vectors inside its lane (SiLU and the product on half-chunk segments, as a dense layer's)
-/// and puts each combine segment in its experts' column, in a row of its own; the bits stay the
-/// reference's.
+/// and puts each combine segment in its experts' column (one column per segment), in a row of
+/// its own; the bits stay the reference's.
 #[test]
 fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference() {
     let module = build(&Shape::moe(), 5);
@@ -83,6 +83,14 @@ fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference()
         let Op::ExpertCombine { experts, .. } = &module.body[waferc_ir::Handle::new(combine.instr as usize)].op else {
             panic!("instruction {} is a combine", combine.instr)
         };
+        // The down projections have fewer column blocks (three chunks of input) than output
+        // segments, so their segments spread over the lane, one column each: the combine's
+        // gathers then come down columns of their own.
+        for expert in experts {
+            let columns: Vec<u16> = vector(&program.instrs[expert.index()]).iter().map(|s| s.pe.x).collect();
+            let distinct: std::collections::HashSet<_> = columns.iter().collect();
+            assert_eq!(distinct.len(), columns.len(), "expert output %{} shares columns: {columns:?}", expert.index());
+        }
         let first = vector(&program.instrs[experts[0].index()]);
         let mut rows = std::collections::HashSet::new();
         for seg in vector(combine) {

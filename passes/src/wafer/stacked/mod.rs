@@ -1457,6 +1457,17 @@ impl Stacked<'_> {
                         // Per KV head band, the segments placed in it so far.
                         let mut in_band: HashMap<u64, u64> = HashMap::new();
                         let feeds_experts = self.feeds_experts(i);
+                        // An expert's output whose column blocks are fewer than its segments
+                        // would put several segments in one column, and the combine takes each
+                        // segment's column from them (`combine_layout`): its gathers then queue
+                        // down that column. Those segments spread over the lane's width instead,
+                        // one column each (Qwen3-30B-A3B's down projection, three column blocks
+                        // for 16 segments: the gather waited 2.0k of its 3.6k cycles a layer).
+                        let spread = g.col_blocks < count
+                            && self.placer.analysis.expert[i].is_some()
+                            && self.placer.analysis.readers[i].iter().any(|&r| {
+                                matches!(module.body[waferc_ir::Handle::new(r as usize)].op, Op::ExpertCombine { .. })
+                            });
                         for (j, seg) in segments.into_iter().enumerate() {
                             let middle = (seg.start + seg.end - 1) / 2;
                             let r = blocks.partition_point(|(rows, _)| rows.end <= middle) as u64;
@@ -1491,6 +1502,16 @@ impl Stacked<'_> {
                                         (*slot - 1) * kv_heads + head,
                                         row,
                                     )?
+                                }
+                                (None, None, Some(tile)) if spread => {
+                                    let dx = (2 * j as u64 + 1) * area.w as u64 / (2 * count.max(1));
+                                    let dy = (tile.pe.y - area.y) as u64;
+                                    match self.column_pe(i, unit, dx, dy, bytes, &taken) {
+                                        Ok(pe) => pe,
+                                        // A column without room (a lane of few rows): its tile's.
+                                        Err(_) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
+                                        Err(_) => self.fresh_pe(i, unit, bytes, &taken)?,
+                                    }
                                 }
                                 (None, None, _) if feeds_experts => {
                                     let (dx, dy) = central_diagonal(area, j as u64, count, (local, k));
