@@ -181,6 +181,50 @@ fn stacked_moe_input_sits_on_a_central_diagonal_and_the_router_in_an_experts_col
     }
 }
 
+/// An expert's matvec that reads the MoE layer's input lays its panels side by side: each row
+/// block's tiles are adjacent PEs of one row, so the row blocks sharing a PE row reduce over
+/// links of their own (with interleaved panels every one of them crossed the whole row). The bits
+/// stay the reference's.
+#[test]
+fn stacked_expert_input_matvecs_reduce_over_adjacent_pes() {
+    let shape = Shape { hidden: 512, layers: 2, ..Shape::moe() };
+    let module = build(&shape, 7);
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    let program =
+        compile_with(&module, "grid:96x96", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
+    let mut shared_rows = 0;
+    let mut matvecs = 0;
+    for p in program.instrs.iter().filter(|p| p.expert.is_some()) {
+        let waferc_ir::wafer::Work::MatVec(mv) = &p.work else { continue };
+        let reads_dispatch = module.body[waferc_ir::Handle::new(p.instr as usize)]
+            .op
+            .operands()
+            .iter()
+            .any(|o| matches!(module.body[*o].op, Op::ExpertDispatch { .. }));
+        if !reads_dispatch {
+            continue;
+        }
+        matvecs += 1;
+        let mut blocks: std::collections::BTreeMap<u64, Vec<waferc_ir::wafer::Pe>> = Default::default();
+        for t in &mv.tiles {
+            blocks.entry(t.rows.start).or_default().push(t.pe);
+        }
+        let mut per_row: std::collections::HashMap<u16, usize> = Default::default();
+        for (start, pes) in &blocks {
+            let mut xs: Vec<u16> = pes.iter().map(|pe| pe.x).collect();
+            xs.sort_unstable();
+            assert!(pes.iter().all(|pe| pe.y == pes[0].y), "%{} row block {start} spans rows", p.instr);
+            assert!(xs.windows(2).all(|w| w[1] == w[0] + 1), "%{} row block {start} at columns {xs:?}", p.instr);
+            *per_row.entry(pes[0].y).or_default() += 1;
+        }
+        shared_rows += per_row.values().filter(|&&n| n > 1).count();
+    }
+    assert!(matvecs > 0, "the experts read the MoE input");
+    assert!(shared_rows > 0, "some PE row holds several row blocks (panels side by side)");
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(4)).unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// Many experts on a short region: rather than bands of one row (whose tiles would hold twice
 /// the bytes a PE of a two-row band's), the stacked plan cuts the bands across into columns of
 /// lanes at least two rows high, as many as tile the experts cheapest, which need not be a power

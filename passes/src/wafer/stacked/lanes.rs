@@ -12,7 +12,7 @@
 //! the lane computes (Qwen3-30B-A3B on a 240-column region: ten columns of lanes 24 wide beat
 //! eight of 30, whose gate/up used 24 columns; 791.9 -> 835.2 tok/s).
 
-use super::{panel_cap, Grid, Rect};
+use super::{panel_cap, Grid, PanelLayout, Rect, Span};
 
 /// The fewest rows of an expert's lane while the area's width can be cut into columns of lanes
 /// ([`lane_columns`]), and the fewest columns such a lane keeps. With one-row lanes beside
@@ -31,35 +31,37 @@ pub(super) fn lane(area: Rect, experts: u64, across: u64, expert: u64) -> (Rect,
 }
 
 /// The columns of lanes for `experts` experts over `area`, each expert's matrices of `shapes`
-/// (rows, columns): among the column counts whose lanes keep [`MIN_LANE_ROWS`] rows and
+/// (rows, columns, panel layout): among the column counts whose lanes keep [`MIN_LANE_ROWS`] rows and
 /// [`MIN_LANE_COLUMNS`] columns, the one whose lanes tile the matrices at the least
 /// [`lane_cost`] (ties: fewer columns). With no such count, as many columns as the width holds.
-pub(super) fn lane_columns(area: Rect, experts: u64, shapes: &[(u64, u64)]) -> u64 {
+pub(super) fn lane_columns(area: Rect, experts: u64, shapes: &[(u64, u64, PanelLayout)]) -> u64 {
     let (w, h) = (area.w as u64, area.h as u64);
     let most = (w / MIN_LANE_COLUMNS).max(1);
     (1..=most)
         .filter(|&across| h / experts.div_ceil(across) >= MIN_LANE_ROWS)
         .filter_map(|across| {
             let (rect, _) = lane(area, experts, across, 0);
-            let cost: Option<u64> = shapes.iter().map(|&(rows, cols)| lane_cost(rows, cols, rect)).sum();
+            let cost: Option<u64> = shapes.iter().map(|&shape| lane_cost(shape, rect)).sum();
             cost.map(|cost| (cost, across))
         })
         .min()
         .map_or(most, |(_, across)| across)
 }
 
-/// The least estimated cycles of a `rows x cols` matrix tiled over `lane` ([`Grid::cost`]),
-/// plus its reduction's queueing: each level of the tree puts one message of a row block per
-/// panel on the row's links (the panels interleave), which [`Grid::cost`] leaves out. `None`
-/// when no tiling fits the lane's width.
-fn lane_cost(rows: u64, cols: u64, lane: Rect) -> Option<u64> {
-    Grid::candidates(rows, cols, lane, panel_cap(rows, lane.h as u64))
-        .map(|g| g.cost(lane) + g.panels * g.depth() * g.rows_per_tile)
+/// The least estimated cycles of a `rows x cols` matrix tiled over `lane` in panels laid out as
+/// `layout` ([`Grid::cost`]), plus its reduction's queueing: each level of the tree puts one
+/// message of a row block per interleaved panel on the row's links, which [`Grid::cost`] leaves
+/// out. `None` when no tiling fits the lane's width.
+fn lane_cost((rows, cols, layout): (u64, u64, PanelLayout), lane: Rect) -> Option<u64> {
+    let span = Span { area: lane, max_panels: panel_cap(rows, lane.h as u64), layout };
+    Grid::candidates(rows, cols, span)
+        .map(|g| g.cost(lane) + g.interleaved_panels() * g.depth() * g.rows_per_tile)
         .min()
 }
 
 #[cfg(test)]
 mod tests {
+    use super::PanelLayout::{Interleaved, SideBySide};
     use super::*;
 
     fn area(w: u16, h: u16) -> Rect {
@@ -86,11 +88,11 @@ mod tests {
     fn many_small_experts_take_lanes_cut_across_and_few_large_ones_keep_wide_bands() {
         // Qwen3-30B-A3B's experts (gate/up 1536 x 2048, down 2048 x 768), 128 of them on a
         // 224 x 288 area: two-row bands would interleave seven panels a row.
-        let qwen = [(1536, 2048), (2048, 768)];
+        let qwen = [(1536, 2048, SideBySide), (2048, 768, Interleaved)];
         assert!(lane_columns(area(224, 288), 128, &qwen) > 1);
         // Mixtral's down projection (4096 x 14336: at least 56 column blocks, at eight chunks a
         // tile) folds into few panels in narrow lanes: never more than two columns of lanes on 370.
-        let mixtral = [(28672, 4096), (4096, 14336)];
+        let mixtral = [(28672, 4096, SideBySide), (4096, 14336, Interleaved)];
         assert!(lane_columns(area(370, 292), 8, &mixtral) <= 2);
     }
 
@@ -98,10 +100,10 @@ mod tests {
     /// region tile best in lanes of a width no power of two gives.
     #[test]
     fn lane_columns_need_not_be_a_power_of_two() {
-        let (qwen, area) = ([(1536, 2048), (2048, 768)], area(240, 288));
+        let (qwen, area) = ([(1536, 2048, SideBySide), (2048, 768, Interleaved)], area(240, 288));
         let cost = |across| {
             let rect = lane(area, 128, across, 0).0;
-            qwen.iter().map(|&(rows, cols)| lane_cost(rows, cols, rect)).sum::<Option<u64>>()
+            qwen.iter().map(|&shape| lane_cost(shape, rect)).sum::<Option<u64>>()
         };
         let across = lane_columns(area, 128, &qwen);
         let best_power = [1, 2, 4, 8].into_iter().filter_map(cost).min().unwrap();

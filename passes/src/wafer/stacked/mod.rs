@@ -14,7 +14,10 @@
 //!   sits in column `c * P + p` of panel `p`, so a row block's reduction is a straight run along
 //!   a PE row, and column block `c`'s copies are the `P` adjacent columns from `c * P`: its
 //!   activation slice is one multicast along a row inside those columns and down them, which
-//!   meets no other column block's (see `columns`). A result that feeds matvecs puts
+//!   meets no other column block's (see `columns`). An expert's matvec reading the MoE layer's
+//!   input (segments on a diagonal, each with a row and a column of its own) lays its panels
+//!   side by side instead, so the row blocks of a PE row reduce on links of their own
+//!   ([`PanelLayout`]). A result that feeds matvecs puts
 //!   consecutive row blocks side by side (panel `r % P`, row `r / P`), so its elements run down
 //!   the area in order and its segments lie along one diagonal (short norm reductions); other
 //!   results (queries, keys and values) fill a panel's rows first (panel `r / h`, row `r % h`),
@@ -528,12 +531,39 @@ struct Grid {
     height: u64,
     /// Whether consecutive row blocks sit side by side in one PE row (else down a panel).
     rows_across_panels: bool,
+    layout: PanelLayout,
+}
+
+/// How a tile grid's panels share its area's width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PanelLayout {
+    /// The panels' columns interleave: column block `c`'s copies are the `P` adjacent columns
+    /// from `c * P`, so an input cut by column blocks reaches them in one short multicast per
+    /// segment; but a PE row's `P` row blocks reduce over the same links, one message each per
+    /// level of their trees.
+    Interleaved,
+    /// Panel `p` is the `C` adjacent columns from `p * C`: a row block's reduction runs over
+    /// adjacent PEs and shares no link with another panel's. Its input's column block is then
+    /// spread over the area's width, which suits an input whose segments each have a row and a
+    /// column of their own (an MoE layer's input on its diagonal, `central_diagonal`): their
+    /// runs to the copies cross but share no link. Mixtral's gate/up reduction waited 800 of
+    /// its 1,555 cycles interleaved in five panels, here 0 of 631.
+    SideBySide,
+}
+
+/// Where a matvec may be tiled: its area, the most panels its grid folds into, and how they lie.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    area: Rect,
+    max_panels: u64,
+    layout: PanelLayout,
 }
 
 impl Grid {
     /// The tiling over `area` with `chunks_per_tile` chunks per tile, if its column blocks fit
     /// the area's width.
-    fn over(rows: u64, cols: u64, area: Rect, chunks_per_tile: u64, max_panels: u64) -> Option<Grid> {
+    fn over(rows: u64, cols: u64, span: Span, chunks_per_tile: u64) -> Option<Grid> {
+        let Span { area, max_panels, layout } = span;
         let col_blocks = cols.div_ceil(CHUNK).div_ceil(chunks_per_tile);
         let panels = (area.w as u64 / col_blocks).min(max_panels);
         if panels == 0 {
@@ -548,17 +578,18 @@ impl Grid {
             panels,
             height: area.h as u64,
             rows_across_panels: false,
+            layout,
         })
     }
 
     /// The tilings the plan considers: 1, 2, 4, ... up to [`MAX_CHUNKS_PER_TILE`] chunks per tile,
-    /// in at most `max_panels` panels.
-    fn candidates(rows: u64, cols: u64, area: Rect, max_panels: u64) -> impl Iterator<Item = Grid> {
+    /// over `span`.
+    fn candidates(rows: u64, cols: u64, span: Span) -> impl Iterator<Item = Grid> {
         let runs = cols.div_ceil(CHUNK).next_power_of_two().min(MAX_CHUNKS_PER_TILE);
         (0..)
             .map(|j| 1u64 << j)
             .take_while(move |&run| run <= runs)
-            .filter_map(move |run| Grid::over(rows, cols, area, run, max_panels))
+            .filter_map(move |run| Grid::over(rows, cols, span, run))
     }
 
     /// Row block `r`'s (panel, row from the area's north edge) in this grid's own order.
@@ -582,7 +613,23 @@ impl Grid {
     /// a column block's chunks over its copies: the same for every tiling of the same input
     /// width and panel span, so vectors read by several such matvecs suit them all.
     fn chunk_column(&self, chunk: u64, chunks: u64) -> u64 {
-        chunk * self.col_blocks * self.panels / chunks.max(1)
+        chunk * self.col_blocks * self.interleaved_panels() / chunks.max(1)
+    }
+
+    /// The PE column (from the area's west edge) of column block `c`'s copy in `panel`.
+    fn column(&self, c: u64, panel: u64) -> u64 {
+        match self.layout {
+            PanelLayout::Interleaved => c * self.panels + panel,
+            PanelLayout::SideBySide => panel * self.col_blocks + c,
+        }
+    }
+
+    /// How many row blocks' reductions share a PE row's links: the panels, when they interleave.
+    fn interleaved_panels(&self) -> u64 {
+        match self.layout {
+            PanelLayout::Interleaved => self.panels,
+            PanelLayout::SideBySide => 1,
+        }
     }
 
     /// The levels of a row block's reduction tree over the column blocks.
@@ -591,7 +638,7 @@ impl Grid {
     }
 
     /// The estimated cycles of the tiling over `area`: the busiest tile's multiply-adds, the
-    /// reduction tree (its span along a row over every panel's interleaved columns, and per
+    /// reduction tree (its span along a row over its panel's columns, interleaved or not, and per
     /// level one message and one add of a row block), the activation multicast (along a row
     /// inside a block's columns and down them), and the vector work on the input's segments
     /// (as fine as a quarter column block, see `columns`: the elementwise ops and norms that
@@ -600,7 +647,7 @@ impl Grid {
         let depth = self.depth();
         let segment = (self.chunks_per_tile * CHUNK / columns::SEGMENTS_PER_COLUMN).max(CHUNK);
         self.rows_per_tile * self.chunks_per_tile * CHUNK
-            + self.panels * self.col_blocks
+            + self.interleaved_panels() * self.col_blocks
             + 2 * depth * self.rows_per_tile
             + self.panels
             + area.h as u64
@@ -634,32 +681,25 @@ fn panel_cap(rows: u64, height: u64) -> u64 {
     }
 }
 
-/// The tiling with the least [`Grid::cost`] (ties: fewer chunks per tile) among those in at most
-/// `max_panels` panels whose tile fits `budget` bytes, only `chunks_per_tile` chunks per tile if
-/// given.
+/// The tiling over `span` with the least [`Grid::cost`] (ties: fewer chunks per tile) among those
+/// whose tile fits `budget` bytes, only `chunks_per_tile` chunks per tile if given.
 fn grid(
     rows: u64,
     cols: u64,
-    (area, max_panels): (Rect, u64),
+    span: Span,
     tile_bytes: &dyn Fn(u64, u64) -> Option<u64>,
     budget: u64,
     chunks_per_tile: Option<u64>,
 ) -> Option<Grid> {
-    Grid::candidates(rows, cols, area, max_panels)
+    Grid::candidates(rows, cols, span)
         .filter(|g| chunks_per_tile.is_none_or(|run| run == g.chunks_per_tile))
         .filter(|g| tile_bytes(g.rows_per_tile, (g.chunks_per_tile * CHUNK).min(cols)).is_some_and(|b| b <= budget))
-        .min_by_key(|g| g.cost(area))
+        .min_by_key(|g| g.cost(span.area))
 }
 
-/// The smallest tile any tiling of a `rows x cols` matvec over `area` in at most `max_panels`
-/// panels needs.
-fn smallest_tile(
-    rows: u64,
-    cols: u64,
-    (area, max_panels): (Rect, u64),
-    tile_bytes: &dyn Fn(u64, u64) -> Option<u64>,
-) -> u64 {
-    Grid::candidates(rows, cols, area, max_panels)
+/// The smallest tile any tiling of a `rows x cols` matvec over `span` needs.
+fn smallest_tile(rows: u64, cols: u64, span: Span, tile_bytes: &dyn Fn(u64, u64) -> Option<u64>) -> u64 {
+    Grid::candidates(rows, cols, span)
         .map(|g| tile_bytes(g.rows_per_tile, (g.chunks_per_tile * CHUNK).min(cols)).unwrap_or(u64::MAX))
         .min()
         .unwrap_or(u64::MAX)
@@ -1188,10 +1228,10 @@ impl Stacked<'_> {
             Some(&across) => across,
             None => {
                 // The block's experts share shapes: the first one met stands for them all.
-                let shapes: Vec<(u64, u64)> = self
+                let shapes: Vec<(u64, u64, PanelLayout)> = self
                     .unit_instrs(unit)
                     .filter(|&j| analysis.router[j] == Some(router) && analysis.expert[j] == Some(expert))
-                    .filter_map(|j| matvec_shape(self.placer.module, j))
+                    .filter_map(|j| matvec_shape(self.placer.module, j).map(|(r, c)| (r, c, self.panel_layout(j))))
                     .collect();
                 let across = lanes::lane_columns(area, experts, &shapes);
                 self.lane_columns.insert(router, across);
@@ -1209,6 +1249,22 @@ impl Stacked<'_> {
         let area = self.area_of(i, unit).0;
         let leader = self.leader_of(i, unit);
         matvec_shape(self.placer.module, leader).map_or(NARROW_PANELS, |(rows, _)| panel_cap(rows, area.h as u64))
+    }
+
+    /// Where matvec `i` is tiled: its area, its most panels and their layout.
+    fn span(&mut self, i: usize, unit: usize) -> Span {
+        Span { area: self.area_of(i, unit).0, max_panels: self.max_panels(i, unit), layout: self.panel_layout(i) }
+    }
+
+    /// Side-by-side panels for a matvec reading an MoE layer's input (through its expert's
+    /// `expert_dispatch`), else interleaved ones (see [`PanelLayout`]).
+    fn panel_layout(&self, i: usize) -> PanelLayout {
+        let module = self.placer.module;
+        let operands = module.body[waferc_ir::Handle::new(i)].op.operands();
+        match operands.iter().any(|o| matches!(module.body[*o].op, Op::ExpertDispatch { .. })) {
+            true => PanelLayout::SideBySide,
+            false => PanelLayout::Interleaved,
+        }
     }
 
     /// The matvec whose tiling matvec `i` shares: the leader of its input width in its unit
@@ -1231,7 +1287,7 @@ impl Stacked<'_> {
         let w = &module.weights[*weight];
         let (rows, cols) = (w.ty.shape[0], w.ty.shape[1]);
         let (area, lanes) = self.area_of(i, unit);
-        let span = (area, self.max_panels(i, unit));
+        let span = self.span(i, unit);
         let bias_dtype = bias.map(|b| module.weights[b].ty.dtype);
         let tile = |r, width| super::size::tile_bytes(w.ty.dtype, bias_dtype, r, width);
         let share = weight_bytes(module, *weight) as f64 / self.unit_weight_bytes[unit].max(1) as f64;
@@ -1247,17 +1303,24 @@ impl Stacked<'_> {
         // segments' runs to the router queued behind one another's (Mixtral's post-attention
         // norm delivered in 1,455 cycles, 726 of them waiting; in the lane's, 729: 1,338 ->
         // 1,375 tok/s). Its tile may take [`ROUTER_TILE_ROOM`] where its share is less; where
-        // the expert's tile is larger, a block is split in `s` (fewer chunks, `s` times fewer
-        // panels), so each piece still sits in a column of its block's.
+        // the expert's tile is larger, a block of interleaved panels is split in `s` (fewer
+        // chunks, `s` times fewer panels), so each piece still sits in a column of its block's.
         if let Some(expert) = self.first_expert_reading_alike(i, unit, cols) {
             let (lane, led) = self.matvec_grid(expert, unit)?;
             let room = budget.max(ROUTER_TILE_ROOM);
             let fits =
                 |g: &Grid| tile(g.rows_per_tile, (g.chunks_per_tile * CHUNK).min(cols)).is_some_and(|b| b <= room);
+            let splits = match led.layout {
+                PanelLayout::Interleaved => led.chunks_per_tile,
+                PanelLayout::SideBySide => 1,
+            };
             let split = (0..)
                 .map(|j| 1u64 << j)
-                .take_while(|&s| s <= led.chunks_per_tile && led.panels.is_multiple_of(s))
-                .filter_map(|s| Grid::over(rows, cols, lane, led.chunks_per_tile / s, led.panels / s))
+                .take_while(|&s| s <= splits && led.panels.is_multiple_of(s))
+                .filter_map(|s| {
+                    let span = Span { area: lane, max_panels: led.panels / s, layout: led.layout };
+                    Grid::over(rows, cols, span, led.chunks_per_tile / s)
+                })
                 .find(fits);
             if let Some(g) = split {
                 return Ok((lane, g));
@@ -1313,8 +1376,8 @@ impl Stacked<'_> {
             Some((rows, cols, move |r, width| super::size::tile_bytes(w.ty.dtype, bias_dtype, r, width)))
         };
         let (rows, cols, tile) = tiling(i)?;
-        let (area, lanes) = self.area_of(i, unit);
-        let span = (area, self.max_panels(i, unit));
+        let lanes = self.area_of(i, unit).1;
+        let span = self.span(i, unit);
         let smallest = smallest_tile(rows, cols, span, &tile);
         let led = match lanes {
             1 if self.input_followed(unit, cols) => {
@@ -1379,7 +1442,10 @@ impl Stacked<'_> {
                 let (rows, cols) = (module.weights[*weight].ty.shape[0], module.weights[*weight].ty.shape[1]);
                 let (area, mut g) = self.matvec_grid(i, unit)?;
                 let aligned = self.aligned_cut(i, rows, g.rows_per_tile);
-                g.rows_across_panels = aligned.is_some();
+                // Side-by-side panels keep row blocks down a panel: each panel then holds a run of
+                // the result that the aligned segments' columns put over that panel's columns
+                // (they spread a vector over the width in order), so the roots stay near them.
+                g.rows_across_panels = aligned.is_some() && g.layout == PanelLayout::Interleaved;
                 let width_of =
                     |c: u64| (c * g.chunks_per_tile * CHUNK)..((c + 1) * g.chunks_per_tile * CHUNK).min(cols);
                 // Multiplied halves (see `multiplied_halves`) are cut in row blocks each, block
@@ -1409,8 +1475,7 @@ impl Stacked<'_> {
                 let mut tiles = Vec::with_capacity(blocks.len() * g.col_blocks as usize);
                 for (tile_rows, (panel, y)) in &blocks {
                     for c in 0..g.col_blocks {
-                        // Column block `c`'s copies are the panels' adjacent columns from `c * P`.
-                        let pe = area.at(c * g.panels + panel, *y);
+                        let pe = area.at(g.column(c, *panel), *y);
                         let tile_cols = width_of(c);
                         let requests = tile_requests(module, i, tile_rows.clone(), tile_cols.clone(), c == 0)?;
                         let region = self.placer.fill(pe, instr, requests)?[0];
