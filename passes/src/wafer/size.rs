@@ -60,12 +60,14 @@ impl Analysis {
                     expert[i] = expert[x.index()];
                     router[i] = router[x.index()];
                 }
+                // An instruction computed from an expert's value belongs to that expert (and its
+                // router); one reading only dense values, such as the residual add on a combine,
+                // belongs to none.
                 op => {
-                    for operand in op.operands() {
-                        if expert[i].is_none() {
-                            expert[i] = expert[operand.index()];
-                            router[i] = router[operand.index()];
-                        }
+                    let from_expert = op.operands().into_iter().find(|o| expert[o.index()].is_some());
+                    if let Some(operand) = from_expert {
+                        expert[i] = expert[operand.index()];
+                        router[i] = router[operand.index()];
                     }
                 }
             }
