@@ -5,7 +5,7 @@
 mod executor_common;
 
 use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
-use waferc_ir::wafer::Plan;
+use waferc_ir::wafer::{Plan, ResultLayout};
 use waferc_ir::Op;
 use waferc_passes::rewrite::rewrite_module;
 use waferc_passes::wafer::CompileOptions;
@@ -113,10 +113,10 @@ fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference()
 /// An MoE layer's input cannot be column-aligned for every expert's lane, so each of its
 /// segments keeps a row and a column of its own (their multicasts to the lanes share no link),
 /// on a diagonal of adjacent PEs at the region's centre, where the norm on them reduces over a
-/// few hops; the layers of a region continue one diagonal. The router's logits matvec takes its
-/// first expert's column blocks in that expert's lane (split where its share of a PE is too
-/// small for the expert's tile), so the input reaches it down the lane's columns.
-/// The bits stay the reference's.
+/// few hops; the layers of a region continue one diagonal. The router's logits matvec takes one
+/// expert's column blocks in that expert's lane (split where its share of a PE is too small for
+/// the expert's tile), so the input reaches it down the lane's columns, and the top-k runs on
+/// the logits' PE. The bits stay the reference's.
 #[test]
 fn stacked_moe_input_sits_on_a_central_diagonal_and_the_router_in_an_experts_columns() {
     let shape = Shape { hidden: 512, layers: 4, ..Shape::moe() };
@@ -154,27 +154,33 @@ fn stacked_moe_input_sits_on_a_central_diagonal_and_the_router_in_an_experts_col
             waferc_ir::wafer::Work::MatVec(mv) => mv.tiles.clone(),
             _ => panic!("%{instr} is a matvec"),
         };
-        for (_, instr) in module.body.iter() {
+        for (handle, instr) in module.body.iter() {
             let Op::RouterTopK { logits, .. } = &instr.op else { continue };
             let router = tiles(logits.index());
-            let first_expert = program
-                .instrs
-                .iter()
-                .find(|p| p.expert == Some(0) && p.instr as usize > logits.index() && p.op == "matvec")
-                .expect("the router's experts follow it");
-            let expert = tiles(first_expert.instr as usize);
-            for t in &router {
-                assert!(
+            // The top-k runs on its logits' PE.
+            let topk = &program.instrs[handle.index()];
+            let (ResultLayout::Routing { pe }, ResultLayout::Vector(logits_at)) =
+                (&topk.result, &program.instrs[logits.index()].result)
+            else {
+                panic!("%{} routes and %{} is a vector", handle.index(), logits.index())
+            };
+            assert_eq!(logits_at.segments.iter().map(|s| s.pe).collect::<Vec<_>>(), vec![*pe]);
+            // Every router tile sits in a column of one expert's tiles of its chunks.
+            let hosts = program.instrs.iter().filter(|p| {
+                p.expert.is_some()
+                    && p.op == "matvec"
+                    && module.body[waferc_ir::Handle::new(p.instr as usize)].op.operands().iter().any(|o| {
+                        matches!(&module.body[*o].op, Op::ExpertDispatch { routing, .. } if routing.index() == handle.index())
+                    })
+            });
+            let host = hosts.map(|p| tiles(p.instr as usize)).find(|expert| {
+                router.iter().all(|t| {
                     expert
                         .iter()
-                        .any(|e| e.pe.x == t.pe.x && e.chunks.start <= t.chunks.start && t.chunks.end <= e.chunks.end),
-                    "router %{} tile {:?} chunks {:?} is not in a column of %{}'s tiles of those chunks",
-                    logits.index(),
-                    t.pe,
-                    t.chunks,
-                    first_expert.instr
-                );
-            }
+                        .any(|e| e.pe.x == t.pe.x && e.chunks.start <= t.chunks.start && t.chunks.end <= e.chunks.end)
+                })
+            });
+            assert!(host.is_some(), "router %{}'s tiles are not in the columns of one expert's", logits.index());
         }
         let blob = pack_tile_blob(&program, &module);
         validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(4)).unwrap_or_else(|e| panic!("{e}"));

@@ -134,7 +134,7 @@ const FLOOR_FILL: f64 = 0.4;
 /// the rows of the others.
 const EMBED_TABLE_SHARE: f64 = TILE_SHARE / 2.0;
 
-/// The SRAM a router's logits matvec may take for its tile on a PE of its first expert's lane
+/// The SRAM a router's logits matvec may take for its tile on a PE of its host expert's lane
 /// (see `Stacked::matvec_grid`) where its share of the unit's tile SRAM is less. Its rows are
 /// the experts (8 to 128), so its tiles are a few hundred bytes on a few hundred PEs, taken from
 /// the room beside the tiles that vector segments use (`Stacked::vector_cap`, kilobytes); its
@@ -1298,14 +1298,14 @@ impl Stacked<'_> {
             None => smallest_tile(rows, cols, span, &tile),
         };
         let budget = base + (share * lanes as f64 * slack) as u64;
-        // A router's logits matvec takes its first expert's column blocks, in that expert's
-        // lane: the MoE input multicasts to every lane's columns anyway, and in other columns its
-        // segments' runs to the router queued behind one another's (Mixtral's post-attention
-        // norm delivered in 1,455 cycles, 726 of them waiting; in the lane's, 729: 1,338 ->
-        // 1,375 tok/s). Its tile may take [`ROUTER_TILE_ROOM`] where its share is less; where
-        // the expert's tile is larger, a block of interleaved panels is split in `s` (fewer
+        // A router's logits matvec takes its host expert's column blocks, in that expert's lane
+        // (`host_expert`): the MoE input multicasts to every lane's columns anyway, and in other
+        // columns its segments' runs to the router queued behind one another's (Mixtral's
+        // post-attention norm delivered in 1,455 cycles, 726 of them waiting; in the lane's, 729:
+        // 1,338 -> 1,375 tok/s). Its tile may take [`ROUTER_TILE_ROOM`] where its share is less;
+        // where the expert's tile is larger, a block of interleaved panels is split in `s` (fewer
         // chunks, `s` times fewer panels), so each piece still sits in a column of its block's.
-        if let Some(expert) = self.first_expert_reading_alike(i, unit, cols) {
+        if let Some(expert) = self.host_expert(i, unit, cols) {
             let (lane, led) = self.matvec_grid(expert, unit)?;
             let room = budget.max(ROUTER_TILE_ROOM);
             let fits =
@@ -1348,17 +1348,30 @@ impl Stacked<'_> {
         Ok((area, g))
     }
 
-    /// For a router's logits matvec `i` (read by a `router_topk`), the first expert's matvec of
-    /// that router reading an input as wide (`cols`).
-    fn first_expert_reading_alike(&self, i: usize, unit: usize, cols: u64) -> Option<usize> {
+    /// For a router's logits matvec `i` (read by a `router_topk`), the matvec of that router's
+    /// experts reading an input as wide (`cols`) whose lane's north-west corner, where the
+    /// router's few row blocks go, is nearest the area's centre (ties: the lower expert). The
+    /// MoE input's diagonal and so the router's input sit at the centre, and the top-k decision
+    /// leaves from the router (`RouterTopK` in `place_instr`) to every lane: from expert 0's
+    /// corner lane it crossed the region (Mixtral's took 777 cycles, from the centre 496).
+    fn host_expert(&mut self, i: usize, unit: usize, cols: u64) -> Option<usize> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
         let topk = analysis.readers[i]
             .iter()
             .find(|&&r| matches!(module.body[waferc_ir::Handle::new(r as usize)].op, Op::RouterTopK { .. }))?;
-        self.unit_instrs(unit).find(|&j| {
-            analysis.router[j] == Some(*topk)
-                && analysis.expert[j] == Some(0)
-                && matvec_shape(module, j).is_some_and(|(_, c)| c == cols)
+        let readers_alike: Vec<usize> = self
+            .unit_instrs(unit)
+            .filter(|&j| {
+                analysis.router[j] == Some(*topk)
+                    && analysis.expert[j].is_some()
+                    && matvec_shape(module, j).is_some_and(|(_, c)| c == cols)
+            })
+            .collect();
+        let area = self.region(unit).area;
+        let centre = (area.x as i64 + area.w as i64 / 2, area.y as i64 + area.h as i64 / 2);
+        readers_alike.into_iter().min_by_key(|&j| {
+            let lane = self.area_of(j, unit).0;
+            ((lane.x as i64 - centre.0).abs() + (lane.y as i64 - centre.1).abs(), analysis.expert[j])
         })
     }
 
@@ -1640,7 +1653,17 @@ impl Stacked<'_> {
                     (RegionKind::Operand { value: logits.index() as u32, elements: 0..experts }, experts * F32),
                     (RegionKind::Output { elements: 0..*top_k as u64 }, *top_k as u64 * 8),
                 ];
-                let pe = self.fresh_pe(i, unit, requests.iter().map(|(_, b)| b).sum(), &HashSet::new())?;
+                // On the logits' PE when they are one segment: no delivery between the two,
+                // and the decision leaves from the host expert's corner (`host_expert`).
+                let bytes = requests.iter().map(|(_, b)| b).sum();
+                let on_logits = match &self.placer.placements[logits.index()].result {
+                    ResultLayout::Vector(v) if v.segments.len() == 1 => Some(v.segments[0].pe),
+                    _ => None,
+                };
+                let pe = match on_logits {
+                    Some(pe) if self.claim_vector(pe, bytes, &HashSet::new()) => pe,
+                    _ => self.fresh_pe(i, unit, bytes, &HashSet::new())?,
+                };
                 self.placer.fill(pe, instr, requests)?;
                 (ResultLayout::Routing { pe }, Work::Router { routing: 0 })
             }
