@@ -47,8 +47,8 @@ fn quantised_module_with_biases_matches_the_reference() {
 
 /// On a grid tall enough for lanes of many rows, the stacked plan column-aligns each expert's
 /// vectors inside its lane (SiLU and the product on half-chunk segments, as a dense layer's)
-/// and puts each combine segment in its experts' column (one column per segment), in a row of
-/// its own; the bits stay the reference's.
+/// and puts each combine segment beside the residual stream's segment it is added to (the MoE
+/// input's diagonal), in a row of its own; the bits stay the reference's.
 #[test]
 fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference() {
     let module = build(&Shape::moe(), 5);
@@ -71,8 +71,8 @@ fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference()
         silu_segments.iter().all(|&len| len == 16),
         "every expert SiLU segment is half a chunk (column-aligned), got {silu_segments:?}"
     );
-    // Each combine segment sits in the column of the experts' output segments it gathers, and
-    // in a row of its own (its delivery runs along that row, not queued behind the others').
+    // Each combine segment sits next to the residual's segment of its elements, and in a row of
+    // its own (its delivery runs along that row, not queued behind the others').
     let vector = |p: &waferc_ir::wafer::InstrPlacement| match &p.result {
         waferc_ir::wafer::ResultLayout::Vector(layout) => layout.segments.clone(),
         waferc_ir::wafer::ResultLayout::Routing { .. } => Vec::new(),
@@ -91,11 +91,28 @@ fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference()
             let distinct: std::collections::HashSet<_> = columns.iter().collect();
             assert_eq!(distinct.len(), columns.len(), "expert output %{} shares columns: {columns:?}", expert.index());
         }
-        let first = vector(&program.instrs[experts[0].index()]);
+        let residual = module
+            .body
+            .iter()
+            .find_map(|(_, instr)| match &instr.op {
+                Op::Add { a, b } if a.index() == combine.instr as usize => Some(b.index()),
+                Op::Add { a, b } if b.index() == combine.instr as usize => Some(a.index()),
+                _ => None,
+            })
+            .map(|r| vector(&program.instrs[r]))
+            .expect("a residual add reads the combine");
         let mut rows = std::collections::HashSet::new();
         for seg in vector(combine) {
-            let source = first.iter().find(|s| s.elements.contains(&seg.elements.start)).expect("an expert segment");
-            assert_eq!(seg.pe.x, source.pe.x, "combine %{} segment {:?}", combine.instr, seg.elements);
+            let twin = residual.iter().find(|r| r.elements == seg.elements).expect("a residual segment");
+            let hops = seg.pe.x.abs_diff(twin.pe.x) + seg.pe.y.abs_diff(twin.pe.y);
+            assert!(
+                (1..=2).contains(&hops),
+                "combine %{} segment {:?} at {:?}, the residual's at {:?}",
+                combine.instr,
+                seg.elements,
+                seg.pe,
+                twin.pe
+            );
             assert!(
                 rows.insert(seg.pe.y),
                 "combine %{} segment {:?} shares row {}",
