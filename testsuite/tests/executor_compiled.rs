@@ -183,13 +183,10 @@ fn stacked_moe_input_sits_on_a_central_diagonal_and_the_router_in_an_experts_col
             };
             assert_eq!(logits_at.segments.iter().map(|s| s.pe).collect::<Vec<_>>(), vec![*pe]);
             // Every router tile sits in a column of one expert's tiles of its chunks.
-            let hosts = program.instrs.iter().filter(|p| {
-                p.expert.is_some()
-                    && p.op == "matvec"
-                    && module.body[waferc_ir::Handle::new(p.instr as usize)].op.operands().iter().any(|o| {
-                        matches!(&module.body[*o].op, Op::ExpertDispatch { routing, .. } if routing.index() == handle.index())
-                    })
-            });
+            let hosts = program
+                .instrs
+                .iter()
+                .filter(|p| p.op == "matvec" && dispatch_router(&module, p.instr as usize) == Some(handle.index()));
             let host = hosts.map(|p| tiles(p.instr as usize)).find(|expert| {
                 router.iter().all(|t| {
                     expert
@@ -202,6 +199,15 @@ fn stacked_moe_input_sits_on_a_central_diagonal_and_the_router_in_an_experts_col
         let blob = pack_tile_blob(&program, &module);
         validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(4)).unwrap_or_else(|e| panic!("{e}"));
     }
+}
+
+/// The router (its instruction index) whose `expert_dispatch` instruction `i` reads, if any: `i`
+/// is an expert's instruction reading the MoE layer's input.
+fn dispatch_router(module: &waferc_ir::Module, i: usize) -> Option<usize> {
+    module.body[waferc_ir::Handle::new(i)].op.operands().iter().find_map(|o| match &module.body[*o].op {
+        Op::ExpertDispatch { routing, .. } => Some(routing.index()),
+        _ => None,
+    })
 }
 
 /// An expert's matvec that reads the MoE layer's input lays its panels side by side: each row
@@ -219,12 +225,7 @@ fn stacked_expert_input_matvecs_reduce_over_adjacent_pes() {
     let mut matvecs = 0;
     for p in program.instrs.iter().filter(|p| p.expert.is_some()) {
         let waferc_ir::wafer::Work::MatVec(mv) = &p.work else { continue };
-        let reads_dispatch = module.body[waferc_ir::Handle::new(p.instr as usize)]
-            .op
-            .operands()
-            .iter()
-            .any(|o| matches!(module.body[*o].op, Op::ExpertDispatch { .. }));
-        if !reads_dispatch {
+        if dispatch_router(&module, p.instr as usize).is_none() {
             continue;
         }
         matvecs += 1;

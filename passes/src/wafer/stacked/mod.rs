@@ -1181,12 +1181,15 @@ impl Stacked<'_> {
     /// experts' tiles beside the MoE input, a combine's two experts' parts and the add's result
     /// do not fit there (48.4 KB of Mixtral's 49.2).
     fn beside_residual(&mut self, pe: Pe, area: Rect, bytes: u64, taken: &HashSet<Pe>) -> Option<Pe> {
+        if pe.wafer != area.wafer {
+            return None;
+        }
         BESIDE.iter().find_map(|&(dx, dy)| {
             let (x, y) = (pe.x as i64 + dx, pe.y as i64 + dy);
             let inside = (area.x as i64..(area.x + area.w) as i64).contains(&x)
                 && (area.y as i64..(area.y + area.h) as i64).contains(&y);
             let next = Pe::new(pe.wafer, x as u16, y as u16);
-            (inside && pe.wafer == area.wafer && self.claim_vector(next, bytes, taken)).then_some(next)
+            (inside && self.claim_vector(next, bytes, taken)).then_some(next)
         })
     }
 
