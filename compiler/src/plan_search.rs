@@ -11,6 +11,9 @@
 //! the caller's `keep` (the compile command writes its artifact then), so no lowered program is
 //! held while the next candidate lowers: memory holds one program at a time.
 //!
+//! In an MoE model the fastest stacked plan is then tried with its experts' lanes shared by two,
+//! four, ... experts while each doubling is faster.
+//!
 //! Each candidate is lowered from the module for its plan kind ([`Modules`]): the compile
 //! driver runs a plan-dependent pipeline (the default one, whose `rewrite` fuses matvecs only
 //! where the plan's cost says so) once per kind, so tiled candidates get the module costed for
@@ -19,7 +22,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use waferc_ir::wafer::{Plan, WaferProgram};
-use waferc_ir::Module;
+use waferc_ir::{Module, ValueType};
 use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CompileOptions, STACKED_TILE_SHARE};
 use waferc_passes::PlanKind;
 use waferc_runtime::executor::{ExecOptions, Executor};
@@ -42,9 +45,13 @@ const REFINED_PLANS: usize = 3;
 /// near 5 GB in the search; mixtral-8x7b and qwen3-30b-a3b `stacked:2` on wse3x4 (about 32
 /// million each) 9.0 and 8.6 GB pinned, and worth it (1,260 and 989 tok/s against `stacked:1`'s
 /// 991 and 835 with KV copies); qwen3-30b-a3b `stacked:4` on wse3x4 (about 61 million) passed
-/// 11 GB before it was stopped. Larger candidates are not tried; `--plan` pins one on a machine
-/// with the memory.
-const MAX_STACKED_TILES: u64 = 36_000_000;
+/// 11 GB before it was stopped; qwen3-30b-a3b `stacked:2,100,kv8,share2` (about 46 million,
+/// its experts' tiles twice `stacked:2`'s) 12.6 GB pinned. Larger candidates are not tried;
+/// `--plan` pins one on a machine with the memory.
+const MAX_STACKED_TILES: u64 = 48_000_000;
+
+/// The most experts the search puts in one MoE lane (`Plan::Stacked::experts_per_lane`).
+const MAX_EXPERTS_PER_LANE: u8 = 8;
 
 /// The module each candidate plan is lowered from.
 #[derive(Clone, Copy)]
@@ -105,7 +112,7 @@ pub fn candidates(module: &Module) -> Vec<Plan> {
     let mut plans = vec![Plan::Tiled];
     for k in LAYERS_PER_REGION.into_iter().filter(|&k| k as u32 <= layers) {
         for wafer_percent in WAFER_PERCENTS {
-            plans.push(Plan::Stacked { layers_per_region: k, wafer_percent, kv_copies: 1 });
+            plans.push(Plan::Stacked { layers_per_region: k, wafer_percent, kv_copies: 1, experts_per_lane: 1 });
         }
     }
     plans
@@ -177,9 +184,9 @@ pub fn search_keeping<T>(
         let room = share * STACKED_TILE_SHARE * wafer_bytes as f64 * params.wafers as f64;
         // The PEs a stacked candidate's regions span, and the tiles it would lay over them.
         let tiles = match plan {
-            Plan::Stacked { layers_per_region, .. } => {
+            Plan::Stacked { layers_per_region, experts_per_lane, .. } => {
                 let pes = share * (params.grid_cols as u64 * params.grid_rows as u64 * params.wafers as u64) as f64;
-                stacked_tiles_estimate(module, layers_per_region, pes as u64)
+                stacked_tiles_estimate(module, layers_per_region, experts_per_lane, pes as u64)
             }
             _ => 0,
         };
@@ -238,13 +245,32 @@ pub fn search_keeping<T>(
         .collect();
     close.sort_unstable();
     for (_, index) in close.into_iter().take(REFINED_PLANS) {
-        let Plan::Stacked { layers_per_region, wafer_percent, kv_copies: 1 } = plans[index] else { continue };
+        let Plan::Stacked { layers_per_region, wafer_percent, kv_copies: 1, experts_per_lane } = plans[index] else {
+            continue;
+        };
         for kv_copies in kv_copy_counts(modules.for_plan(&plans[index])) {
-            let plan = Plan::Stacked { layers_per_region, wafer_percent, kv_copies };
+            let plan = Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane };
             plans.push(plan);
             records.push(None);
             run(plans.len() - 1, plan, &mut records, &mut best)?;
         }
+    }
+    // Then, in an MoE model, the fastest plan with its experts' lanes shared by twice as many
+    // experts, for as long as that is faster: each expert computes on more PEs, while two
+    // chosen experts of one lane run one after the other (the timing model's picks decide how
+    // often). Each doubling is a lowering with twice the experts' tiles.
+    let moe = modules.for_plan(&plans[0]).body.iter().any(|(_, i)| matches!(i.ty, ValueType::Routing { .. }));
+    while let Some(Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane }) =
+        best.as_ref().map(|b| plans[b.index]).filter(|_| moe)
+    {
+        let shared = experts_per_lane.saturating_mul(2);
+        let plan = Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: shared };
+        if shared > MAX_EXPERTS_PER_LANE || plans.contains(&plan) {
+            break;
+        }
+        plans.push(plan);
+        records.push(None);
+        run(plans.len() - 1, plan, &mut records, &mut best)?;
     }
     let mut records: Vec<Record> = records.into_iter().map(|r| r.expect("every plan ran")).collect();
     let Some(best) = best else {

@@ -17,7 +17,7 @@ fn compiled() -> (Module, WaferProgram) {
 /// head's cache) on a 16x16 grid, accepted by the checker.
 fn compiled_stacked(kv_copies: u8) -> (Module, WaferProgram) {
     let module = build(&Shape::tiny());
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies, experts_per_lane: 1 };
     let options = CompileOptions { plan, ..CompileOptions::new(64) };
     let program = compile(&module, &Target::resolve("grid:16x16").unwrap(), &options).unwrap();
     check(&program, &module).unwrap();
@@ -233,7 +233,7 @@ fn bad_options_are_refused() {
     assert!(matches!(compile(&module, &target, &mesh), Err(WaferError::Options(_))));
     // Two query heads per KV head: three copies cannot share them.
     let copies = CompileOptions {
-        plan: Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 3 },
+        plan: Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 3, experts_per_lane: 1 },
         ..CompileOptions::new(64)
     };
     let grid = Target::resolve("grid:16x16").unwrap();

@@ -131,22 +131,28 @@ fn mesh_plan_compiles_the_8b_shape() {
 /// The plan search's size guard (`stacked_tiles_estimate`) bounds what the stacked plan really
 /// lays out: a matvec's tiles sit on distinct PEs of its region (an expert's in its lane), at
 /// most one per row-by-chunk block, so the lowered tile count never exceeds the estimate, dense
-/// and MoE, at either group size. (At full size each matvec spreads over its whole area and the
-/// two are close; on a small grid the tiling keeps small matrices on fewer PEs.)
+/// and MoE, at either group size, and with experts sharing lanes (whose experts spread over
+/// twice the PEs). (At full size each matvec spreads over its whole area and the two are close;
+/// on a small grid the tiling keeps small matrices on fewer PEs.)
 #[test]
 fn stacked_tile_estimate_bounds_the_lowered_tiles() {
     let target = Target::resolve("grid:48x48").unwrap();
     // Matrices with more row-by-chunk blocks than a region (or an expert's lane) has PEs, as at
     // full size.
     let dense = Shape { hidden: 256, heads: 8, head_dim: 32, ffn: 512, ..Shape::tiny() };
-    for shape in [dense.clone(), Shape { moe: Some((8, 2)), ..dense }] {
+    let cases = [
+        (dense.clone(), 1u8),
+        (Shape { moe: Some((8, 2)), ..dense.clone() }, 1),
+        (Shape { moe: Some((8, 2)), ..dense }, 2),
+    ];
+    for (shape, experts_per_lane) in cases {
         let module = build(&shape);
         for k in [1u16, 2] {
-            let plan = Plan::Stacked { layers_per_region: k, wafer_percent: 100, kv_copies: 1 };
+            let plan = Plan::Stacked { layers_per_region: k, wafer_percent: 100, kv_copies: 1, experts_per_lane };
             let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
             let program = compile(&module, &target, &options).unwrap_or_else(|e| panic!("{shape:?} {plan}: {e}"));
             let tiles = program.matvec_tiles();
-            let estimate = waferc_passes::wafer::stacked_tiles_estimate(&module, k, 48 * 48) as usize;
+            let estimate = waferc_passes::wafer::stacked_tiles_estimate(&module, k, experts_per_lane, 48 * 48) as usize;
             assert!(tiles <= estimate, "{shape:?} {plan}: {tiles} tiles, estimate {estimate}");
         }
     }
@@ -158,7 +164,7 @@ fn stacked_tile_estimate_bounds_the_lowered_tiles() {
 fn an_overfilled_pe_is_reported_with_what_holds_it() {
     let module = build(&Shape::llama70b());
     let target = Target::resolve("wse3x4").unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
     let err = compile(&module, &target, &CompileOptions { plan, ..CompileOptions::new(2048) }).unwrap_err().to_string();
     assert!(err.contains("bytes of SRAM, more than 49152 (code 2048, %"), "{err}");
     assert!(err.contains(" matvec "), "the tiles on the PE are named: {err}");
@@ -173,7 +179,7 @@ fn stacked_qk_norms_run_on_one_head_a_segment() {
     let unfused = build(&shape);
     let fused = waferc_passes::rewrite::rewrite_module(&unfused, waferc_passes::PlanKind::Stacked).unwrap();
     let target = Target::resolve("grid:32x32").unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
     for module in [unfused, fused] {
         let program = compile(&module, &target, &CompileOptions { plan, ..CompileOptions::new(64) }).unwrap();
         check(&program, &module).unwrap();

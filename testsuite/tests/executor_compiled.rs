@@ -52,7 +52,7 @@ fn quantised_module_with_biases_matches_the_reference() {
 #[test]
 fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference() {
     let module = build(&Shape::moe(), 5);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
     let program =
         compile_with(&module, "grid:256x24", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let silu_segments: Vec<u64> = program
@@ -147,7 +147,7 @@ fn stacked_moe_input_sits_on_a_central_diagonal_and_the_router_in_an_experts_col
         })
         .collect();
     for layers_per_region in [1, 2] {
-        let plan = Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1 };
+        let plan = Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
         let program =
             compile_with(&module, "grid:96x96", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
         let mut held = std::collections::HashSet::new();
@@ -218,7 +218,7 @@ fn dispatch_router(module: &waferc_ir::Module, i: usize) -> Option<usize> {
 fn stacked_expert_input_matvecs_reduce_over_adjacent_pes() {
     let shape = Shape { hidden: 512, layers: 2, ..Shape::moe() };
     let module = build(&shape, 7);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
     let program =
         compile_with(&module, "grid:96x96", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let mut shared_rows = 0;
@@ -258,7 +258,7 @@ fn stacked_expert_input_matvecs_reduce_over_adjacent_pes() {
 fn stacked_experts_in_lanes_cut_across_match_the_reference() {
     let shape = Shape { moe: Some((32, 4)), ffn: 256, ..Shape::moe() };
     let module = build(&shape, 8);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
     for (grid, lane_columns) in [("grid:64x128", None), ("grid:96x128", Some(3))] {
         let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
         let program = compile_with(&module, grid, options);
@@ -295,6 +295,61 @@ fn stacked_experts_in_lanes_cut_across_match_the_reference() {
     }
 }
 
+/// Experts sharing lanes (`experts_per_lane`): 32 experts in 16 or 8 lanes. A PE holds tiles of
+/// the experts of one lane only (experts congruent modulo the lane count), each expert's tiles
+/// spread over more PEs than in a lane of its own, the checker accepts the program, and the
+/// bits stay the reference's whichever experts the router picks together.
+#[test]
+fn stacked_experts_sharing_lanes_match_the_reference() {
+    let shape = Shape { moe: Some((32, 4)), ffn: 256, ..Shape::moe() };
+    let module = build(&shape, 8);
+    // On 64 x 128, two experts' tiles leave a lane's PEs no room for its vectors (the compile
+    // says so); 128 x 128 has the room.
+    const GRID: &str = "grid:128x128";
+    // Per (layer, expert), the PEs holding its tiles; per PE, the experts it holds per layer.
+    let tiles_of = |experts_per_lane| {
+        let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane };
+        let program = compile_with(&module, GRID, CompileOptions { max_context: 64, plan, ..Default::default() });
+        waferc_passes::wafer::check(&program, &module).unwrap_or_else(|e| panic!("{plan}: {e}"));
+        let mut pes: std::collections::BTreeMap<(u32, u32), std::collections::BTreeSet<waferc_ir::wafer::Pe>> =
+            Default::default();
+        for p in &program.instrs {
+            let (Some(expert), waferc_ir::wafer::Work::MatVec(mv)) = (p.expert, &p.work) else { continue };
+            let layer = module.body[waferc_ir::Handle::new(p.instr as usize)].layer.expect("an expert is in a layer");
+            pes.entry((layer, expert)).or_default().extend(mv.tiles.iter().map(|t| t.pe));
+        }
+        (program, pes)
+    };
+    let (_, alone) = tiles_of(1);
+    for experts_per_lane in [2u32, 4] {
+        let lanes = 32 / experts_per_lane;
+        let (program, shared) = tiles_of(experts_per_lane as u8);
+        let mut held: std::collections::HashMap<(u32, waferc_ir::wafer::Pe), std::collections::BTreeSet<u32>> =
+            Default::default();
+        for (&(layer, expert), pes) in &shared {
+            for &pe in pes {
+                held.entry((layer, pe)).or_default().insert(expert);
+            }
+            let before = alone[&(layer, expert)].len();
+            assert!(
+                pes.len() > before,
+                "{experts_per_lane} a lane: layer {layer} expert {expert} on {} PEs, alone {before}",
+                pes.len()
+            );
+        }
+        for ((layer, pe), experts) in held {
+            let lane = experts.first().unwrap() % lanes;
+            assert!(
+                experts.len() <= experts_per_lane as usize && experts.iter().all(|e| e % lanes == lane),
+                "{experts_per_lane} a lane: {pe} holds layer {layer}'s experts {experts:?}"
+            );
+        }
+        let blob = pack_tile_blob(&program, &module);
+        validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5))
+            .unwrap_or_else(|e| panic!("{experts_per_lane} a lane: {e}"));
+    }
+}
+
 /// An attention output cut for its o projection in more pieces than a KV band's colours take
 /// (32 query heads of 64 over two KV heads: 64 one-chunk pieces) is merged into whole query
 /// heads, one segment each, rather than one segment per KV head; the bits stay the reference's.
@@ -302,7 +357,7 @@ fn stacked_experts_in_lanes_cut_across_match_the_reference() {
 fn stacked_attention_output_too_fine_for_its_bands_is_cut_in_query_heads() {
     let shape = Shape { heads: 32, kv_heads: 2, head_dim: 64, ..Shape::dense() };
     let module = rewrite_module(&build(&shape, 3), PlanKind::Stacked).unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
     let program =
         compile_with(&module, "grid:48x48", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let hd = shape.head_dim as u64;
@@ -326,7 +381,7 @@ fn stacked_dense_keeps_heads_in_their_bands_and_gate_up_twins_together_bit_exact
     let shape = Shape::dense();
     // Fused as the compile driver's `rewrite` pass fuses them for the stacked plan.
     let module = rewrite_module(&build(&shape, 6), PlanKind::Stacked).unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1 };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
     // 16 rows: three rows per tile, which does not divide a head's 32.
     let rows = 16;
     let target = format!("grid:{rows}x64");
@@ -397,7 +452,7 @@ fn stacked_kv_copies_split_each_heads_queries_and_match_the_reference() {
     assert_eq!(group, 2, "two query heads per KV head, one per copy");
     let module = rewrite_module(&build(&shape, 8), PlanKind::Stacked).unwrap();
     let compile = |kv_copies| {
-        let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies };
+        let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies, experts_per_lane: 1 };
         compile_with(&module, "grid:16x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
     };
     let (single, copied) = (compile(1), compile(2));
@@ -548,7 +603,7 @@ fn generate_drives_the_executor_like_the_reference_decoder() {
 fn stacked_tiles_of_eight_chunks_match_the_reference() {
     let shape = Shape { ffn: 4096, ..Shape::dense() };
     let module = rewrite_module(&build(&shape, 8), PlanKind::Stacked).unwrap();
-    let plan = Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1 };
+    let plan = Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
     let program =
         compile_with(&module, "grid:48x24", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let runs: Vec<(u32, u64, u64)> = program

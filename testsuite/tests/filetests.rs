@@ -120,33 +120,9 @@ fn parse_header(source: &str) -> Result<Header, String> {
     Ok(header)
 }
 
-/// `tiled`, `stacked:K[,P[,kvC]]` or `meshgemv:P,G`, as `waferc compile --plan` spells them.
+/// A plan as `waferc compile --plan` spells it.
 fn parse_plan(text: &str) -> Result<Plan, String> {
-    let bad = || {
-        format!(
-            "`; plan: {text}`: expected `tiled`, `stacked:K[,P[,kvC]]` (e.g. stacked:2 or stacked:1,25,kv2) or \
-             `meshgemv:P,G` (e.g. meshgemv:4,2)"
-        )
-    };
-    if text == "tiled" {
-        return Ok(Plan::Tiled);
-    }
-    if let Some(args) = text.strip_prefix("stacked:") {
-        let mut fields = args.split(',').map(str::trim);
-        let (k, percent) = (fields.next().unwrap_or(""), fields.next().unwrap_or("100"));
-        let copies = fields.next().map_or(Some(1), |c| c.strip_prefix("kv").and_then(|c| c.parse().ok()));
-        return match (k.parse(), percent.parse(), copies, fields.next()) {
-            (Ok(layers_per_region), Ok(wafer_percent), Some(kv_copies), None) => {
-                Ok(Plan::Stacked { layers_per_region, wafer_percent, kv_copies })
-            }
-            _ => Err(bad()),
-        };
-    }
-    let (p, group_num) = text.strip_prefix("meshgemv:").and_then(|args| args.split_once(',')).ok_or_else(bad)?;
-    match (p.trim().parse(), group_num.trim().parse()) {
-        (Ok(p), Ok(group_num)) => Ok(Plan::MeshGemv { p, group_num }),
-        _ => Err(bad()),
-    }
+    text.parse().map_err(|e| format!("`; plan: {text}`: {e}"))
 }
 
 /// `print(parse(text)) == text` for a printed module.

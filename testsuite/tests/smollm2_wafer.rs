@@ -18,7 +18,10 @@ fn smollm2_on_wse3_is_bit_exact_and_matches_the_transformers_tokens() {
 /// The stacked plan at the wafer share the plan search picks for this model.
 #[test]
 fn smollm2_stacked_on_wse3_is_bit_exact() {
-    bit_exact_on_wse3(Plan::Stacked { layers_per_region: 1, wafer_percent: 35, kv_copies: 1 }, false);
+    bit_exact_on_wse3(
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 35, kv_copies: 1, experts_per_lane: 1 },
+        false,
+    );
 }
 
 /// The default pipeline's module (q/k/v and gate/up fused), whose fused results the stacked plan
@@ -26,7 +29,10 @@ fn smollm2_stacked_on_wse3_is_bit_exact() {
 /// one per query head.
 #[test]
 fn smollm2_rewritten_stacked_on_wse3_is_bit_exact() {
-    bit_exact_on_wse3(Plan::Stacked { layers_per_region: 1, wafer_percent: 35, kv_copies: 3 }, true);
+    bit_exact_on_wse3(
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 35, kv_copies: 3, experts_per_lane: 1 },
+        true,
+    );
 }
 
 fn bit_exact_on_wse3(plan: Plan, rewrite: bool) {

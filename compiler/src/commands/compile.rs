@@ -66,9 +66,10 @@ pub struct CompileArgs {
     /// each candidate is lowered from its kind's module), or
     /// `tiled` (each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
-    /// `stacked:K[,P[,kvC]]` (K consecutive layers per region, every matvec tiled over the whole
-    /// region; the regions span P percent of each wafer, default 100; each KV head's cache is held
-    /// in C copies, each serving an equal share of its query heads, default 1).
+    /// `stacked:K[,P][,kvC][,shareE]` (K consecutive layers per region, every matvec tiled over
+    /// the whole region; the regions span P percent of each wafer, default 100; each KV head's
+    /// cache is held in C copies, each serving an equal share of its query heads, default 1; an
+    /// MoE layer's experts share lanes E at a time, default 1).
     #[arg(long, default_value = "auto")]
     pub plan: String,
     /// Write the IR after every pass into DIR (00-frontend.ir, 01-<pass>.ir, ...).
@@ -99,46 +100,9 @@ pub fn parse_plan_choice(text: &str) -> anyhow::Result<Option<Plan>> {
     }
 }
 
-/// Parses a pinned `--plan`.
+/// Parses a pinned `--plan` ([`Plan`]'s spelling).
 pub fn parse_plan(text: &str) -> anyhow::Result<Plan> {
-    if text == "tiled" {
-        return Ok(Plan::Tiled);
-    }
-    if let Some(args) = text.strip_prefix("stacked:") {
-        let mut fields = args.split(',');
-        let (k, percent, copies) = (fields.next().unwrap_or(""), fields.next().unwrap_or("100"), fields.next());
-        if fields.next().is_some() {
-            bail!("--plan {text:?}: expected stacked:K[,P[,kvC]], as in stacked:4,12,kv2");
-        }
-        let layers_per_region = match k.trim().parse() {
-            Ok(k) if k > 0 => k,
-            _ => bail!("--plan {text:?}: K must be a whole number of layers per region, at least 1, as in stacked:2"),
-        };
-        let wafer_percent = match percent.trim().parse() {
-            Ok(p) if (1..=100).contains(&p) => p,
-            _ => bail!("--plan {text:?}: P must be a percentage of the wafer from 1 to 100, as in stacked:1,25"),
-        };
-        let kv_copies = match copies.map(|c| c.trim().strip_prefix("kv").map(str::parse)) {
-            None => 1,
-            Some(Some(Ok(c))) if c > 0 => c,
-            _ => bail!(
-                "--plan {text:?}: the third field must be kvC, C copies of each KV head's cache (at least 1), as in \
-                 stacked:4,100,kv2"
-            ),
-        };
-        return Ok(Plan::Stacked { layers_per_region, wafer_percent, kv_copies });
-    }
-    let Some(args) = text.strip_prefix("meshgemv:") else {
-        bail!(
-            "--plan {text:?}: expected `auto`, `tiled`, `stacked:K[,P[,kvC]]` (e.g. stacked:2, stacked:1,25 or \
-             stacked:4,100,kv2) or `meshgemv:P,G` (e.g. meshgemv:660,22)"
-        )
-    };
-    let parsed = args.split_once(',').and_then(|(p, g)| Some((p.trim().parse().ok()?, g.trim().parse().ok()?)));
-    match parsed {
-        Some((p, group_num)) => Ok(Plan::MeshGemv { p, group_num }),
-        None => bail!("--plan {text:?}: P and G must be whole numbers, as in meshgemv:660,22"),
-    }
+    text.parse().map_err(|e| anyhow::anyhow!("--plan {text:?}: {e}"))
 }
 
 pub fn run(args: CompileArgs) -> anyhow::Result<()> {

@@ -38,7 +38,7 @@ pub const PLACEMENT_SCHEMA: &str = "waferc.placement.v1";
 ///   `colours_per_pe`, `f32_fma_per_cycle`, `inter_wafer_latency_cycles`,
 ///   `inter_wafer_bytes_per_cycle` (as in `waferc targets`).
 /// * `plan`: `{"kind": "tiled"}`, `{"kind": "mesh_gemv", "p", "group_num"}` or `{"kind":
-///   "stacked", "layers_per_region", "wafer_percent", "kv_copies"}`.
+///   "stacked", "layers_per_region", "wafer_percent", "kv_copies", "experts_per_lane"}`.
 /// * `max_context`: KV capacity in positions. `tile_blob_len`: bytes of packed weights.
 ///   `weights_present`: false for a shape-only compile.
 /// * `model`: `{"architecture", "num_layers", "vocab_size"}` when the module was given, else null.
@@ -223,6 +223,8 @@ impl<'a> ModelJson<'a> {
 struct PlanJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     group_num: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    experts_per_lane: Option<u8>,
     kind: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_copies: Option<u8>,
@@ -239,6 +241,7 @@ impl PlanJson {
         match plan {
             Plan::Tiled => PlanJson {
                 group_num: None,
+                experts_per_lane: None,
                 kind: "tiled",
                 kv_copies: None,
                 layers_per_region: None,
@@ -247,14 +250,16 @@ impl PlanJson {
             },
             Plan::MeshGemv { p, group_num } => PlanJson {
                 group_num: Some(group_num),
+                experts_per_lane: None,
                 kind: "mesh_gemv",
                 kv_copies: None,
                 layers_per_region: None,
                 p: Some(p),
                 wafer_percent: None,
             },
-            Plan::Stacked { layers_per_region, wafer_percent, kv_copies } => PlanJson {
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane } => PlanJson {
                 group_num: None,
+                experts_per_lane: Some(experts_per_lane),
                 kind: "stacked",
                 kv_copies: Some(kv_copies),
                 layers_per_region: Some(layers_per_region),

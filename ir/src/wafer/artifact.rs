@@ -35,7 +35,7 @@ use crate::weights::WeightBytes;
 
 pub const MAGIC: [u8; 8] = *b"WAFERC\0\x1a";
 /// Bumped on any change to the file layout or to the serialised types.
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 /// Magic, version, three lengths and the checksum.
 pub const PREFIX_LEN: usize = 8 + 4 + 8 + 8 + 8 + 8;
 

@@ -151,25 +151,92 @@ pub enum Plan {
     /// shorter, than spread over the whole wafer. Each KV head's cache is held `kv_copies`
     /// times, each copy on blocks of its own serving an equal share of the head's query heads
     /// ([`KvHeadPlacement::query_heads`]): a copy's blocks compute scores and weighted values
-    /// for fewer query heads, at the price of the copies' SRAM.
-    Stacked { layers_per_region: u16, wafer_percent: u8, kv_copies: u8 },
+    /// for fewer query heads, at the price of the copies' SRAM. An MoE layer's experts share
+    /// their region's tile area in lanes of `experts_per_lane` experts each: a larger lane gives
+    /// each expert more PEs (less arithmetic per PE), and two chosen experts of one lane run one
+    /// after the other on its PEs.
+    Stacked { layers_per_region: u16, wafer_percent: u8, kv_copies: u8, experts_per_lane: u8 },
 }
 
 impl fmt::Display for Plan {
     /// The `--plan` spelling.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
+        match *self {
             Plan::Tiled => write!(f, "tiled"),
             Plan::MeshGemv { p, group_num } => write!(f, "meshgemv:{p},{group_num}"),
-            Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1 } => {
-                write!(f, "stacked:{layers_per_region}")
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane } => {
+                write!(f, "stacked:{layers_per_region}")?;
+                if wafer_percent != 100 || kv_copies != 1 || experts_per_lane != 1 {
+                    write!(f, ",{wafer_percent}")?;
+                }
+                if kv_copies != 1 {
+                    write!(f, ",kv{kv_copies}")?;
+                }
+                if experts_per_lane != 1 {
+                    write!(f, ",share{experts_per_lane}")?;
+                }
+                Ok(())
             }
-            Plan::Stacked { layers_per_region, wafer_percent, kv_copies: 1 } => {
-                write!(f, "stacked:{layers_per_region},{wafer_percent}")
+        }
+    }
+}
+
+impl std::str::FromStr for Plan {
+    type Err = String;
+
+    /// The `--plan` spelling ([`Plan`]'s `Display`): `tiled`, `stacked:K[,P][,kvC][,shareE]` or
+    /// `meshgemv:P,G`. The error says which field is wrong and shows a valid spelling.
+    fn from_str(text: &str) -> Result<Plan, String> {
+        if text == "tiled" {
+            return Ok(Plan::Tiled);
+        }
+        if let Some(args) = text.strip_prefix("stacked:") {
+            let mut fields = args.split(',').map(str::trim);
+            let layers_per_region = match fields.next().map(str::parse) {
+                Some(Ok(k)) if k > 0 => k,
+                _ => return Err("K must be a whole number of layers per region, at least 1, as in stacked:2".into()),
+            };
+            let wafer_percent = match fields.next().map_or(Ok(100), str::parse) {
+                Ok(p) if (1..=100).contains(&p) => p,
+                _ => return Err("P must be a percentage of the wafer from 1 to 100, as in stacked:1,25".into()),
+            };
+            let (mut kv_copies, mut experts_per_lane) = (None, None);
+            for field in fields {
+                let (slot, count) = match (field.strip_prefix("kv"), field.strip_prefix("share")) {
+                    (Some(c), _) => (&mut kv_copies, c),
+                    (_, Some(e)) => (&mut experts_per_lane, e),
+                    _ => {
+                        return Err(format!(
+                        "unknown field {field:?}: after K and P come kvC and shareE, as in stacked:2,100,kv8,share2"
+                    ))
+                    }
+                };
+                match count.parse::<u8>() {
+                    Ok(n) if n > 0 && slot.is_none() => *slot = Some(n),
+                    _ => {
+                        return Err(format!(
+                            "{field:?}: kvC (C copies of each KV head's cache) and shareE (E experts a lane) each \
+                             take a whole number from 1 to 255, once, as in stacked:2,100,kv8,share2"
+                        ))
+                    }
+                }
             }
-            Plan::Stacked { layers_per_region, wafer_percent, kv_copies } => {
-                write!(f, "stacked:{layers_per_region},{wafer_percent},kv{kv_copies}")
-            }
+            return Ok(Plan::Stacked {
+                layers_per_region,
+                wafer_percent,
+                kv_copies: kv_copies.unwrap_or(1),
+                experts_per_lane: experts_per_lane.unwrap_or(1),
+            });
+        }
+        let Some(args) = text.strip_prefix("meshgemv:") else {
+            return Err("expected `tiled`, `stacked:K[,P][,kvC][,shareE]` (e.g. stacked:2, stacked:1,25 or \
+                 stacked:4,100,kv2) or `meshgemv:P,G` (e.g. meshgemv:660,22)"
+                .into());
+        };
+        let parsed = args.split_once(',').and_then(|(p, g)| Some((p.trim().parse().ok()?, g.trim().parse().ok()?)));
+        match parsed {
+            Some((p, group_num)) => Ok(Plan::MeshGemv { p, group_num }),
+            None => Err("P and G must be whole numbers, as in meshgemv:660,22".into()),
         }
     }
 }

@@ -214,11 +214,18 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
     let params = target.params();
     let analysis = size::Analysis::new(module);
     let full = size::size_module(module, &params, options, None, size::Grain::DENSE)?;
-    if let Plan::Stacked { layers_per_region, wafer_percent, kv_copies } = options.plan {
-        if layers_per_region == 0 || !(1..=100).contains(&wafer_percent) || kv_copies == 0 {
+    if let Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane } = options.plan {
+        if layers_per_region == 0 || !(1..=100).contains(&wafer_percent) || kv_copies == 0 || experts_per_lane == 0 {
             return Err(WaferError::Options(format!(
-                "stacked needs at least 1 layer per region, 1 to 100 percent of the wafer and at least one copy \
-                 of each KV head, got {}",
+                "stacked needs at least 1 layer per region, 1 to 100 percent of the wafer, at least one copy \
+                 of each KV head and at least one expert per lane, got {}",
+                options.plan
+            )));
+        }
+        let moe = module.body.iter().any(|(_, instr)| matches!(instr.ty, waferc_ir::ValueType::Routing { .. }));
+        if experts_per_lane > 1 && !moe {
+            return Err(WaferError::Options(format!(
+                "{}: share{experts_per_lane} shares MoE experts' lanes, and this model has no MoE layer",
                 options.plan
             )));
         }

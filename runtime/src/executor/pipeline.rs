@@ -339,7 +339,12 @@ mod tests {
     fn a_stacked_group_of_layers_is_one_region() {
         let step = walk(8);
         assert_eq!(StepCost::of(&step, &Plan::Tiled).bottleneck, 100);
-        let stacked = |layers_per_region| Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1 };
+        let stacked = |layers_per_region| Plan::Stacked {
+            layers_per_region,
+            wafer_percent: 100,
+            kv_copies: 1,
+            experts_per_lane: 1,
+        };
         // Four layers share one rectangle of PEs: a second sequence waits for all four.
         assert_eq!(StepCost::of(&step, &stacked(4)).bottleneck, 400);
         assert_eq!(StepCost::of(&step, &stacked(1)).bottleneck, 100);

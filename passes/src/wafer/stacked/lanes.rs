@@ -1,8 +1,10 @@
 //! Expert lanes: how a region's tile area is shared among the experts of an MoE block.
 //!
-//! The experts of a layer run side by side and never share a PE, so their routes (which may be
-//! active together) need no colours from each other: each gets a *lane*, a rectangle of the
-//! area. Lanes are bands of rows, cut across into `across` columns of lanes. Full-width bands
+//! The experts of a layer run side by side, each in a *lane*, a rectangle of the area, so the
+//! routes of experts in different lanes (which may be active together) need no colours from
+//! each other. A lane holds one expert, or `experts_per_lane` of them (`Plan::Stacked`): each
+//! is then spread over that many times the PEs, and two chosen experts of one lane run one
+//! after the other on them. Lanes are bands of rows, cut across into `across` columns of lanes. Full-width bands
 //! are the fewest routes across the area, but a band of a few rows folds each matrix into many
 //! interleaved panels, whose reductions queue on the band's row links (Qwen3-30B-A3B's 128
 //! experts in bands of two or three rows: 5.8k of a layer's 38k cycles waiting in the experts'

@@ -714,7 +714,7 @@ fn smallest_tile(rows: u64, cols: u64, span: Span, tile_bytes: &dyn Fn(u64, u64)
 /// expert's matvecs cover only the expert's lane), unless the matrix has fewer row-by-chunk
 /// blocks than that; a unit's area is taken as its layers' share of `pes`. The lowered
 /// program's size grows with it (the plan search keeps it bounded).
-pub fn tiles_estimate(module: &Module, layers_per_region: u16, pes: u64) -> u64 {
+pub fn tiles_estimate(module: &Module, layers_per_region: u16, experts_per_lane: u8, pes: u64) -> u64 {
     let analysis = Analysis::new(module);
     let layers = module.meta.num_layers.max(1) as u64;
     let unit_pes = (pes * layers_per_region.max(1) as u64 / layers).clamp(1, pes.max(1));
@@ -733,7 +733,10 @@ pub fn tiles_estimate(module: &Module, layers_per_region: u16, pes: u64) -> u64 
         // The LM head's epilogue is sized by its bytes: at most every PE.
         let area = match (instr.layer, analysis.expert[handle.index()]) {
             (None, _) => pes,
-            (Some(layer), Some(_)) => unit_pes / experts.get(&layer).map_or(1, |e| e.len() as u64).max(1),
+            (Some(layer), Some(_)) => {
+                let experts = experts.get(&layer).map_or(1, |e| e.len() as u64);
+                unit_pes / experts.div_ceil(experts_per_lane.max(1) as u64).max(1)
+            }
             (Some(_), None) => unit_pes,
         };
         tiles += blocks.min(area);
@@ -818,6 +821,10 @@ pub(super) fn place(
         lane_cursors: HashMap::new(),
         lane_columns: HashMap::new(),
         layers_per_region: layers_per_region.max(1) as u64,
+        experts_per_lane: match options.plan {
+            Plan::Stacked { experts_per_lane, .. } => experts_per_lane.max(1) as u64,
+            _ => 1,
+        },
         vector_bytes: HashMap::new(),
         unit_of: units.iter().enumerate().flat_map(|(u, unit)| unit.instrs.clone().map(move |_| u)).collect(),
         input_leaders: HashMap::new(),
@@ -903,6 +910,8 @@ struct Stacked<'a> {
     /// Per MoE block (its router's value), the columns of lanes its experts' lanes are cut in.
     lane_columns: HashMap<u32, u64>,
     layers_per_region: u64,
+    /// Experts sharing each MoE lane (`Plan::Stacked::experts_per_lane`).
+    experts_per_lane: u64,
     /// Bytes of vectors placed on fresh PEs (`fresh_pe`, `band_pe`) per PE, kept under
     /// [`Stacked::vector_cap`] so the tiles placed later still fit.
     vector_bytes: HashMap<Pe, u64>,
@@ -942,12 +951,13 @@ impl Stacked<'_> {
     /// most one message per route, so one instruction's segments sit on distinct PEs).
     fn fresh_pe(&mut self, i: usize, unit: usize, bytes: u64, taken: &HashSet<Pe>) -> Result<Pe, WaferError> {
         // An expert's vectors stay in its lane, each lane walked from its middle column.
-        let (area, lanes) = self.area_of(i, unit);
+        let area = self.area_of(i, unit).0;
+        let in_lane = self.in_lane(i);
         let start = (area.w as u64 / 2) * area.h as u64;
         for _ in 0..area.pes() {
-            let cursor = match lanes {
-                1 => &mut self.region(unit).cursor,
-                _ => self.lane_cursors.entry((area.x, area.y, area.wafer)).or_insert(start),
+            let cursor = match in_lane {
+                false => &mut self.region(unit).cursor,
+                true => self.lane_cursors.entry((area.x, area.y, area.wafer)).or_insert(start),
             };
             let pe = area.walk(*cursor);
             *cursor += 1;
@@ -1266,10 +1276,10 @@ impl Stacked<'_> {
         let area = self.region(unit).area;
         let analysis = self.placer.analysis;
         let (Some(expert), Some(router)) = (analysis.expert[i], analysis.router[i]) else { return (area, 1) };
-        // One lane per expert: the experts of a layer run side by side and never share a PE, so
-        // their routes (which may be active together) need no colours from each other.
+        // A lane per `experts_per_lane` experts (`lanes`): experts of different lanes run side by
+        // side and never share a PE.
         let experts = match self.placer.module.body[waferc_ir::Handle::new(router as usize)].ty {
-            ValueType::Routing { experts, .. } => experts as u64,
+            ValueType::Routing { experts, .. } => (experts as u64).div_ceil(self.experts_per_lane),
             _ => 1,
         };
         let across = match self.lane_columns.get(&router) {
@@ -1318,10 +1328,16 @@ impl Stacked<'_> {
     /// The matvec whose tiling matvec `i` shares: the leader of its input width in its unit
     /// (`input_leader`), or itself for an expert's (its lane holds only its own tiles).
     fn leader_of(&mut self, i: usize, unit: usize) -> usize {
-        match (self.area_of(i, unit).1, matvec_shape(self.placer.module, i)) {
-            (1, Some((_, cols))) => self.input_leader(unit, cols),
+        match (self.in_lane(i), matvec_shape(self.placer.module, i)) {
+            (false, Some((_, cols))) => self.input_leader(unit, cols),
             _ => i,
         }
+    }
+
+    /// Whether instruction `i` is an MoE expert's, placed in its expert's lane ([`Stacked::area_of`]).
+    fn in_lane(&self, i: usize) -> bool {
+        let analysis = self.placer.analysis;
+        analysis.expert[i].is_some() && analysis.router[i].is_some()
     }
 
     /// Matvec `i`'s tile area (the unit's, or its expert's lane) and its tiling there. Each
@@ -1440,8 +1456,8 @@ impl Stacked<'_> {
         let lanes = self.area_of(i, unit).1;
         let span = self.span(i, unit);
         let smallest = smallest_tile(rows, cols, span, &tile);
-        let led = match lanes {
-            1 if self.input_followed(unit, cols) => {
+        let led = match self.in_lane(i) {
+            false if self.input_followed(unit, cols) => {
                 let leader = self.input_leader(unit, cols);
                 let (l_rows, l_cols, l_tile) = tiling(leader)?;
                 let run = grid(l_rows, l_cols, span, &l_tile, u64::MAX, None).map(|g| g.chunks_per_tile);
