@@ -56,16 +56,22 @@ fn program(far: u16) -> (WaferProgram, Vec<u8>) {
     blob.extend(&tile1);
     let weight_region = |weight: u32,
                          instr: u32,
-                         rows: std::ops::Range<u64>,
-                         cols: std::ops::Range<u64>,
+                         rows: std::ops::Range<u32>,
+                         cols: std::ops::Range<u32>,
                          blob: std::ops::Range<u64>| {
         region(code, (blob.end - blob.start) as u32, Some(instr), RegionKind::Weight { weight, rows, cols, blob })
     };
     let code_region = region(0, code, None, RegionKind::Code);
     let pes = vec![
-        PeImage { pe: embed_pe, regions: vec![code_region.clone(), weight_region(0, 0, 0..VOCAB, 0..HIDDEN, 0..b0)] },
-        PeImage { pe: t0, regions: vec![code_region.clone(), weight_region(1, 1, 0..OUT, 0..32, b0..b1)] },
-        PeImage { pe: t1, regions: vec![code_region, weight_region(1, 1, 0..OUT, 32..64, b1..blob.len() as u64)] },
+        PeImage {
+            pe: embed_pe,
+            regions: vec![code_region.clone(), weight_region(0, 0, 0..VOCAB as u32, 0..HIDDEN as u32, 0..b0)],
+        },
+        PeImage { pe: t0, regions: vec![code_region.clone(), weight_region(1, 1, 0..OUT as u32, 0..32, b0..b1)] },
+        PeImage {
+            pe: t1,
+            regions: vec![code_region, weight_region(1, 1, 0..OUT as u32, 32..64, b1..blob.len() as u64)],
+        },
     ];
     let route = |id, instr, kind, sources, destinations, path, message_bytes| Route {
         id,
@@ -129,8 +135,8 @@ fn program(far: u16) -> (WaferProgram, Vec<u8>) {
                 row_blocks: 1,
                 col_blocks: 2,
                 tiles: vec![
-                    Tile { pe: t0, rows: 0..OUT, chunks: 0..1, region: 1 },
-                    Tile { pe: t1, rows: 0..OUT, chunks: 1..2, region: 1 },
+                    Tile { pe: t0, rows: 0..OUT as u32, chunks: 0..1, region: 1 },
+                    Tile { pe: t1, rows: 0..OUT as u32, chunks: 1..2, region: 1 },
                 ],
                 reductions: vec![2],
                 broadcasts: vec![],

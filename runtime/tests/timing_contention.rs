@@ -41,9 +41,9 @@ fn program(b_row: u16) -> WaferProgram {
     let code_region = region(0, code, None, RegionKind::Code);
     let tile_bytes = (OUT * 32 * 2) as u32;
     let table_bytes = (VOCAB * HIDDEN * 4) as u32;
-    let weight = |weight: u32, instr: u32, cols: std::ops::Range<u64>, at: u64| {
+    let weight = |weight: u32, instr: u32, cols: std::ops::Range<u32>, at: u64| {
         let blob = at..at + tile_bytes as u64;
-        region(code, tile_bytes, Some(instr), RegionKind::Weight { weight, rows: 0..OUT, cols, blob })
+        region(code, tile_bytes, Some(instr), RegionKind::Weight { weight, rows: 0..OUT as u32, cols, blob })
     };
     let t = table_bytes as u64;
     let b = tile_bytes as u64;
@@ -56,7 +56,7 @@ fn program(b_row: u16) -> WaferProgram {
                     code,
                     table_bytes,
                     Some(0),
-                    RegionKind::Weight { weight: 0, rows: 0..VOCAB, cols: 0..HIDDEN, blob: 0..t },
+                    RegionKind::Weight { weight: 0, rows: 0..VOCAB as u32, cols: 0..HIDDEN as u32, blob: 0..t },
                 ),
             ],
         },
@@ -109,8 +109,8 @@ fn program(b_row: u16) -> WaferProgram {
             row_blocks: 1,
             col_blocks: 2,
             tiles: vec![
-                Tile { pe: t0, rows: 0..OUT, chunks: 0..1, region: 1 },
-                Tile { pe: t1, rows: 0..OUT, chunks: 1..2, region: 1 },
+                Tile { pe: t0, rows: 0..OUT as u32, chunks: 0..1, region: 1 },
+                Tile { pe: t1, rows: 0..OUT as u32, chunks: 1..2, region: 1 },
             ],
             reductions: vec![reduction],
             broadcasts: vec![],

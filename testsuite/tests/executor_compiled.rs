@@ -231,7 +231,7 @@ fn stacked_expert_input_matvecs_reduce_over_adjacent_pes() {
         matvecs += 1;
         let mut blocks: std::collections::BTreeMap<u64, Vec<waferc_ir::wafer::Pe>> = Default::default();
         for t in &mv.tiles {
-            blocks.entry(t.rows.start).or_default().push(t.pe);
+            blocks.entry(t.rows.start as u64).or_default().push(t.pe);
         }
         let mut per_row: std::collections::HashMap<u16, usize> = Default::default();
         for (start, pes) in &blocks {
@@ -402,10 +402,10 @@ fn stacked_dense_keeps_heads_in_their_bands_and_gate_up_twins_together_bit_exact
     for (p, mv) in matvecs(qkv_rows) {
         let heads = segments(p);
         assert_eq!(heads.len() as u64, qkv_rows / hd, "%{} is cut in heads", p.instr);
-        straddling_grid |= mv.tiles.iter().any(|t| hd % (t.rows.end - t.rows.start) != 0);
+        straddling_grid |= mv.tiles.iter().any(|t| hd % (t.rows.end - t.rows.start) as u64 != 0);
         for tile in &mv.tiles {
-            let head = tile.rows.start / hd;
-            assert_eq!(head, (tile.rows.end - 1) / hd, "%{} tile rows {:?} span two heads", p.instr, tile.rows);
+            let head = tile.rows.start as u64 / hd;
+            assert_eq!(head, (tile.rows.end as u64 - 1) / hd, "%{} tile rows {:?} span two heads", p.instr, tile.rows);
             let seg = &heads[head as usize];
             assert!(
                 tile.pe.y.abs_diff(seg.pe.y) < band,
@@ -612,7 +612,7 @@ fn stacked_tiles_of_eight_chunks_match_the_reference() {
         .filter_map(|p| match &p.work {
             waferc_ir::wafer::Work::MatVec(mv) => {
                 let t = &mv.tiles[0];
-                Some((p.instr, mv.cols, t.chunks.end - t.chunks.start))
+                Some((p.instr, mv.cols, (t.chunks.end - t.chunks.start) as u64))
             }
             _ => None,
         })

@@ -37,9 +37,8 @@ fn program_tiles(program: &WaferProgram) -> Vec<(u64, [u64; 3], u64, u64)> {
     for (instr, placement) in program.instrs.iter().enumerate() {
         let pe = |p: waferc_ir::wafer::Pe| [p.wafer, p.x, p.y].map(u64::from);
         match &placement.work {
-            Work::MatVec(m) => {
-                tiles.extend(m.tiles.iter().map(|t| (instr as u64, pe(t.pe), t.rows.start, t.chunks.start)))
-            }
+            Work::MatVec(m) => tiles
+                .extend(m.tiles.iter().map(|t| (instr as u64, pe(t.pe), t.rows.start as u64, t.chunks.start as u64))),
             Work::Embed { blocks, .. } => {
                 tiles.extend(blocks.iter().map(|b| (instr as u64, pe(b.pe), b.rows.start, b.elements.start)))
             }

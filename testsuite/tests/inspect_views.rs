@@ -9,7 +9,7 @@ use waferc::inspect::{
     PLACEMENT_SCHEMA,
 };
 use waferc_ir::wafer::{
-    AttentionPlacement, EmbedBlock, InstrIndex, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement,
+    narrow, AttentionPlacement, EmbedBlock, InstrIndex, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement,
     NormPlacement, Pe, PeImage, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId, RouteKind, Run,
     Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
 };
@@ -47,7 +47,12 @@ impl Builder {
     ) -> u32 {
         let blob = self.blob..self.blob + bytes as u64;
         self.blob += bytes as u64;
-        self.region(pe, instr, RegionKind::Weight { weight, rows: rows.0..rows.1, cols: cols.0..cols.1, blob }, bytes)
+        self.region(
+            pe,
+            instr,
+            RegionKind::Weight { weight, rows: narrow(rows.0..rows.1), cols: narrow(cols.0..cols.1), blob },
+            bytes,
+        )
     }
 
     fn output(&mut self, pe: Pe, instr: InstrIndex, elements: (u64, u64)) -> Segment {
@@ -230,7 +235,7 @@ fn tiny_moe(two_wafers: bool) -> WaferProgram {
         let (rows, chunks) = ((i as u64 / 2) * 32..(i as u64 / 2 + 1) * 32, i as u64 % 2..i as u64 % 2 + 1);
         b.operand(pe, q, norm, (chunks.start * 32, chunks.end * 32));
         let region = b.weight(pe, q, 2, (rows.start, rows.end), (chunks.start * 32, chunks.end * 32), 4096);
-        q_tiles.push(Tile { pe, rows, chunks, region });
+        q_tiles.push(Tile { pe, rows: narrow(rows), chunks: narrow(chunks), region });
     }
     let reduce_top = b.route(
         q,
@@ -366,7 +371,7 @@ fn tiny_moe(two_wafers: bool) -> WaferProgram {
         for (c, pe) in [left, right].into_iter().enumerate() {
             b.operand(pe, matvec, attention, (c as u64 * 32, c as u64 * 32 + 32));
             let region = b.weight(pe, matvec, 3 + expert as u32, (0, 32), (c as u64 * 32, c as u64 * 32 + 32), 2048);
-            expert_tiles.push(Tile { pe, rows: 0..32, chunks: c as u64..c as u64 + 1, region });
+            expert_tiles.push(Tile { pe, rows: 0..32, chunks: c as u32..c as u32 + 1, region });
         }
         b.region(left, matvec, RegionKind::Partial { elements: 32 }, 128);
         let reduce = b.route(
@@ -437,7 +442,7 @@ fn tiny_moe(two_wafers: bool) -> WaferProgram {
         let rows = r as u64 * 32..(r as u64 + 1) * 32;
         b.operand(pe, lm_head, combine, (0, 32));
         let region = b.weight(pe, lm_head, 5, (rows.start, rows.end), (0, 32), 2048);
-        lm_tiles.push(Tile { pe, rows: rows.clone(), chunks: 0..1, region });
+        lm_tiles.push(Tile { pe, rows: narrow(rows.clone()), chunks: 0..1, region });
         lm_outs.push(b.output(pe, lm_head, (rows.start, rows.end)));
         lm_collects.push(b.route(lm_head, RouteKind::Collect { elements: rows }, 14, &[pe], &[pe], &[], 128));
     }
@@ -618,7 +623,12 @@ fn json_lists_every_tile_once_with_its_bytes() {
             Work::MatVec(m) => {
                 for t in &m.tiles {
                     let bytes = program.pe(t.pe).unwrap().regions[t.region as usize].bytes as u64;
-                    expected.insert((instr as u64, [t.pe.wafer, t.pe.x, t.pe.y].map(u64::from), t.rows.start, bytes));
+                    expected.insert((
+                        instr as u64,
+                        [t.pe.wafer, t.pe.x, t.pe.y].map(u64::from),
+                        t.rows.start as u64,
+                        bytes,
+                    ));
                 }
             }
             Work::Embed { blocks, .. } => {

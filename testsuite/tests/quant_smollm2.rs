@@ -194,6 +194,7 @@ fn gguf_blocks_are_placed_with_the_files_own_bytes() {
     for image in &compiled.program.pes {
         for region in &image.regions {
             let RegionKind::Weight { weight, rows, cols, blob } = &region.kind else { continue };
+            let (rows, cols) = (waferc_ir::wafer::wide(rows), waferc_ir::wafer::wide(cols));
             let w = &compiled.module.weights[waferc_ir::Handle::new(*weight as usize)];
             let t = &tensors[&gguf_name(&w.name)];
             let dtype = ggml_dtype(t.ggml_type);

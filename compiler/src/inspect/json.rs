@@ -6,8 +6,8 @@ use std::ops::Range;
 use serde::ser::{SerializeStruct, Serializer};
 use serde::Serialize;
 use waferc_ir::wafer::{
-    InstrPlacement, Pe, PeImage, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteKind, Run, WaferProgram,
-    Work,
+    wide, InstrPlacement, Pe, PeImage, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteKind, Run,
+    WaferProgram, Work,
 };
 use waferc_ir::Module;
 
@@ -416,11 +416,11 @@ fn tiles<'a>(view: &'a Analysis) -> impl Iterator<Item = TileJson<'a>> + 'a {
                 let in_view = matvec.tiles.iter().enumerate().filter(|(_, t)| view.filter.contains(t.pe));
                 in_view
                     .map(|(i, tile)| TileJson {
-                        chunks: Some(range(&tile.chunks)),
+                        chunks: Some(range(&wide(&tile.chunks))),
                         col_block: Some((i % col_blocks) as u32),
                         kind: "matvec",
                         row_block: Some((i / col_blocks) as u32),
-                        rows: range(&tile.rows),
+                        rows: range(&wide(&tile.rows)),
                         ..base(tile.pe, region_at(view.program, tile.pe, tile.region))
                     })
                     .collect()
@@ -455,7 +455,9 @@ fn embed_region<'p>(
 ) -> Option<(u32, &'p Region)> {
     let image = program.pe(at)?;
     image.regions.iter().enumerate().find_map(|(i, region)| match &region.kind {
-        RegionKind::Weight { rows: r, cols, .. } if region.instr == Some(instr) && r == rows && cols == elements => {
+        RegionKind::Weight { rows: r, cols, .. }
+            if region.instr == Some(instr) && wide(r) == *rows && wide(cols) == *elements =>
+        {
             Some((i as u32, region))
         }
         _ => None,
@@ -669,8 +671,8 @@ impl RegionJson {
             RegionKind::Code => "code",
             RegionKind::Weight { weight, rows, cols, blob } => {
                 json.weight = Some(*weight);
-                json.rows = Some(range(rows));
-                json.cols = Some(range(cols));
+                json.rows = Some(range(&wide(rows)));
+                json.cols = Some(range(&wide(cols)));
                 json.blob = Some(range(blob));
                 "weight"
             }

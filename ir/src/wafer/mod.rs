@@ -344,7 +344,7 @@ pub enum RegionKind {
     /// weight has the single row `0..1`). The bytes are the weight's storage bytes of each row's
     /// `cols` slice, rows in order; `cols` starts and ends on 32-element block boundaries for
     /// block-quantised types (or at the row end). `blob` is where they are in the tile blob.
-    Weight { weight: u32, rows: Range<u64>, cols: Range<u64>, blob: Range<u64> },
+    Weight { weight: u32, rows: Range<u32>, cols: Range<u32>, blob: Range<u64> },
     /// KV cache of one KV head for positions `positions` (capacity; filled as decoding goes):
     /// keys then values, each `positions.len() x head_dim` f32, position-major.
     KvCache { kv_head: u32, positions: Range<u32> },
@@ -524,8 +524,8 @@ impl MatVecPlacement {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Tile {
     pub pe: Pe,
-    pub rows: Range<u64>,
-    pub chunks: Range<u64>,
+    pub rows: Range<u32>,
+    pub chunks: Range<u32>,
     /// Index into the PE's `regions` of the tile's weight.
     pub region: u32,
 }
@@ -868,6 +868,17 @@ pub enum Phase {
     Deliver,
 }
 
+/// `range` widened to `u64` (tiles and weight regions keep their rows and columns in `u32`: a
+/// lowering holds tens of millions of them).
+pub fn wide(range: &Range<u32>) -> Range<u64> {
+    range.start as u64..range.end as u64
+}
+
+/// `range` narrowed to `u32`; rows and columns of a weight, elements of a vector, always fit.
+pub fn narrow(range: Range<u64>) -> Range<u32> {
+    range.start as u32..range.end as u32
+}
+
 /// The storage bytes of a weight region, cut from the module's weights: each row's `cols` slice,
 /// rows in order (the layout the tile blob holds). `None` for another region kind, an absent
 /// weight, or a range the weight does not have.
@@ -877,8 +888,8 @@ pub fn region_bytes(module: &Module, kind: &RegionKind) -> Option<Vec<u8>> {
     let data = w.data.bytes()?;
     let dtype = w.ty.dtype;
     let row_bytes = dtype.row_bytes(*w.ty.shape.last()?)? as usize;
-    let start = dtype.row_bytes(cols.start)? as usize;
-    let len = dtype.row_bytes(cols.end.checked_sub(cols.start)?)? as usize;
+    let start = dtype.row_bytes(cols.start as u64)? as usize;
+    let len = dtype.row_bytes(cols.end.checked_sub(cols.start)? as u64)? as usize;
     let mut out = Vec::with_capacity(len * (rows.end - rows.start) as usize);
     for row in rows.clone() {
         let base = row as usize * row_bytes + start;

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 
-use waferc_ir::wafer::{Pe, PeImage, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work};
+use waferc_ir::wafer::{wide, Pe, PeImage, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work};
 use waferc_ir::{DependencyGraph, Handle, Module, Op};
 // Fx hashing: the checker hashes millions of (value, PE) and route keys, and nothing it reports
 // depends on a map's iteration order.
@@ -435,7 +435,7 @@ impl<'a> Checker<'a> {
                     match (&p.work, &original.work) {
                         (Work::MatVec(a), Work::MatVec(b)) => {
                             let cut = |m: &waferc_ir::wafer::MatVecPlacement| -> Vec<(Range<u64>, Range<u64>)> {
-                                m.tiles.iter().map(|t| (t.rows.clone(), t.chunks.clone())).collect()
+                                m.tiles.iter().map(|t| (wide(&t.rows), wide(&t.chunks))).collect()
                             };
                             if (a.rows, a.cols, a.row_blocks, a.col_blocks, a.bias)
                                 != (b.rows, b.cols, b.row_blocks, b.col_blocks, b.bias)
@@ -504,6 +504,7 @@ impl<'a> Checker<'a> {
             let copy = self.copy_of_pe.get(&image.pe).copied();
             for r in &image.regions {
                 if let (RegionKind::Weight { weight, rows, cols, blob }, Some(instr)) = (&r.kind, r.instr) {
+                    let (rows, cols) = (&wide(rows), &wide(cols));
                     let Some(w) = self.module.weights.get(Handle::new(*weight as usize)) else {
                         self.report(
                             Some(image.pe),

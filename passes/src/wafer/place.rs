@@ -3,7 +3,7 @@
 use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use std::ops::Range;
 
-use waferc_ir::wafer::{group_query_heads, replica_slots_in, ExpertReplicas};
+use waferc_ir::wafer::{group_query_heads, narrow, replica_slots_in, wide, ExpertReplicas};
 use waferc_ir::wafer::{
     AttentionPlacement, EmbedBlock, GroupRoutes, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement,
     NormPlacement, Pe, PeImage, Phase, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId, RouteKind,
@@ -803,8 +803,8 @@ impl<'a> Placer<'a> {
                         let region = self.fill(pe, instr, requests)?[0];
                         tiles.push(Tile {
                             pe,
-                            rows: tile_rows.clone(),
-                            chunks: tile_cols.start / CHUNK..tile_cols.end.div_ceil(CHUNK),
+                            rows: narrow(tile_rows.clone()),
+                            chunks: narrow(tile_cols.start / CHUNK..tile_cols.end.div_ceil(CHUNK)),
                             region,
                         });
                     }
@@ -1125,7 +1125,7 @@ impl<'a> Placer<'a> {
             mv.tiles[r * c_count..(r + 1) * c_count].iter().map(|t| t.pe).collect()
         };
         let rows_of =
-            |mv: &MatVecPlacement, r: usize| mv.tiles[r * c_count].rows.end - mv.tiles[r * c_count].rows.start;
+            |mv: &MatVecPlacement, r: usize| (mv.tiles[r * c_count].rows.end - mv.tiles[r * c_count].rows.start) as u64;
         // Per row block, the PE its reduced rows end on (its reduction's destination).
         let mut roots: Vec<Pe> = Vec::with_capacity(mv.row_blocks as usize);
         match self.options.plan {
@@ -1139,7 +1139,7 @@ impl<'a> Placer<'a> {
                         Some(_) => leaves[0],
                         None => {
                             let rows = &mv.tiles[r * c_count].rows;
-                            let targets: Vec<Pe> = layout.overlapping(rows.clone()).map(|(seg, _)| seg.pe).collect();
+                            let targets: Vec<Pe> = layout.overlapping(wide(rows)).map(|(seg, _)| seg.pe).collect();
                             nearest(&leaves, &targets)
                         }
                     };
@@ -1175,7 +1175,7 @@ impl<'a> Placer<'a> {
             }
         }
         let pieces: Vec<(Pe, Range<u64>)> =
-            roots.into_iter().enumerate().map(|(r, pe)| (pe, mv.tiles[r * c_count].rows.clone())).collect();
+            roots.into_iter().enumerate().map(|(r, pe)| (pe, wide(&mv.tiles[r * c_count].rows))).collect();
         mv.collects = self.collect_routes(i, layout, &pieces);
     }
 
@@ -1269,7 +1269,7 @@ impl<'a> Placer<'a> {
             (Work::MatVec(mv), Op::MatVec { x, .. }) => {
                 let Some(part) = part_of(*x) else { return };
                 let c_count = mv.col_blocks as usize;
-                let cols_of = |t: &Tile| t.chunks.start * CHUNK..(t.chunks.end * CHUNK).min(mv.cols);
+                let cols_of = |t: &Tile| t.chunks.start as u64 * CHUNK..(t.chunks.end as u64 * CHUNK).min(mv.cols);
                 for c in 0..c_count {
                     if overlaps(&cols_of(&mv.tiles[c]), &part) {
                         out.extend(mv.tiles.iter().skip(c).step_by(c_count).map(|t| t.pe));
@@ -1415,7 +1415,10 @@ pub(super) fn norm_requests(module: &Module, i: usize, seg: &Range<u64>, len: u6
     let cols = if g <= n && g < len { 0..g } else { seg.start % g..seg.start % g + n };
     let bytes = w.ty.dtype.row_bytes(cols.end - cols.start).unwrap_or((cols.end - cols.start) * F32);
     let mut requests = operand_requests(module, i, seg);
-    requests.push((RegionKind::Weight { weight: weight.index() as u32, rows: 0..1, cols, blob: 0..0 }, bytes));
+    requests.push((
+        RegionKind::Weight { weight: weight.index() as u32, rows: 0..1, cols: narrow(cols), blob: 0..0 },
+        bytes,
+    ));
     requests.push((RegionKind::Scratch, 2 * n.div_ceil(g.min(n)) * F32));
     requests
 }
@@ -1449,7 +1452,12 @@ pub(super) fn tile_requests(
     let (n_rows, width) = (rows.end - rows.start, cols.end - cols.start);
     let mut requests = vec![
         (
-            RegionKind::Weight { weight: weight.index() as u32, rows: rows.clone(), cols: cols.clone(), blob: 0..0 },
+            RegionKind::Weight {
+                weight: weight.index() as u32,
+                rows: narrow(rows.clone()),
+                cols: narrow(cols.clone()),
+                blob: 0..0,
+            },
             n_rows * w.ty.dtype.row_bytes(width).expect("tiles cut at block boundaries"),
         ),
         (RegionKind::Operand { value: x.index() as u32, elements: cols }, width * F32),
@@ -1460,7 +1468,8 @@ pub(super) fn tile_requests(
         let bytes = bw.ty.dtype.row_bytes(n_rows).ok_or_else(|| {
             unsupported(module, i, format!("bias {} ({}) cannot be cut at row {}", bw.name, bw.ty, rows.start))
         })?;
-        requests.push((RegionKind::Weight { weight: b.index() as u32, rows: 0..1, cols: rows, blob: 0..0 }, bytes));
+        requests
+            .push((RegionKind::Weight { weight: b.index() as u32, rows: 0..1, cols: narrow(rows), blob: 0..0 }, bytes));
     }
     Ok(requests)
 }
@@ -1473,8 +1482,12 @@ pub(super) fn embed_block_requests(
     cols: &Range<u64>,
     row_bytes: u64,
 ) -> Vec<Request> {
-    let weight =
-        RegionKind::Weight { weight: table.index() as u32, rows: rows.clone(), cols: cols.clone(), blob: 0..0 };
+    let weight = RegionKind::Weight {
+        weight: table.index() as u32,
+        rows: narrow(rows.clone()),
+        cols: narrow(cols.clone()),
+        blob: 0..0,
+    };
     vec![(weight, (rows.end - rows.start) * row_bytes), (RegionKind::Scratch, (cols.end - cols.start) * F32)]
 }
 
@@ -1512,8 +1525,10 @@ pub(super) fn kv_block_requests(
     // The sink logits of the block's query heads live on its first block, the reductions' root.
     if let (Some(sinks), true) = (sinks, first) {
         let bytes = module.weights[*sinks].ty.dtype.row_bytes(queries).unwrap_or(queries * F32);
-        requests
-            .push((RegionKind::Weight { weight: sinks.index() as u32, rows: 0..1, cols: served, blob: 0..0 }, bytes));
+        requests.push((
+            RegionKind::Weight { weight: sinks.index() as u32, rows: 0..1, cols: narrow(served), blob: 0..0 },
+            bytes,
+        ));
     }
     requests
 }

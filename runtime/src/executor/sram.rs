@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use waferc_ir::wafer::{Pe, PeImage, RegionKind, WaferProgram};
+use waferc_ir::wafer::{wide, Pe, PeImage, RegionKind, WaferProgram};
 use waferc_ir::{DType, Module};
 
 use super::{site_of, ExecError, Executor, InstrRun, WeightRegionError};
@@ -52,7 +52,7 @@ impl Executor<'_> {
             })?,
             None => &[],
         };
-        Ok((*weight, rows.clone(), cols.clone(), bytes))
+        Ok((*weight, wide(rows), wide(cols), bytes))
     }
 
     /// The index of the weight region of `instr` on `pe` holding weight `weight`, row `row`
@@ -77,9 +77,9 @@ impl Executor<'_> {
                 RegionKind::Weight { weight: w, rows, cols: c, .. } => {
                     r.instr == Some(run.instr)
                         && *w == weight
-                        && rows.contains(&row)
-                        && c.start <= cols.start
-                        && cols.end <= c.end
+                        && wide(rows).contains(&row)
+                        && c.start as u64 <= cols.start
+                        && cols.end <= c.end as u64
                 }
                 _ => false,
             })
@@ -166,6 +166,7 @@ pub(super) fn load_sram(
         let mut memory = vec![0u8; size];
         for (index, region) in image.regions.iter().enumerate() {
             let RegionKind::Weight { weight, rows, cols, blob: range } = &region.kind else { continue };
+            let (rows, cols) = (&wide(rows), &wide(cols));
             let site = site_of(program, region.instr.unwrap_or(0));
             let error = |problem: String| {
                 ExecError::WeightRegion(Box::new(WeightRegionError {

@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use waferc_ir::wafer::{region_bytes, Pe, RegionKind, ResultLayout, WaferProgram};
+use waferc_ir::wafer::{region_bytes, wide, Pe, RegionKind, ResultLayout, WaferProgram};
 use waferc_ir::Module;
 
 use super::{ExecError, ExecOptions, Executor, InstrSite};
@@ -231,6 +231,7 @@ fn corrupt_region(executor: &Executor, instr: u32) -> Option<CorruptRegion> {
     for (pe_index, image) in program.pes.iter().enumerate() {
         for (region_index, region) in image.regions.iter().enumerate() {
             let RegionKind::Weight { weight, rows, cols, .. } = &region.kind else { continue };
+            let (rows, cols) = (wide(rows), wide(cols));
             if region.instr != Some(instr) {
                 continue;
             }

@@ -49,8 +49,8 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use waferc_ir::wafer::{
-    AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement, NormPlacement, Pe, Plan,
-    RegionKind, ResultLayout, Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
+    narrow, AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement, NormPlacement,
+    Pe, Plan, RegionKind, ResultLayout, Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
 };
 use waferc_ir::{Module, Op, ValueType, BLOCK};
 
@@ -1557,7 +1557,7 @@ impl Stacked<'_> {
                         let requests = tile_requests(module, i, tile_rows.clone(), tile_cols.clone(), c == 0)?;
                         let region = self.placer.fill(pe, instr, requests)?[0];
                         let chunks = tile_cols.start / CHUNK..tile_cols.end.div_ceil(CHUNK);
-                        tiles.push(Tile { pe, rows: tile_rows.clone(), chunks, region });
+                        tiles.push(Tile { pe, rows: narrow(tile_rows.clone()), chunks: narrow(chunks), region });
                     }
                 }
                 // Result segments of `vector_cut` elements (whole heads when rope reads the

@@ -2,7 +2,7 @@
 //! bias and the collect into result segments.
 
 use rustc_hash::FxHashMap as HashMap;
-use waferc_ir::wafer::{MatVecPlacement, Pe, Phase, Route, RouteKind, Segment};
+use waferc_ir::wafer::{wide, MatVecPlacement, Pe, Phase, Route, RouteKind, Segment};
 use waferc_ir::BLOCK;
 
 use super::check_count;
@@ -37,15 +37,16 @@ impl Executor<'_> {
         run.begin(Phase::Compute);
         let mut partials: Vec<Data> = Vec::with_capacity(tile_count);
         for tile in &p.tiles {
-            let cols = (tile.chunks.start * BLOCK as u64).min(p.cols)..(tile.chunks.end * BLOCK as u64).min(p.cols);
+            let (tile_rows, chunks) = (wide(&tile.rows), wide(&tile.chunks));
+            let cols = (chunks.start * BLOCK as u64).min(p.cols)..(chunks.end * BLOCK as u64).min(p.cols);
             let x_part = self.operand(state, run, tile.pe, x, cols.clone())?;
-            let rows = tile.rows.end - tile.rows.start;
+            let rows = tile_rows.end - tile_rows.start;
             let partial = if self.options.timing_only {
                 Data::Shape(rows as usize)
             } else {
                 let region = tile.region as usize;
                 let (held_weight, held_rows, held_cols, bytes) = self.weight_region(run, tile.pe, region)?;
-                if held_weight != weight || held_rows != tile.rows || held_cols != cols {
+                if held_weight != weight || held_rows != tile_rows || held_cols != cols {
                     return Err(self.region_error(
                         run,
                         tile.pe,
@@ -123,11 +124,12 @@ impl Executor<'_> {
             let mut parts = Vec::new();
             for (row_block, &tile_index) in total_at.iter().enumerate() {
                 let tile = &p.tiles[tile_index];
-                let Some(overlap) = intersect(&p.tiles[row_block * p.col_blocks as usize].rows, &segment.elements)
+                let Some(overlap) =
+                    intersect(&wide(&p.tiles[row_block * p.col_blocks as usize].rows), &segment.elements)
                 else {
                     continue;
                 };
-                let rows = relative(&overlap, tile.rows.start);
+                let rows = relative(&overlap, tile.rows.start as u64);
                 let total = partials[tile_index].slice(rows);
                 let data = match bias {
                     Some(bias) if !self.options.timing_only => {
@@ -192,7 +194,7 @@ fn reduction_row_block(
     let cols = p.col_blocks as usize;
     let fits = |r: usize| {
         let first = &p.tiles[r * cols];
-        first.rows.end - first.rows.start == elements
+        u64::from(first.rows.end - first.rows.start) == elements
             && route.sources.iter().all(|&pe| tiles_by_pe.in_row_block(p, r, pe).is_some())
     };
     let found = match route.sources.first() {
