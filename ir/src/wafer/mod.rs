@@ -350,9 +350,10 @@ pub enum RegionKind {
     KvCache { kv_head: u32, positions: Range<u32> },
     /// An operand's elements received from routes, as f32 (`value` is the IR operand, which may
     /// be an `expert_dispatch` of the vector actually delivered). Attention's query buffer also
-    /// receives the reductions' partials once the scores are computed, so it is sized for both.
+    /// receives the reductions' partials once the scores are computed, so it is sized for both;
+    /// a matvec tile's input slice has its partial sums and their receive buffer behind it.
     Operand { value: InstrIndex, elements: Range<u64> },
-    /// Partial sums and received partials of a reduction (f32).
+    /// Partial sums and received partials of a reduction (f32): a KV block's.
     Partial { elements: u32 },
     /// The instruction's result elements held on this PE (f32).
     Output { elements: Range<u64> },

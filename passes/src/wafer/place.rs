@@ -1437,7 +1437,8 @@ fn nearest(leaves: &[Pe], targets: &[Pe]) -> Pe {
 }
 
 /// A matvec tile's regions (the weight block first): weight rows `rows` by elements `cols`,
-/// the x slice, the partial sums and their receive buffer, and on a row block's root the bias.
+/// the x slice with room behind it for the partial sums and their receive buffer (one region,
+/// not two: a lowering holds tens of millions of tiles), and on a row block's root the bias.
 pub(super) fn tile_requests(
     module: &Module,
     i: usize,
@@ -1460,8 +1461,7 @@ pub(super) fn tile_requests(
             },
             n_rows * w.ty.dtype.row_bytes(width).expect("tiles cut at block boundaries"),
         ),
-        (RegionKind::Operand { value: x.index() as u32, elements: cols }, width * F32),
-        (RegionKind::Partial { elements: n_rows as u32 }, 2 * n_rows * F32),
+        (RegionKind::Operand { value: x.index() as u32, elements: cols }, (width + 2 * n_rows) * F32),
     ];
     if let (Some(b), true) = (bias, root) {
         let bw = &module.weights[*b];
