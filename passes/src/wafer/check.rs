@@ -82,7 +82,7 @@ impl fmt::Display for CheckError {
 }
 
 /// A weight block some PE holds: rows, columns, the PE.
-type Piece = (Range<u64>, Range<u64>, Pe);
+type Piece = (Range<u32>, Range<u32>, Pe);
 
 struct Checker<'a> {
     program: &'a WaferProgram,
@@ -257,25 +257,46 @@ impl<'g> Reads<'g> {
 /// Checks `program` against the `module` it was compiled from.
 pub fn check(program: &WaferProgram, module: &Module) -> Result<(), CheckError> {
     let images = Images::new(program);
-    let mut c = Checker { program, module, images: &images, problems: Vec::new(), copy_of_pe: HashMap::default() };
+    let checker = || Checker { program, module, images: &images, problems: Vec::new(), copy_of_pe: HashMap::default() };
+    let mut c = checker();
     c.instrs();
     if c.problems.is_empty() {
-        c.sram();
-        c.replicas();
-        c.weights();
-        c.norm_groups();
-        c.kv();
-        let routes = c.routes_by_id();
-        c.paths_and_colours();
-        c.endpoints();
-        c.operands(&routes);
-        c.schedule(&routes);
+        // The SRAM half and the routing half read the program only, so they run side by side;
+        // their problems are joined in the order one pass through both would list them.
+        let (sram, routing) = rayon::join(
+            || {
+                let mut c = checker();
+                c.sram();
+                c.replicas();
+                c.weights();
+                c.norm_groups();
+                c.kv();
+                c.problems
+            },
+            || {
+                let mut c = checker();
+                let routes = c.routes_by_id();
+                c.paths_and_colours();
+                c.endpoints();
+                c.operands(&routes);
+                c.schedule(&routes);
+                c.problems
+            },
+        );
+        c.problems = sram;
+        c.problems.extend(routing);
+        c.problems.truncate(MAX_PROBLEMS);
     }
     if c.problems.is_empty() {
         Ok(())
     } else {
         Err(CheckError { problems: c.problems })
     }
+}
+
+/// `n` as u32, or `u32::MAX` when larger.
+fn saturate(n: u64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 fn overlap(a: &Range<u64>, b: &Range<u64>) -> bool {
@@ -503,8 +524,10 @@ impl<'a> Checker<'a> {
         for image in &self.program.pes {
             let copy = self.copy_of_pe.get(&image.pe).copied();
             for r in &image.regions {
-                if let (RegionKind::Weight { weight, rows, cols, blob }, Some(instr)) = (&r.kind, r.instr) {
-                    let (rows, cols) = (&wide(rows), &wide(cols));
+                if let (RegionKind::Weight { weight, rows: narrow_rows, cols: narrow_cols, blob }, Some(instr)) =
+                    (&r.kind, r.instr)
+                {
+                    let (rows, cols) = (&wide(narrow_rows), &wide(narrow_cols));
                     let Some(w) = self.module.weights.get(Handle::new(*weight as usize)) else {
                         self.report(
                             Some(image.pe),
@@ -540,7 +563,11 @@ impl<'a> Checker<'a> {
                         self.report(Some(image.pe), None, Some(instr), format!("blob range {blob:?} is past the blob"));
                     }
                     blobs.push((blob.clone(), image.pe));
-                    held.entry((instr, *weight, copy)).or_default().push((rows.clone(), cols.clone(), image.pe));
+                    held.entry((instr, *weight, copy)).or_default().push((
+                        narrow_rows.clone(),
+                        narrow_cols.clone(),
+                        image.pe,
+                    ));
                 }
             }
         }
@@ -690,9 +717,10 @@ impl<'a> Checker<'a> {
         chunk_runs: bool,
     ) {
         let w = &self.module.weights[weight];
+        // Pieces hold rows and columns in u32; a larger weight is left uncovered, and said so.
         let (n_rows, n_cols) = match w.ty.shape.as_slice() {
-            [r, c] => (*r, *c),
-            [n] => (1, *n),
+            [r, c] => (saturate(*r), saturate(*c)),
+            [n] => (1, saturate(*n)),
             _ => return,
         };
         if pieces.is_empty() {
@@ -765,7 +793,7 @@ impl<'a> Checker<'a> {
 
     fn at_least_once(&mut self, instr: u32, weight: Handle<waferc_ir::Weight>, mut pieces: Vec<Piece>) {
         let w = &self.module.weights[weight];
-        let n = w.ty.elements();
+        let n = saturate(w.ty.elements());
         pieces.sort_by_key(|(_, c, _)| (c.start, c.end));
         let mut covered = 0;
         for (_, cols, _) in &pieces {
