@@ -170,6 +170,19 @@ fn an_overfilled_pe_is_reported_with_what_holds_it() {
     assert!(err.contains(" matvec "), "the tiles on the PE are named: {err}");
 }
 
+/// Experts sharing lanes (`shareE`) is an MoE plan: a dense model pinned to it is refused with
+/// the plan named, not lowered as if the option meant something.
+#[test]
+fn shared_expert_lanes_are_refused_for_a_dense_model() {
+    let target = Target::resolve("grid:48x48").unwrap();
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 2 };
+    let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
+    let err = compile(&build(&Shape::tiny()), &target, &options).unwrap_err().to_string();
+    assert!(err.contains("stacked:1,100,share2") && err.contains("no MoE layer"), "{err}");
+    compile(&build(&Shape { moe: Some((8, 2)), ..Shape::tiny() }), &target, &options)
+        .unwrap_or_else(|e| panic!("the MoE model takes {plan}: {e}"));
+}
+
 /// Qwen3's per-head q and k norms sit between the projection and rope: the stacked plan still
 /// cuts the projection's result in whole heads (not the general segments of `len / 16`, two
 /// heads each here), so each head's norm and rope run on a PE of its own. Fused or not.

@@ -903,6 +903,42 @@ pub fn region_bytes(module: &Module, kind: &RegionKind) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
 
+    /// Every plan's `--plan` spelling parses back to it, and a bad field is named.
+    #[test]
+    fn plan_spellings_round_trip() {
+        let stacked = |layers_per_region, wafer_percent, kv_copies, experts_per_lane| Plan::Stacked {
+            layers_per_region,
+            wafer_percent,
+            kv_copies,
+            experts_per_lane,
+        };
+        let plans = [
+            (Plan::Tiled, "tiled"),
+            (Plan::MeshGemv { p: 660, group_num: 22 }, "meshgemv:660,22"),
+            (stacked(2, 100, 1, 1), "stacked:2"),
+            (stacked(1, 35, 1, 1), "stacked:1,35"),
+            (stacked(4, 100, 2, 1), "stacked:4,100,kv2"),
+            (stacked(2, 100, 8, 2), "stacked:2,100,kv8,share2"),
+            (stacked(2, 100, 1, 4), "stacked:2,100,share4"),
+        ];
+        for (plan, text) in plans {
+            assert_eq!(plan.to_string(), text);
+            assert_eq!(text.parse::<Plan>(), Ok(plan), "{text}");
+        }
+        assert_eq!("stacked:2,100,share2,kv8".parse::<Plan>(), Ok(stacked(2, 100, 8, 2)));
+        for (bad, names) in [
+            ("stacked:0", "K must be"),
+            ("stacked:1,101", "P must be"),
+            ("stacked:1,100,kv0", "\"kv0\""),
+            ("stacked:1,100,share2,share4", "\"share4\""),
+            ("stacked:1,100,lanes2", "unknown field \"lanes2\""),
+            ("mesh:1", "expected `tiled`"),
+        ] {
+            let error = bad.parse::<Plan>().expect_err(bad);
+            assert!(error.contains(names), "{bad}: {error}");
+        }
+    }
+
     #[test]
     fn reduce_tree_follows_the_chunk_tree() {
         assert!(reduce_tree(1, 0).is_empty());
