@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use waferc_ir::wafer::{Plan, WaferProgram};
-use waferc_ir::{Module, ValueType};
+use waferc_ir::Module;
 use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CompileOptions, STACKED_TILE_SHARE};
 use waferc_passes::PlanKind;
 use waferc_runtime::executor::{ExecOptions, Executor};
@@ -259,7 +259,7 @@ pub fn search_keeping<T>(
     // experts, for as long as that is faster: each expert computes on more PEs, while two
     // chosen experts of one lane run one after the other (the timing model's picks decide how
     // often). Each doubling is a lowering with twice the experts' tiles.
-    let moe = modules.for_plan(&plans[0]).body.iter().any(|(_, i)| matches!(i.ty, ValueType::Routing { .. }));
+    let moe = modules.for_plan(&plans[0]).has_moe();
     while let Some(Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane }) =
         best.as_ref().map(|b| plans[b.index]).filter(|_| moe)
     {

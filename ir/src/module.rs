@@ -67,6 +67,11 @@ impl Module {
         self.caches.append(cache)
     }
 
+    /// Whether the module has an MoE layer (a router's routing decision).
+    pub fn has_moe(&self) -> bool {
+        self.body.iter().any(|(_, instr)| matches!(instr.ty, ValueType::Routing { .. }))
+    }
+
     /// Appends an instruction, inferring and checking its result type.
     pub fn push(&mut self, op: Op, layer: Option<u32>) -> Result<Value, IrError> {
         let at = Handle::new(self.body.len());

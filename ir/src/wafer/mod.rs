@@ -877,6 +877,7 @@ pub fn wide(range: &Range<u32>) -> Range<u64> {
 
 /// `range` narrowed to `u32`; rows and columns of a weight, elements of a vector, always fit.
 pub fn narrow(range: Range<u64>) -> Range<u32> {
+    debug_assert!(range.end <= u32::MAX as u64, "{range:?} does not fit u32");
     range.start as u32..range.end as u32
 }
 

@@ -455,8 +455,8 @@ impl<'a> Checker<'a> {
                     }
                     match (&p.work, &original.work) {
                         (Work::MatVec(a), Work::MatVec(b)) => {
-                            let cut = |m: &waferc_ir::wafer::MatVecPlacement| -> Vec<(Range<u64>, Range<u64>)> {
-                                m.tiles.iter().map(|t| (wide(&t.rows), wide(&t.chunks))).collect()
+                            let cut = |m: &waferc_ir::wafer::MatVecPlacement| -> Vec<(Range<u32>, Range<u32>)> {
+                                m.tiles.iter().map(|t| (t.rows.clone(), t.chunks.clone())).collect()
                             };
                             if (a.rows, a.cols, a.row_blocks, a.col_blocks, a.bias)
                                 != (b.rows, b.cols, b.row_blocks, b.col_blocks, b.bias)

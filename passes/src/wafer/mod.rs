@@ -222,8 +222,7 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
                 options.plan
             )));
         }
-        let moe = module.body.iter().any(|(_, instr)| matches!(instr.ty, waferc_ir::ValueType::Routing { .. }));
-        if experts_per_lane > 1 && !moe {
+        if experts_per_lane > 1 && !module.has_moe() {
             return Err(WaferError::Options(format!(
                 "{}: share{experts_per_lane} shares MoE experts' lanes, and this model has no MoE layer",
                 options.plan

@@ -4,8 +4,10 @@
 //! routes of experts in different lanes (which may be active together) need no colours from
 //! each other. A lane holds one expert, or `experts_per_lane` of them (`Plan::Stacked`): each
 //! is then spread over that many times the PEs, and two chosen experts of one lane run one
-//! after the other on them. Lanes are bands of rows, cut across into `across` columns of lanes. Full-width bands
-//! are the fewest routes across the area, but a band of a few rows folds each matrix into many
+//! after the other on them.
+//!
+//! Lanes are bands of rows, cut across into `across` columns of lanes. Full-width bands are the
+//! fewest routes across the area, but a band of a few rows folds each matrix into many
 //! interleaved panels, whose reductions queue on the band's row links (Qwen3-30B-A3B's 128
 //! experts in bands of two or three rows: 5.8k of a layer's 38k cycles waiting in the experts'
 //! reductions). So the columns of lanes are chosen by the experts' tilings' estimated cost,
