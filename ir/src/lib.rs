@@ -6,6 +6,7 @@
 //! form in [`text`] prints and parses it losslessly (except weight bytes).
 
 pub mod arena;
+pub mod completion;
 pub mod dependency;
 pub mod error;
 pub mod module;

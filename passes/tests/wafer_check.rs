@@ -1,6 +1,7 @@
 mod wafer_common;
 
 use wafer_common::{build, Shape};
+use waferc_ir::completion::Completion;
 use waferc_ir::wafer::{Pe, Plan, Region, RegionKind, ResultLayout, WaferProgram, Work};
 use waferc_ir::Module;
 use waferc_passes::wafer::{check, compile, CheckError, CompileOptions, WaferError};
@@ -309,4 +310,49 @@ fn kv_copies_that_do_not_partition_the_query_heads_are_caught() {
         .expect("an attention with a KV head in two copies");
     let err = problems(&program, &module);
     assert!(err.problems.iter().any(|p| p.instr == Some(instr) && p.message.contains("not the next ones")), "{err}");
+}
+
+#[test]
+fn operand_buffers_overlap_only_where_one_instruction_is_done_before_the_other_reads() {
+    let (module, mut program) = compiled_stacked(1);
+    // The placer shares: on some PE the operand buffers of instructions that run one after the
+    // other (a layer's q/k/v and its FFN's) take the same bytes, and the checker accepted that.
+    let summed = |image: &waferc_ir::wafer::PeImage| image.regions.iter().map(|r| r.bytes as u64).sum::<u64>();
+    assert!(program.pes.iter().any(|image| image.used_bytes() < summed(image)), "no PE shares operand bytes");
+    // Move a buffer onto one whose instruction may run at the same time (two matvecs reading
+    // the same norm): the checker names the pair.
+    let completion = Completion::new(&module);
+    let buffers = |image: &waferc_ir::wafer::PeImage| -> Vec<(usize, u32, u32)> {
+        image
+            .regions
+            .iter()
+            .enumerate()
+            .filter_map(|(at, r)| match r.kind {
+                RegionKind::Operand { value, .. } => Some((at, r.instr?, value)),
+                _ => None,
+            })
+            .collect()
+    };
+    let (pe, moved, onto) = program
+        .pes
+        .iter()
+        .find_map(|image| {
+            let held = buffers(image);
+            held.iter().find_map(|&(a, ia, va)| {
+                held.iter()
+                    .find(|&&(b, ib, vb)| {
+                        b != a
+                            && ia != ib
+                            && !completion.done_before(ia as usize, vb as usize)
+                            && !completion.done_before(ib as usize, va as usize)
+                            && image.regions[b].bytes <= image.regions[a].bytes
+                    })
+                    .map(|&(b, _, _)| (image.pe, b, a))
+            })
+        })
+        .expect("a PE holds two buffers live at once");
+    let image = program.pes.iter_mut().find(|image| image.pe == pe).unwrap();
+    image.regions[moved].offset = image.regions[onto].offset;
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.pe == Some(pe) && p.message.contains("overlap, but neither")), "{err}");
 }

@@ -34,8 +34,9 @@ use crate::module::Module;
 use crate::weights::WeightBytes;
 
 pub const MAGIC: [u8; 8] = *b"WAFERC\0\x1a";
-/// Bumped on any change to the file layout or to the serialised types.
-pub const FORMAT_VERSION: u32 = 4;
+/// Bumped on any change to the file layout, to the serialised types or to what they mean
+/// (5: a PE image's working regions may overlap).
+pub const FORMAT_VERSION: u32 = 5;
 /// Magic, version, three lengths and the checksum.
 pub const PREFIX_LEN: usize = 8 + 4 + 8 + 8 + 8 + 8;
 

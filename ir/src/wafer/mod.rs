@@ -307,18 +307,23 @@ impl WaferProgram {
     }
 }
 
-/// One PE's SRAM: regions at byte offsets, non-overlapping, within `sram_bytes_per_pe`.
+/// One PE's SRAM: regions at byte offsets within `sram_bytes_per_pe`, in the order they were
+/// placed. The first is the code reserve at offset 0. The *resident* regions (all but operand
+/// buffers: code, weights, results, KV, scratch) follow it in increasing offset without
+/// overlapping. The *working* ones ([`RegionKind::is_working`]) lie above every resident one and
+/// may overlap one another where one's instruction is done before the other's operand first
+/// exists ([`crate::completion::Completion::done_before`]): a buffer is written no earlier than
+/// its value's first element exists and is dead once its instruction is done.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PeImage {
     pub pe: Pe,
-    /// In increasing `offset`; the first is always the code reserve at offset 0.
     pub regions: Vec<Region>,
 }
 
 impl PeImage {
-    /// Bytes used, including the code reserve.
+    /// Bytes used (covered by a region), including the code reserve.
     pub fn used_bytes(&self) -> u64 {
-        self.regions.iter().map(|r| r.bytes as u64).sum()
+        covered_bytes(&self.regions)
     }
 
     /// The regions instruction `instr` owns on this PE.
@@ -359,6 +364,28 @@ pub enum RegionKind {
     Output { elements: Range<u64> },
     /// Scratch the op needs (attention scores, per-group statistics).
     Scratch,
+}
+
+/// The bytes `regions` cover: where working regions share bytes, those count once.
+pub fn covered_bytes(regions: &[Region]) -> u64 {
+    let mut spans: Vec<(u64, u64)> =
+        regions.iter().map(|r| (r.offset as u64, r.offset as u64 + r.bytes as u64)).collect();
+    spans.sort_unstable();
+    let (mut used, mut reach) = (0, 0);
+    for (start, end) in spans {
+        used += end.saturating_sub(start.max(reach));
+        reach = reach.max(end);
+    }
+    used
+}
+
+impl RegionKind {
+    /// Whether the region is working memory, which may share bytes with another working region
+    /// of its image (see [`PeImage`]): an operand buffer, live from its value's first arrival
+    /// until its instruction is done.
+    pub fn is_working(&self) -> bool {
+        matches!(self, RegionKind::Operand { .. })
+    }
 }
 
 /// A piece of a vector value: elements `elements` held on `pe`.

@@ -2,8 +2,10 @@
 //! sound. It shares no code with the placer: it reads what PEs hold (their SRAM images) and what
 //! routes carry, not how the placer decided either.
 //!
-//! Checked: instruction placements match the IR; every PE's SRAM regions are disjoint and within
-//! the budget, the code reserve first; every matvec and embedding weight element is held exactly
+//! Checked: instruction placements match the IR; every PE's SRAM regions are within the budget,
+//! the code reserve first, the resident ones disjoint and the operand buffers above them,
+//! overlapping only where one's instruction is done before the other's operand exists (by the
+//! IR's dataflow, `waferc_ir::completion`, not by anything the placer decided); every matvec and embedding weight element is held exactly
 //! once, as a grid of row blocks x aligned power-of-two chunk runs, every norm weight and bias
 //! element at least once, and every tile the placement lists is such a region; a norm group
 //! split over several segments is cut in aligned power-of-two chunk runs; KV blocks cover
@@ -20,7 +22,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 
-use waferc_ir::wafer::{wide, Pe, PeImage, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work};
+use waferc_ir::completion::Completion;
+use waferc_ir::wafer::{wide, Pe, PeImage, Region, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work};
 use waferc_ir::{DependencyGraph, Handle, Module, Op};
 // Fx hashing: the checker hashes millions of (value, PE) and route keys, and nothing it reports
 // depends on a map's iteration order.
@@ -257,6 +260,7 @@ impl<'g> Reads<'g> {
 /// Checks `program` against the `module` it was compiled from.
 pub fn check(program: &WaferProgram, module: &Module) -> Result<(), CheckError> {
     let images = Images::new(program);
+    let completion = Completion::new(module);
     let checker = || Checker { program, module, images: &images, problems: Vec::new(), copy_of_pe: HashMap::default() };
     let mut c = checker();
     c.instrs();
@@ -266,7 +270,7 @@ pub fn check(program: &WaferProgram, module: &Module) -> Result<(), CheckError> 
         let (sram, routing) = rayon::join(
             || {
                 let mut c = checker();
-                c.sram();
+                c.sram(&completion);
                 c.replicas();
                 c.weights();
                 c.norm_groups();
@@ -297,6 +301,16 @@ pub fn check(program: &WaferProgram, module: &Module) -> Result<(), CheckError> 
 /// `n` as u32, or `u32::MAX` when larger.
 fn saturate(n: u64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// Whether operand buffers `a` and `b` may share bytes: one's instruction is done before the
+/// other's operand (the value it buffers) first exists.
+fn shares(completion: &Completion, a: &Region, b: &Region) -> bool {
+    let (RegionKind::Operand { value: va, .. }, RegionKind::Operand { value: vb, .. }) = (&a.kind, &b.kind) else {
+        return false;
+    };
+    let (Some(ia), Some(ib)) = (a.instr, b.instr) else { return false };
+    completion.done_before(ia as usize, *vb as usize) || completion.done_before(ib as usize, *va as usize)
 }
 
 fn overlap(a: &Range<u64>, b: &Range<u64>) -> bool {
@@ -345,7 +359,7 @@ impl<'a> Checker<'a> {
         }
     }
 
-    fn sram(&mut self) {
+    fn sram(&mut self, completion: &Completion) {
         let params = &self.program.target;
         let mut previous: Option<Pe> = None;
         for image in &self.program.pes {
@@ -361,25 +375,61 @@ impl<'a> Checker<'a> {
                 Some(r) if r.kind == RegionKind::Code && r.offset == 0 && r.bytes >= params.code_reserve_bytes => {}
                 _ => self.report(Some(pe), None, None, "the first region is not the code reserve at offset 0".into()),
             }
-            let mut end = 0u64;
-            for r in &image.regions {
-                if (r.offset as u64) < end {
+            let end = |r: &Region| r.offset as u64 + r.bytes as u64;
+            let mut resident_end = 0u64;
+            for r in image.regions.iter().filter(|r| !r.kind.is_working()) {
+                if (r.offset as u64) < resident_end {
                     self.report(
                         Some(pe),
                         None,
                         r.instr,
-                        format!("region at offset {} overlaps the one before", r.offset),
+                        format!("region at offset {} overlaps the resident region before it", r.offset),
                     );
                 }
-                end = r.offset as u64 + r.bytes as u64;
+                resident_end = end(r);
             }
-            if end > params.sram_bytes_per_pe as u64 {
+            let mut working: Vec<&Region> = image.regions.iter().filter(|r| r.kind.is_working()).collect();
+            working.sort_by_key(|r| (r.offset, r.bytes));
+            for (at, r) in working.iter().enumerate() {
+                if (r.offset as u64) < resident_end {
+                    self.report(
+                        Some(pe),
+                        None,
+                        r.instr,
+                        format!(
+                            "operand buffer at offset {} lies below the resident regions' end {resident_end}",
+                            r.offset
+                        ),
+                    );
+                }
+                // Overlapping buffers must not be live at once: one's instruction is done before
+                // the other's operand exists.
+                for other in working[at + 1..].iter().take_while(|o| (o.offset as u64) < end(r)) {
+                    if !shares(completion, r, other) {
+                        self.report(
+                            Some(pe),
+                            None,
+                            r.instr,
+                            format!(
+                                "operand buffers at offsets {} and {} overlap, but neither %{} nor %{} is done before \
+                                 the other's operand exists",
+                                r.offset,
+                                other.offset,
+                                r.instr.unwrap_or(u32::MAX),
+                                other.instr.unwrap_or(u32::MAX)
+                            ),
+                        );
+                    }
+                }
+            }
+            let used = image.regions.iter().map(end).max().unwrap_or(0);
+            if used > params.sram_bytes_per_pe as u64 {
                 let instr = image.regions.iter().rev().find_map(|r| r.instr);
                 self.report(
                     Some(pe),
                     None,
                     instr,
-                    format!("uses {end} bytes of SRAM, over the {}-byte budget", params.sram_bytes_per_pe),
+                    format!("uses {used} bytes of SRAM, over the {}-byte budget", params.sram_bytes_per_pe),
                 );
             }
         }

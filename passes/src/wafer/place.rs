@@ -3,6 +3,8 @@
 use rustc_hash::{FxHashMap as HashMap, FxHashSet};
 use std::ops::Range;
 
+use waferc_ir::completion::Completion;
+use waferc_ir::wafer::covered_bytes;
 use waferc_ir::wafer::{group_query_heads, narrow, replica_slots_in, wide, ExpertReplicas};
 use waferc_ir::wafer::{
     AttentionPlacement, EmbedBlock, GroupRoutes, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement,
@@ -99,6 +101,43 @@ fn make_room(regions: &mut Vec<Region>, extra: usize) {
         let grown = needed.max(regions.capacity() + regions.capacity() / 2);
         regions.reserve_exact(grown - regions.len());
     }
+}
+
+/// Where the next region of `bytes` goes in an image holding `regions` (see [`PeImage`]): a
+/// resident one at the resident regions' end, below every working one; a working one (an operand
+/// buffer of `instr`) as high below the SRAM's `top` as it fits without overlapping a working
+/// region it may not share bytes with: two buffers share where one's instruction is done before
+/// the other's operand first exists. `None` when it does not fit.
+fn region_offset(
+    regions: &[Region],
+    instr: u32,
+    kind: &RegionKind,
+    bytes: u64,
+    top: u64,
+    completion: &Completion,
+) -> Option<u64> {
+    let end = |r: &Region| r.offset as u64 + r.bytes as u64;
+    let resident_end = regions.iter().filter(|r| !r.kind.is_working()).map(end).max().unwrap_or(0);
+    let RegionKind::Operand { value, .. } = kind else {
+        let floor = regions.iter().filter(|r| r.kind.is_working()).map(|r| r.offset as u64).min().unwrap_or(top);
+        return (resident_end + bytes <= floor).then_some(resident_end);
+    };
+    let shares = |r: &Region| match (&r.kind, r.instr) {
+        (RegionKind::Operand { value: other, .. }, Some(owner)) => {
+            completion.done_before(owner as usize, *value as usize)
+                || completion.done_before(instr as usize, *other as usize)
+        }
+        _ => false,
+    };
+    let clashes: Vec<(u64, u64)> =
+        regions.iter().filter(|r| r.kind.is_working() && !shares(r)).map(|r| (r.offset as u64, end(r))).collect();
+    // Highest first: right below the top, or right below a clashing buffer.
+    let mut tops: Vec<u64> = clashes.iter().map(|&(start, _)| start).chain([top]).collect();
+    tops.sort_unstable_by(|a, b| b.cmp(a));
+    tops.into_iter().find_map(|t| {
+        let start = t.checked_sub(bytes)?;
+        (start >= resident_end && clashes.iter().all(|&(s, e)| e <= start || s >= t)).then_some(start)
+    })
 }
 
 /// Who holds a PE's SRAM, for an overflow message: the code reserve's bytes, then each
@@ -556,24 +595,30 @@ impl<'a> Placer<'a> {
                 self.images.len() - 1
             }
         };
+        let (top, completion) = (self.params.sram_bytes_per_pe as u64, &self.analysis.completion);
         let regions = &mut self.images[index].regions;
         make_room(regions, requests.len());
         let first = regions.len() as u32;
-        let mut offset = regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
+        let mut unplaced = 0;
         for (kind, bytes) in requests {
-            regions.push(Region { offset: offset as u32, bytes: bytes as u32, instr: Some(instr), kind });
-            offset += bytes;
+            match region_offset(regions, instr, &kind, bytes, top, completion) {
+                Some(offset) if unplaced == 0 => {
+                    regions.push(Region { offset: offset as u32, bytes: bytes as u32, instr: Some(instr), kind })
+                }
+                _ => unplaced += bytes,
+            }
         }
-        if offset > self.params.sram_bytes_per_pe as u64 {
+        if unplaced > 0 {
             let op = &self.module.body[waferc_ir::Handle::new(instr as usize)];
+            let holders = sram_holders(self.module, regions);
+            let needed = covered_bytes(regions) + unplaced;
             return Err(WaferError::Unsupported {
                 instr,
                 op: op.op.name(),
                 layer: op.layer,
                 message: format!(
-                    "{pe} would need {offset} bytes of SRAM, more than {} ({})",
-                    self.params.sram_bytes_per_pe,
-                    sram_holders(self.module, regions)
+                    "{pe} would need {needed} bytes of SRAM, more than {top} ({holders}; operand buffers share \
+                     bytes where their instructions run one after the other)"
                 ),
             });
         }
@@ -644,26 +689,33 @@ impl<'a> Placer<'a> {
                         (seg.pe, seg.elements.clone(), wanted)
                     })
                     .collect();
-                let room = plan.iter().all(|(pe, _, wanted)| {
-                    let image = &self.images[self.image_of.get(*pe).expect("a host segment's PE has an image")];
-                    let end = image.regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
-                    end + wanted.iter().map(|(_, b)| b).sum::<u64>() <= self.params.sram_bytes_per_pe as u64
-                });
-                if room {
-                    let mut layout = VectorLayout::default();
-                    for (pe, elements, wanted) in plan {
-                        let image = &mut self.images[self.image_of.get(pe).expect("a host segment's PE has an image")];
-                        let mut offset = image.regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64);
-                        make_room(&mut image.regions, wanted.len());
+                let (top, completion) = (self.params.sram_bytes_per_pe as u64, &self.analysis.completion);
+                // Per host segment: its PE, its elements and the regions it gains.
+                type Hosted = (Pe, Range<u64>, Vec<Region>);
+                let placed: Option<Vec<Hosted>> = plan
+                    .into_iter()
+                    .map(|(pe, elements, wanted)| {
+                        let image = &self.images[self.image_of.get(pe).expect("a host segment's PE has an image")];
+                        let mut regions = image.regions.clone();
+                        let first = regions.len();
                         for (kind, bytes) in wanted {
-                            image.regions.push(Region {
+                            let offset = region_offset(&regions, i as u32, &kind, bytes, top, completion)?;
+                            regions.push(Region {
                                 offset: offset as u32,
                                 bytes: bytes as u32,
                                 instr: Some(i as u32),
                                 kind,
                             });
-                            offset += bytes;
                         }
+                        Some((pe, elements, regions.split_off(first)))
+                    })
+                    .collect();
+                if let Some(placed) = placed {
+                    let mut layout = VectorLayout::default();
+                    for (pe, elements, regions) in placed {
+                        let image = &mut self.images[self.image_of.get(pe).expect("a host segment's PE has an image")];
+                        make_room(&mut image.regions, regions.len());
+                        image.regions.extend(regions);
                         layout.segments.push(Segment { pe, elements });
                     }
                     return Some(layout);
@@ -673,11 +725,9 @@ impl<'a> Placer<'a> {
         None
     }
 
-    /// SRAM bytes `pe` holds so far (0 for a PE with no image yet).
+    /// SRAM bytes `pe`'s regions cover so far (0 for a PE with no image yet).
     pub(super) fn used_bytes(&self, pe: Pe) -> u64 {
-        self.image_of
-            .get(pe)
-            .map_or(0, |i| self.images[i].regions.last().map_or(0, |r| r.offset as u64 + r.bytes as u64))
+        self.image_of.get(pe).map_or(0, |i| covered_bytes(&self.images[i].regions))
     }
 
     /// Whether `pe` holds `elements` of value `value`'s data (its source's result).

@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use waferc_ir::completion::Completion;
 use waferc_ir::wafer::{Plan, TargetParams};
 use waferc_ir::{DType, Module, Op, ValueType, Weight, BLOCK};
 use waferc_targets::Target;
@@ -35,6 +36,8 @@ pub(super) struct Analysis {
     pub readers: Vec<Vec<u32>>,
     /// Per instruction of an MoE block (experts, dispatch, combine): the router's value.
     pub router: Vec<Option<u32>>,
+    /// Which instructions are done before a value exists: where operand buffers share SRAM.
+    pub completion: Completion,
 }
 
 impl Analysis {
@@ -80,7 +83,7 @@ impl Analysis {
                 }
             }
         }
-        Analysis { expert, source, offset, readers, router }
+        Analysis { expert, source, offset, readers, router, completion: Completion::new(module) }
     }
 }
 

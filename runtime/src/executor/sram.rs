@@ -162,7 +162,14 @@ pub(super) fn load_sram(
     }
     let mut sram = Vec::with_capacity(program.pes.len());
     for image in &program.pes {
-        let size = image.regions.iter().map(|r| r.offset as usize + r.bytes as usize).max().unwrap_or(0);
+        // Only the weights are held as bytes (operand buffers sit above them, at the top).
+        let size = image
+            .regions
+            .iter()
+            .filter(|r| matches!(r.kind, RegionKind::Weight { .. }))
+            .map(|r| r.offset as usize + r.bytes as usize)
+            .max()
+            .unwrap_or(0);
         let mut memory = vec![0u8; size];
         for (index, region) in image.regions.iter().enumerate() {
             let RegionKind::Weight { weight, rows, cols, blob: range } = &region.kind else { continue };
