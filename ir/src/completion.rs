@@ -270,6 +270,40 @@ output %20
     }
 
     #[test]
+    fn experts_are_not_tracked_and_their_combine_keeps_what_every_expert_waits_for() {
+        let moe = "
+module architecture=test vocab_size=4 num_layers=1 eos_token_ids=[]
+weight @table : f32[4, 64]
+weight @n : f32[64]
+weight @router : f32[2, 64]
+weight @up0 : f32[64, 64]
+weight @up1 : f32[64, 64]
+%0 = embed @table : f32[64]
+layer 0 {
+  %1 = rms_norm %0, @n eps=1e-5 : f32[64]
+  %2 = matvec %1, @router : f32[2]
+  %3 = router_topk %2 top_k=1 normalize : routing[2, top1]
+  %4 = expert_dispatch %1, %3 expert=0 : f32[64]
+  %5 = matvec %4, @up0 : f32[64]
+  %6 = expert_dispatch %1, %3 expert=1 : f32[64]
+  %7 = matvec %6, @up1 : f32[64]
+  %8 = expert_combine %3, %5, %7 : f32[64]
+  %9 = rms_norm %8, @n eps=1e-5 : f32[64]
+}
+output %9
+";
+        let done = done(moe);
+        // An expert's matvec may never run (an unchosen expert receives nothing), so nothing
+        // is said to wait for it, not even the norm after the combine.
+        assert!(done.iter().all(|waits| !waits.contains(&5) && !waits.contains(&7)), "{done:?}");
+        // An expert's matvec reads its whole input, which exists once the router has chosen.
+        assert_eq!(done[5], vec![0, 1, 2, 3]);
+        // The combine waits for what every expert waits for; the norm after it, for the combine.
+        assert_eq!(done[8], vec![0, 1, 2, 3]);
+        assert_eq!(done[9], vec![0, 1, 2, 3, 8]);
+    }
+
+    #[test]
     fn a_slice_that_does_not_cover_its_source_keeps_the_source_pending() {
         // Drop the v slice from attention's reads (k read twice): the norm after it no longer
         // waits for the whole q/k/v matvec.
