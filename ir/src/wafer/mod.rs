@@ -388,6 +388,20 @@ impl RegionKind {
     }
 }
 
+impl Region {
+    /// Whether this region and `other` may take the same bytes: both are operand buffers and one's
+    /// instruction is done before the other's operand (the value it buffers) first exists.
+    pub fn may_share(&self, other: &Region, completion: &crate::completion::Completion) -> bool {
+        match (&self.kind, self.instr, &other.kind, other.instr) {
+            (RegionKind::Operand { value: mine, .. }, Some(a), RegionKind::Operand { value: theirs, .. }, Some(b)) => {
+                completion.done_before(a as usize, *theirs as usize)
+                    || completion.done_before(b as usize, *mine as usize)
+            }
+            _ => false,
+        }
+    }
+}
+
 /// A piece of a vector value: elements `elements` held on `pe`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Segment {

@@ -303,16 +303,6 @@ fn saturate(n: u64) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// Whether operand buffers `a` and `b` may share bytes: one's instruction is done before the
-/// other's operand (the value it buffers) first exists.
-fn shares(completion: &Completion, a: &Region, b: &Region) -> bool {
-    let (RegionKind::Operand { value: va, .. }, RegionKind::Operand { value: vb, .. }) = (&a.kind, &b.kind) else {
-        return false;
-    };
-    let (Some(ia), Some(ib)) = (a.instr, b.instr) else { return false };
-    completion.done_before(ia as usize, *vb as usize) || completion.done_before(ib as usize, *va as usize)
-}
-
 fn overlap(a: &Range<u64>, b: &Range<u64>) -> bool {
     a.start < b.end && b.start < a.end
 }
@@ -405,7 +395,7 @@ impl<'a> Checker<'a> {
                 // Overlapping buffers must not be live at once: one's instruction is done before
                 // the other's operand exists.
                 for other in working[at + 1..].iter().take_while(|o| (o.offset as u64) < end(r)) {
-                    if !shares(completion, r, other) {
+                    if !r.may_share(other, completion) {
                         self.report(
                             Some(pe),
                             None,

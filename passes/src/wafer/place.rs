@@ -103,34 +103,23 @@ fn make_room(regions: &mut Vec<Region>, extra: usize) {
     }
 }
 
-/// Where the next region of `bytes` goes in an image holding `regions` (see [`PeImage`]): a
-/// resident one at the resident regions' end, below every working one; a working one (an operand
-/// buffer of `instr`) as high below the SRAM's `top` as it fits without overlapping a working
-/// region it may not share bytes with: two buffers share where one's instruction is done before
-/// the other's operand first exists. `None` when it does not fit.
-fn region_offset(
-    regions: &[Region],
-    instr: u32,
-    kind: &RegionKind,
-    bytes: u64,
-    top: u64,
-    completion: &Completion,
-) -> Option<u64> {
+/// Where region `new` (its offset not yet set) goes in an image holding `regions` (see
+/// [`PeImage`]): a resident one at the resident regions' end, below every working one; a working
+/// one (an operand buffer) as high below the SRAM's `top` as it fits without overlapping a working
+/// region it may not share bytes with ([`Region::may_share`]). `None` when it does not fit.
+fn region_offset(regions: &[Region], new: &Region, top: u64, completion: &Completion) -> Option<u64> {
     let end = |r: &Region| r.offset as u64 + r.bytes as u64;
+    let bytes = new.bytes as u64;
     let resident_end = regions.iter().filter(|r| !r.kind.is_working()).map(end).max().unwrap_or(0);
-    let RegionKind::Operand { value, .. } = kind else {
+    if !new.kind.is_working() {
         let floor = regions.iter().filter(|r| r.kind.is_working()).map(|r| r.offset as u64).min().unwrap_or(top);
         return (resident_end + bytes <= floor).then_some(resident_end);
-    };
-    let shares = |r: &Region| match (&r.kind, r.instr) {
-        (RegionKind::Operand { value: other, .. }, Some(owner)) => {
-            completion.done_before(owner as usize, *value as usize)
-                || completion.done_before(instr as usize, *other as usize)
-        }
-        _ => false,
-    };
-    let clashes: Vec<(u64, u64)> =
-        regions.iter().filter(|r| r.kind.is_working() && !shares(r)).map(|r| (r.offset as u64, end(r))).collect();
+    }
+    let clashes: Vec<(u64, u64)> = regions
+        .iter()
+        .filter(|r| r.kind.is_working() && !r.may_share(new, completion))
+        .map(|r| (r.offset as u64, end(r)))
+        .collect();
     // Highest first: right below the top, or right below a clashing buffer.
     let mut tops: Vec<u64> = clashes.iter().map(|&(start, _)| start).chain([top]).collect();
     tops.sort_unstable_by(|a, b| b.cmp(a));
@@ -601,9 +590,11 @@ impl<'a> Placer<'a> {
         let first = regions.len() as u32;
         let mut unplaced = 0;
         for (kind, bytes) in requests {
-            match region_offset(regions, instr, &kind, bytes, top, completion) {
+            let mut region = Region { offset: 0, bytes: bytes as u32, instr: Some(instr), kind };
+            match region_offset(regions, &region, top, completion) {
                 Some(offset) if unplaced == 0 => {
-                    regions.push(Region { offset: offset as u32, bytes: bytes as u32, instr: Some(instr), kind })
+                    region.offset = offset as u32;
+                    regions.push(region);
                 }
                 _ => unplaced += bytes,
             }
@@ -699,13 +690,9 @@ impl<'a> Placer<'a> {
                         let mut regions = image.regions.clone();
                         let first = regions.len();
                         for (kind, bytes) in wanted {
-                            let offset = region_offset(&regions, i as u32, &kind, bytes, top, completion)?;
-                            regions.push(Region {
-                                offset: offset as u32,
-                                bytes: bytes as u32,
-                                instr: Some(i as u32),
-                                kind,
-                            });
+                            let mut region = Region { offset: 0, bytes: bytes as u32, instr: Some(i as u32), kind };
+                            region.offset = region_offset(&regions, &region, top, completion)? as u32;
+                            regions.push(region);
                         }
                         Some((pe, elements, regions.split_off(first)))
                     })
