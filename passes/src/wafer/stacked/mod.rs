@@ -286,6 +286,9 @@ struct Region {
     cursor: u64,
     /// Next free column of the KV strip (each attention takes columns of its own).
     kv_column: u16,
+    /// Whether the region's wafer is cut in [`exact_rectangles`] (its units' bytes fill it
+    /// beyond the tiles' share), so its PEs have no room to spare.
+    tight: bool,
 }
 
 /// The segment length of an `len`-element vector: a power-of-two run of chunks cutting it in at
@@ -492,6 +495,57 @@ fn rectangles(
     None
 }
 
+/// Rectangles for the units of one wafer with areas in proportion to their `shares`, as near
+/// as whole PEs allow: the block is cut into as many vertical strips as [`rectangles`] would
+/// cut, consecutive units fill them in a snake, each strip as wide as its units' shares make it
+/// and each unit as high as its share of the strip. `None` when a unit would get no PE.
+fn exact_rectangles(params: &TargetParams, wafer_percent: u8, wafer: u16, shares: &[u64]) -> Option<Vec<Rect>> {
+    let (cols, rows) = block_size(params, wafer_percent);
+    let total: u64 = shares.iter().sum::<u64>().max(1);
+    let typical = (cols * rows) / shares.len().max(1) as u64;
+    let strips = ((cols as f64 / (typical as f64).sqrt()).round() as u64).clamp(1, (shares.len() as u64).max(1));
+    // Unit `k` goes to the strip holding the middle of its share of the running total.
+    let mut before = 0u64;
+    let strip_of: Vec<u64> = shares
+        .iter()
+        .map(|&share| {
+            let middle = 2 * before + share;
+            before += share;
+            (middle * strips / (2 * total)).min(strips - 1)
+        })
+        .collect();
+    let strip_share = |s: u64| -> u64 { shares.iter().zip(&strip_of).filter(|(_, &t)| t == s).map(|(&v, _)| v).sum() };
+    // Strip edges at the running share of the columns.
+    let mut edges = vec![0u64];
+    let mut running = 0u64;
+    for s in 0..strips {
+        running += strip_share(s);
+        edges.push(running * cols / total);
+    }
+    let mut out = Vec::with_capacity(shares.len());
+    for s in 0..strips {
+        let (x, w) = (edges[s as usize], edges[s as usize + 1] - edges[s as usize]);
+        let members: Vec<u64> = strip_of.iter().zip(shares).filter(|(&t, _)| t == s).map(|(_, &v)| v).collect();
+        let in_strip: u64 = members.iter().sum::<u64>().max(1);
+        let mut acc = 0u64;
+        let mut tops = Vec::with_capacity(members.len());
+        for share in &members {
+            let top = acc * rows / in_strip;
+            acc += share;
+            tops.push((top, acc * rows / in_strip - top));
+        }
+        for (top, h) in tops {
+            if w == 0 || h == 0 {
+                return None;
+            }
+            // Down the even strips, up the odd ones, so consecutive units are neighbours.
+            let y = if s % 2 == 0 { top } else { rows - top - h };
+            out.push(Rect { wafer, x: x as u16, y: y as u16, w: w as u16, h: h as u16 });
+        }
+    }
+    Some(out)
+}
+
 /// Gives the rows a strip has left once the snake is laid (units never straddle strips, so a
 /// strip may end short by up to a unit's height) to the strip's units, in proportion to their
 /// heights, keeping the snake's order and direction: no row of the block is left idle.
@@ -529,9 +583,14 @@ struct Grid {
     panels: u64,
     /// The area's height in PEs.
     height: u64,
+    /// The area's width in PEs.
+    width: u64,
     /// Whether consecutive row blocks sit side by side in one PE row (else down a panel).
     rows_across_panels: bool,
     layout: PanelLayout,
+    /// Where the columns the interleaved column blocks leave idle lie: `None` at the area's east
+    /// edge, else spread between the blocks at phase `j / n` ([`Grid::column`]).
+    gaps: Option<(u64, u64)>,
 }
 
 /// How a tile grid's panels share its area's width.
@@ -577,8 +636,10 @@ impl Grid {
             col_blocks,
             panels,
             height: area.h as u64,
+            width: area.w as u64,
             rows_across_panels: false,
             layout,
+            gaps: None,
         })
     }
 
@@ -613,15 +674,42 @@ impl Grid {
     /// a column block's chunks over its copies: the same for every tiling of the same input
     /// width and panel span, so vectors read by several such matvecs suit them all.
     fn chunk_column(&self, chunk: u64, chunks: u64) -> u64 {
-        chunk * self.col_blocks * self.interleaved_panels() / chunks.max(1)
+        let packed = chunk * self.col_blocks * self.interleaved_panels() / chunks.max(1);
+        match self.layout {
+            PanelLayout::Interleaved => self.column(packed / self.panels, packed % self.panels),
+            PanelLayout::SideBySide => packed,
+        }
     }
 
     /// The PE column (from the area's west edge) of column block `c`'s copy in `panel`.
     fn column(&self, c: u64, panel: u64) -> u64 {
         match self.layout {
-            PanelLayout::Interleaved => c * self.panels + panel,
+            PanelLayout::Interleaved => c * self.panels + self.gaps_before(c) + panel,
             PanelLayout::SideBySide => panel * self.col_blocks + c,
         }
+    }
+
+    /// How many idle columns lie west of column block `c` (interleaved panels). The `C` blocks
+    /// and the `I` idle columns form a sequence whose item `k` is idle when `k * I / (C + I) +
+    /// j / n` reaches a new integer (a Sturmian sequence at phase `j / n`): the idle columns
+    /// spread evenly between the blocks, and grids of one shape at phases `0, 1/n, ...`
+    /// leave different columns idle (see `spread_gaps`), so no PE holds a tile of every one.
+    fn gaps_before(&self, c: u64) -> u64 {
+        let Some((j, n)) = self.gaps else { return 0 };
+        let idle = self.width.saturating_sub(self.col_blocks * self.panels);
+        let items = self.col_blocks + idle;
+        // Idle items among items `0..k`: floor(k * idle / items + j / n).
+        let idle_in = |k: u64| (k * idle * n + j * items) / (items * n);
+        // Block `c` is the first item `k` with `k + 1 - idle_in(k + 1) == c + 1`; `k - c` idle
+        // items precede it. Start from `k (1 - idle / items) - j / n = c` and step to it.
+        let mut k = ((c * n + j) * items / (n * self.col_blocks)).max(c);
+        while k + 1 - idle_in(k + 1) < c + 1 {
+            k += 1;
+        }
+        while k > c && k - idle_in(k) > c {
+            k -= 1;
+        }
+        k - c
     }
 
     /// How many row blocks' reductions share a PE row's links: the panels, when they interleave.
@@ -766,7 +854,17 @@ pub(super) fn place(
         let (cols, rows) = block_size(params, wafer_percent);
         let shares = area_shares(&on_units, cols * rows);
         let min_pes: Vec<u64> = on.iter().map(|&u| units[u].min_pes).collect();
-        let rects = rectangles(params, wafer_percent, wafer, &shares, &min_pes).ok_or_else(|| {
+        // Units whose bytes fill the block beyond the tiles' share need every PE of their own
+        // share: the snake's equal strips give the units of a fuller strip less (the 70B's
+        // `stacked:4` put three 4-layer units in one strip and two in the other of a wafer,
+        // 147k and 221k PEs, and the smaller ones' weights alone overflowed).
+        let bytes: u64 = on_units.iter().map(|u| u.bytes).sum();
+        let exact = bytes as f64 > TILE_SHARE * usable as f64 * (cols * rows) as f64;
+        let rects = match exact {
+            true => exact_rectangles(params, wafer_percent, wafer, &shares),
+            false => rectangles(params, wafer_percent, wafer, &shares, &min_pes),
+        };
+        let rects = rects.ok_or_else(|| {
             WaferError::Options(format!(
                 "{}: {} regions do not fit wafer {wafer} of {}",
                 options.plan,
@@ -791,7 +889,7 @@ pub(super) fn place(
             // Vectors without a host start in the middle column: multicasts from there reach the
             // area's corners soonest, and column 0 already holds the panels' row roots.
             let cursor = (area.w as u64 / 2) * area.h as u64;
-            regions[u] = Some(Region { area, kv, cursor, kv_column: 0 });
+            regions[u] = Some(Region { area, kv, cursor, kv_column: 0, tight: exact });
         }
     }
     let mut placer = Placer::new(module, analysis, params, options, super::place::Cells::new(params));
@@ -828,6 +926,8 @@ pub(super) fn place(
         vector_bytes: HashMap::new(),
         unit_of: units.iter().enumerate().flat_map(|(u, unit)| unit.instrs.clone().map(move |_| u)).collect(),
         input_leaders: HashMap::new(),
+        placed_tiles: HashMap::new(),
+        grid_gaps: HashMap::new(),
     };
     let limit = (TILE_SHARE * usable as f64) as u64;
     for (u, unit) in units.iter().enumerate() {
@@ -844,7 +944,18 @@ pub(super) fn place(
         stacked.unit_led_tiles.push(fits_led);
         stacked.unit_slack.push(limit.saturating_sub(if fits_led { led } else { smallest }));
     }
+    for u in 0..units.len() {
+        if stacked.regions[u].as_ref().is_some_and(|r| r.tight) {
+            stacked.spread_gaps(u)?;
+        }
+    }
     for (u, unit) in units.iter().enumerate() {
+        for i in unit.instrs.clone() {
+            if matches!(module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. }) {
+                let tiles = stacked.place_tiles(i, u)?;
+                stacked.placed_tiles.insert(i, tiles);
+            }
+        }
         for i in unit.instrs.clone() {
             let placement = stacked.place_instr(i, u)?;
             stacked.placer.placements.push(placement);
@@ -872,6 +983,31 @@ type SegmentPicker<'p, S> = dyn FnMut(&mut S, &Range<u64>, u64, &HashSet<Pe>) ->
 /// A matvec's row blocks in row order, each with its grid slot (panel, row from the area's north
 /// edge).
 type RowBlocks = Vec<(Range<u64>, (u64, u64))>;
+
+/// A matvec's tiles as [`Stacked::place_tiles`] laid them: its area and grid, its result's
+/// column-aligned cut (if any), the halves an elementwise product reads, and its row blocks
+/// with their grid slots.
+struct PlacedTiles {
+    area: Rect,
+    grid: Grid,
+    aligned: Option<Vec<(Range<u64>, u64)>>,
+    halves: Option<u64>,
+    blocks: RowBlocks,
+    tiles: Vec<Tile>,
+}
+
+/// The grid slot of the row block holding `row`, blocks `rows_per_tile` long: with multiplied
+/// `halves` (see [`Stacked::multiplied_halves`]), block `j` of each half side by side (slots `2j`
+/// and `2j + 1`).
+fn slot_index(halves: Option<u64>, rows_per_tile: u64, row: u64) -> u64 {
+    match halves {
+        Some(half) => {
+            let side = (row >= half) as u64;
+            2 * ((row - side * half) / rows_per_tile) + side
+        }
+        None => row / rows_per_tile,
+    }
+}
 
 /// What a matvec's tile budget starts from ([`Stacked::base_tiles`]).
 #[derive(Clone, Copy)]
@@ -920,6 +1056,10 @@ struct Stacked<'a> {
     /// Per unit and input width, the matvec whose tiling the others of that width share
     /// ([`Stacked::input_leader`]).
     input_leaders: HashMap<(usize, u64), usize>,
+    /// Matvecs whose tiles are placed ahead of the unit's other instructions, by instruction.
+    placed_tiles: HashMap<usize, PlacedTiles>,
+    /// The phase of each matvec's spread idle columns ([`Stacked::spread_gaps`]).
+    grid_gaps: HashMap<usize, (u64, u64)>,
 }
 
 impl Stacked<'_> {
@@ -1344,6 +1484,44 @@ impl Stacked<'_> {
     /// matvec's tiles get SRAM in proportion to its weight's share of the unit's (times the lanes
     /// it is squeezed into), so every PE's tiles fit together.
     fn matvec_grid(&mut self, i: usize, unit: usize) -> Result<(Rect, Grid), WaferError> {
+        let (area, mut g) = self.packed_grid(i, unit)?;
+        g.gaps = self.grid_gaps.get(&i).copied();
+        Ok((area, g))
+    }
+
+    /// Spreads the idle columns of the interleaved grids of `unit` (see [`Grid::gaps_before`]):
+    /// the `n` grids of one shape take phases `0, 1/n, ...` in program order. Only on a tight
+    /// wafer (see [`exact_rectangles`]): packed grids leave the same east columns idle in every
+    /// matrix, so the west columns hold a tile of each and overflow first (the 70B's `stacked:4`
+    /// by 1.3 KB, its q/k/v and o grids 256 columns of 365), while spread ones cost the
+    /// reductions a longer span (the 8B's `stacked:4` 3,133 -> 3,123 tok/s with them).
+    fn spread_gaps(&mut self, unit: usize) -> Result<(), WaferError> {
+        let mut shapes: Vec<((u64, u64, u64), Vec<usize>)> = Vec::new();
+        for i in self.unit_instrs(unit) {
+            if !matches!(self.placer.module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. }) {
+                continue;
+            }
+            let (_, g) = self.packed_grid(i, unit)?;
+            if g.layout != PanelLayout::Interleaved || g.col_blocks * g.panels >= g.width {
+                continue;
+            }
+            let key = (g.col_blocks, g.panels, g.width);
+            match shapes.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, members)) => members.push(i),
+                None => shapes.push((key, vec![i])),
+            }
+        }
+        for (_, members) in shapes {
+            let n = members.len() as u64;
+            for (j, i) in members.into_iter().enumerate() {
+                self.grid_gaps.insert(i, (j as u64, n));
+            }
+        }
+        Ok(())
+    }
+
+    /// Matvec `i`'s tiling with its column blocks packed from the area's west edge.
+    fn packed_grid(&mut self, i: usize, unit: usize) -> Result<(Rect, Grid), WaferError> {
         let module = self.placer.module;
         let Op::MatVec { weight, bias, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
             return Err(unsupported(module, i, "internal: a tile grid for an instruction that is not a matvec".into()));
@@ -1506,6 +1684,54 @@ impl Stacked<'_> {
             .filter_map(move |j| matvec_shape(module, j).filter(|&(_, width)| width == cols).map(|(rows, _)| (j, rows)))
     }
 
+    /// Lays matvec `i`'s tile grid over its area and takes each tile's SRAM. A unit's tiles are
+    /// placed before any of its vectors (see [`place`]), so a vector segment looking for room
+    /// sees the tiles that will share its PE: placed in program order, the 70B's first layers'
+    /// vectors took the room its later layers' tiles needed on the busiest PEs.
+    fn place_tiles(&mut self, i: usize, unit: usize) -> Result<PlacedTiles, WaferError> {
+        let module = self.placer.module;
+        let instr = i as u32;
+        let Op::MatVec { weight, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
+            return Err(unsupported(module, i, "internal: tiles for an instruction that is not a matvec".into()));
+        };
+        let (rows, cols) = (module.weights[*weight].ty.shape[0], module.weights[*weight].ty.shape[1]);
+        let (area, mut g) = self.matvec_grid(i, unit)?;
+        let aligned = self.aligned_cut(i, rows, g.rows_per_tile);
+        // Side-by-side panels keep row blocks down a panel: each panel then holds a run of
+        // the result that the aligned segments' columns put over that panel's columns
+        // (they spread a vector over the width in order), so the roots stay near them.
+        g.rows_across_panels = aligned.is_some() && g.layout == PanelLayout::Interleaved;
+        let width_of = |c: u64| (c * g.chunks_per_tile * CHUNK)..((c + 1) * g.chunks_per_tile * CHUNK).min(cols);
+        // Multiplied halves (see `multiplied_halves`) are cut in row blocks each, block
+        // `j` of the two side by side (grid slots `2j` and `2j + 1`), so twins' roots
+        // share a PE row with the segment they both go to.
+        let rpt = g.rows_per_tile;
+        let halves = self.multiplied_halves(i, rows).filter(|&half| 2 * half.div_ceil(rpt) <= g.panels * g.height);
+        let blocks = aligned.is_none().then(|| self.band_blocks(i, rows, &g, area)).flatten();
+        let blocks = blocks.unwrap_or_else(|| {
+            let cuts = match halves {
+                Some(half) => [0..half, half..rows],
+                None => [0..rows, rows..rows],
+            };
+            let runs = cuts.into_iter().flat_map(|cut| {
+                (cut.start..cut.end).step_by(rpt as usize).map(move |start| start..(start + rpt).min(cut.end))
+            });
+            runs.map(|run| (run.clone(), g.slot(slot_index(halves, rpt, run.start)))).collect()
+        });
+        let mut tiles = Vec::with_capacity(blocks.len() * g.col_blocks as usize);
+        for (tile_rows, (panel, y)) in &blocks {
+            for c in 0..g.col_blocks {
+                let pe = area.at(g.column(c, *panel), *y);
+                let tile_cols = width_of(c);
+                let requests = tile_requests(module, i, tile_rows.clone(), tile_cols.clone(), c == 0)?;
+                let region = self.placer.fill(pe, instr, requests)?[0];
+                let chunks = tile_cols.start / CHUNK..tile_cols.end.div_ceil(CHUNK);
+                tiles.push(Tile { pe, rows: narrow(tile_rows.clone()), chunks: narrow(chunks), region });
+            }
+        }
+        Ok(PlacedTiles { area, grid: g, aligned, halves, blocks, tiles })
+    }
+
     fn place_instr(&mut self, i: usize, unit: usize) -> Result<InstrPlacement, WaferError> {
         let module = self.placer.module;
         let ir = &module.body[waferc_ir::Handle::new(i)];
@@ -1517,49 +1743,12 @@ impl Stacked<'_> {
         let (result, work) = match &ir.op {
             Op::MatVec { weight, bias, .. } => {
                 let (rows, cols) = (module.weights[*weight].ty.shape[0], module.weights[*weight].ty.shape[1]);
-                let (area, mut g) = self.matvec_grid(i, unit)?;
-                let aligned = self.aligned_cut(i, rows, g.rows_per_tile);
-                // Side-by-side panels keep row blocks down a panel: each panel then holds a run of
-                // the result that the aligned segments' columns put over that panel's columns
-                // (they spread a vector over the width in order), so the roots stay near them.
-                g.rows_across_panels = aligned.is_some() && g.layout == PanelLayout::Interleaved;
-                let width_of =
-                    |c: u64| (c * g.chunks_per_tile * CHUNK)..((c + 1) * g.chunks_per_tile * CHUNK).min(cols);
-                // Multiplied halves (see `multiplied_halves`) are cut in row blocks each, block
-                // `j` of the two side by side (grid slots `2j` and `2j + 1`), so twins' roots
-                // share a PE row with the segment they both go to.
+                let PlacedTiles { area, grid: g, aligned, halves, blocks, tiles } =
+                    self.placed_tiles.remove(&i).ok_or_else(|| {
+                        unsupported(module, i, "internal: a matvec whose tiles were not placed first".into())
+                    })?;
                 let rpt = g.rows_per_tile;
-                let halves =
-                    self.multiplied_halves(i, rows).filter(|&half| 2 * half.div_ceil(rpt) <= g.panels * g.height);
-                let slot_index = |row: u64| match halves {
-                    Some(half) => {
-                        let side = (row >= half) as u64;
-                        2 * ((row - side * half) / rpt) + side
-                    }
-                    None => row / rpt,
-                };
-                let blocks = aligned.is_none().then(|| self.band_blocks(i, rows, &g, area)).flatten();
-                let blocks = blocks.unwrap_or_else(|| {
-                    let cuts = match halves {
-                        Some(half) => [0..half, half..rows],
-                        None => [0..rows, rows..rows],
-                    };
-                    let runs = cuts.into_iter().flat_map(|cut| {
-                        (cut.start..cut.end).step_by(rpt as usize).map(move |start| start..(start + rpt).min(cut.end))
-                    });
-                    runs.map(|run| (run.clone(), g.slot(slot_index(run.start)))).collect()
-                });
-                let mut tiles = Vec::with_capacity(blocks.len() * g.col_blocks as usize);
-                for (tile_rows, (panel, y)) in &blocks {
-                    for c in 0..g.col_blocks {
-                        let pe = area.at(g.column(c, *panel), *y);
-                        let tile_cols = width_of(c);
-                        let requests = tile_requests(module, i, tile_rows.clone(), tile_cols.clone(), c == 0)?;
-                        let region = self.placer.fill(pe, instr, requests)?[0];
-                        let chunks = tile_cols.start / CHUNK..tile_cols.end.div_ceil(CHUNK);
-                        tiles.push(Tile { pe, rows: narrow(tile_rows.clone()), chunks: narrow(chunks), region });
-                    }
-                }
+                let slot_index = |row: u64| slot_index(halves, rpt, row);
                 // Result segments of `vector_cut` elements (whole heads when rope reads the
                 // result), so norms and rope run in place.
                 let mut layout = VectorLayout::default();
@@ -1907,14 +2096,23 @@ impl Stacked<'_> {
         let module = self.placer.module;
         let w = &module.weights[table];
         let rows = w.ty.shape[0];
-        let area = self.region(unit).area;
+        let Region { area, tight, .. } = *self.region(unit);
         let count = EMBED_SEGMENTS.min(len.div_ceil(CHUNK)).min(area.h as u64).max(1);
-        let segments = super::size::segments(len, len.div_ceil(count).next_multiple_of(CHUNK));
-        // One row-block cut for every segment (the table is a grid of row blocks x column
-        // segments), as fine as the smallest band allows beside its segment's PE.
+        // Where the PEs have no room to spare, segments of a power-of-two run of chunks: the
+        // 70B's 8,192 elements in 18 cut 17 segments of 480 and one of 32, whose band's PEs held
+        // little while the others' overflowed.
+        let chunks = len.div_ceil(CHUNK).div_ceil(count);
+        let chunks = if tight { chunks.next_power_of_two() } else { chunks };
+        let segments = super::size::segments(len, chunks * CHUNK);
         let bands: Vec<Rect> = (0..segments.len() as u64).map(|j| area.band(j, segments.len() as u64)).collect();
+        // One row-block cut for every segment (the table is a grid of row blocks x column
+        // segments), as fine as the smallest band allows beside its segment's PE; where the PEs
+        // have no room to spare, each band's own cut, as fine as its PEs allow.
         let smallest = bands.iter().map(Rect::pes).min().unwrap_or(1);
-        let rows_per_block = rows.div_ceil(smallest.saturating_sub(1).max(1));
+        let rows_per_block = |band: &Rect| {
+            let pes = if tight { band.pes() } else { smallest };
+            rows.div_ceil(pes.saturating_sub(1).max(1))
+        };
         let mut blocks = Vec::new();
         let mut layout = VectorLayout::default();
         for (seg, band) in segments.iter().zip(bands) {
@@ -1922,6 +2120,7 @@ impl Stacked<'_> {
             let row_bytes = w.ty.dtype.row_bytes(width).ok_or_else(|| {
                 unsupported(module, i, format!("table {} ({}) cannot be cut at element {}", w.name, w.ty, seg.start))
             })?;
+            let rows_per_block = rows_per_block(&band);
             let count = rows.div_ceil(rows_per_block);
             for b in 0..count {
                 let block_rows = b * rows_per_block..((b + 1) * rows_per_block).min(rows);
@@ -1934,5 +2133,82 @@ impl Stacked<'_> {
             layout.segments.push(Segment { pe, elements: seg.clone() });
         }
         Ok((ResultLayout::Vector(layout), Work::Embed { blocks, collects: Vec::new() }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grid(col_blocks: u64, panels: u64, width: u64, gaps: Option<(u64, u64)>) -> Grid {
+        Grid {
+            rows_per_tile: 1,
+            chunks_per_tile: 1,
+            row_blocks: 1,
+            col_blocks,
+            panels,
+            height: 1,
+            width,
+            rows_across_panels: false,
+            layout: PanelLayout::Interleaved,
+            gaps,
+        }
+    }
+
+    /// Spread idle columns keep every block's copies adjacent, in order and inside the area, and
+    /// `n` grids of one shape at phases `0, 1/n, ...` leave every column idle in at least
+    /// `floor(n * idle / width)` of them: the 70B's q/k/v and o grids (256 one-column blocks
+    /// of 365 columns) packed from the west put a tile of all eight of a 4-layer region's on the
+    /// west columns; spread, each column misses at least two.
+    #[test]
+    fn spread_idle_columns_cover_every_column_evenly() {
+        for (blocks, panels, width, n) in [(256, 1, 365, 8), (64, 5, 365, 4), (112, 3, 365, 4), (10, 3, 31, 3)] {
+            let mut used = vec![0u64; width as usize];
+            for j in 0..n {
+                let g = grid(blocks, panels, width, Some((j, n)));
+                let starts: Vec<u64> = (0..blocks).map(|c| g.column(c, 0)).collect();
+                assert!(starts.windows(2).all(|w| w[1] >= w[0] + panels), "blocks overlap at phase {j}/{n}");
+                assert!(starts[blocks as usize - 1] + panels <= width, "past the east edge at phase {j}/{n}");
+                for c in 0..blocks {
+                    for p in 0..panels {
+                        used[g.column(c, p) as usize] += 1;
+                    }
+                }
+                // An input chunk's column is one of its block's copies.
+                let chunks = blocks * 4;
+                for chunk in 0..chunks {
+                    let c = chunk * blocks / chunks;
+                    assert!((g.column(c, 0)..g.column(c, 0) + panels).contains(&g.chunk_column(chunk, chunks)));
+                }
+            }
+            let idle = width - blocks * panels;
+            let least_idle = n * idle / width;
+            assert!(used.iter().all(|&u| n - u >= least_idle), "{blocks}x{panels} over {width}: {used:?}");
+        }
+        // Packed (no gaps), the west columns hold a tile of every grid.
+        assert_eq!(grid(256, 1, 365, None).column(255, 0), 255);
+    }
+
+    /// On a tight wafer every unit gets its share of the block, whatever strip it falls in: the
+    /// 70B's `stacked:4` put five 4-layer units in two equal strips, three in one, and those
+    /// three got 147k PEs against the other two's 221k.
+    #[test]
+    fn exact_rectangles_give_each_unit_its_share() {
+        let params = waferc_targets::Target::wse3().params();
+        let shares = [2_101, 7_021, 7_021, 7_021, 7_021, 7_021];
+        let rects = exact_rectangles(&params, 100, 0, &shares).unwrap();
+        let (cols, rows) = block_size(&params, 100);
+        let total: u64 = shares.iter().sum();
+        assert_eq!(rects.iter().map(Rect::pes).sum::<u64>(), cols * rows, "the block is not covered");
+        for (rect, share) in rects.iter().zip(shares) {
+            let exact = (share * cols * rows) as f64 / total as f64;
+            assert!((rect.pes() as f64 - exact).abs() / exact < 0.02, "{rect:?} for share {share}");
+        }
+        for (a, ra) in rects.iter().enumerate() {
+            for rb in &rects[a + 1..] {
+                let apart = ra.x + ra.w <= rb.x || rb.x + rb.w <= ra.x || ra.y + ra.h <= rb.y || rb.y + rb.h <= ra.y;
+                assert!(apart, "{ra:?} and {rb:?} overlap");
+            }
+        }
     }
 }
