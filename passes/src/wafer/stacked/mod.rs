@@ -498,8 +498,15 @@ fn rectangles(
 /// Rectangles for the units of one wafer with areas in proportion to their `shares`, as near
 /// as whole PEs allow: the block is cut into as many vertical strips as [`rectangles`] would
 /// cut, consecutive units fill them in a snake, each strip as wide as its units' shares make it
-/// and each unit as high as its share of the strip. `None` when a unit would get no PE.
-fn exact_rectangles(params: &TargetParams, wafer_percent: u8, wafer: u16, shares: &[u64]) -> Option<Vec<Rect>> {
+/// and each unit as high as its share of the strip. `None` when a unit would get fewer PEs than
+/// its `min_pes`.
+fn exact_rectangles(
+    params: &TargetParams,
+    wafer_percent: u8,
+    wafer: u16,
+    shares: &[u64],
+    min_pes: &[u64],
+) -> Option<Vec<Rect>> {
     let (cols, rows) = block_size(params, wafer_percent);
     let total: u64 = shares.iter().sum::<u64>().max(1);
     let typical = (cols * rows) / shares.len().max(1) as u64;
@@ -535,15 +542,12 @@ fn exact_rectangles(params: &TargetParams, wafer_percent: u8, wafer: u16, shares
             tops.push((top, acc * rows / in_strip - top));
         }
         for (top, h) in tops {
-            if w == 0 || h == 0 {
-                return None;
-            }
             // Down the even strips, up the odd ones, so consecutive units are neighbours.
             let y = if s % 2 == 0 { top } else { rows - top - h };
             out.push(Rect { wafer, x: x as u16, y: y as u16, w: w as u16, h: h as u16 });
         }
     }
-    Some(out)
+    out.iter().zip(min_pes).all(|(rect, &least)| rect.pes() >= least.max(1)).then_some(out)
 }
 
 /// Gives the rows a strip has left once the snake is laid (units never straddle strips, so a
@@ -861,7 +865,7 @@ pub(super) fn place(
         let bytes: u64 = on_units.iter().map(|u| u.bytes).sum();
         let exact = bytes as f64 > TILE_SHARE * usable as f64 * (cols * rows) as f64;
         let rects = match exact {
-            true => exact_rectangles(params, wafer_percent, wafer, &shares),
+            true => exact_rectangles(params, wafer_percent, wafer, &shares, &min_pes),
             false => rectangles(params, wafer_percent, wafer, &shares, &min_pes),
         };
         let rects = rects.ok_or_else(|| {
@@ -2196,7 +2200,7 @@ mod tests {
     fn exact_rectangles_give_each_unit_its_share() {
         let params = waferc_targets::Target::wse3().params();
         let shares = [2_101, 7_021, 7_021, 7_021, 7_021, 7_021];
-        let rects = exact_rectangles(&params, 100, 0, &shares).unwrap();
+        let rects = exact_rectangles(&params, 100, 0, &shares, &[1; 6]).unwrap();
         let (cols, rows) = block_size(&params, 100);
         let total: u64 = shares.iter().sum();
         assert_eq!(rects.iter().map(Rect::pes).sum::<u64>(), cols * rows, "the block is not covered");
