@@ -621,3 +621,19 @@ fn stacked_tiles_of_eight_chunks_match_the_reference() {
     let blob = pack_tile_blob(&program, &module);
     validate(&program, &module, Some(&blob), &[6, 14, 9], &greedy(4)).unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// A stacked region too narrow for a matrix's column blocks at the widest tiles says how many
+/// columns they need (its budget had read as `u64::MAX` bytes, and could wrap).
+#[test]
+fn a_stacked_region_too_narrow_for_a_matrix_names_the_columns_it_needs() {
+    let module = rewrite_module(&build(&Shape { ffn: 2048, ..Shape::dense() }, 8), PlanKind::Stacked).unwrap();
+    let plan = Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let target = waferc_targets::Target::resolve("grid:16x12").unwrap();
+    let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
+    let error = waferc_passes::wafer::compile(&module, &target, &options).expect_err("the regions are too narrow");
+    let message = error.to_string();
+    assert!(
+        message.contains("layers.0.mlp.down") && message.contains("its 64 chunks need at least 8 columns"),
+        "{message}"
+    );
+}

@@ -1543,7 +1543,8 @@ impl Stacked<'_> {
             Some(t) => t.smallest,
             None => smallest_tile(rows, cols, span, &tile),
         };
-        let budget = base + (share * lanes as f64 * slack) as u64;
+        // `base` is `u64::MAX` when no tiling's column blocks fit the area's width at all.
+        let budget = base.saturating_add((share * lanes as f64 * slack) as u64);
         // A router's logits matvec takes its host expert's column blocks, in that expert's lane
         // (`host_expert`): the MoE input multicasts to every lane's columns anyway, and in other
         // columns its segments' runs to the router queued behind one another's (Mixtral's
@@ -1582,13 +1583,18 @@ impl Stacked<'_> {
         };
         let g = led.and_then(|run| grid(rows, cols, span, &tile, budget, Some(run)));
         let g = g.or_else(|| grid(rows, cols, span, &tile, budget, None)).ok_or_else(|| {
+            let why = match Grid::candidates(rows, cols, span).next() {
+                Some(_) => format!("fits its {budget}-byte share of a PE"),
+                None => format!(
+                    "fits: its {} chunks need at least {} columns at {MAX_CHUNKS_PER_TILE} chunks a tile",
+                    cols.div_ceil(CHUNK),
+                    cols.div_ceil(CHUNK).div_ceil(MAX_CHUNKS_PER_TILE)
+                ),
+            };
             unsupported(
                 module,
                 i,
-                format!(
-                    "no tile of weight {} ({}) over a {}x{} area fits its {budget}-byte share of a PE",
-                    w.name, w.ty, area.w, area.h
-                ),
+                format!("no tile of weight {} ({}) over a {}x{} area {why}", w.name, w.ty, area.w, area.h),
             )
         })?;
         Ok((area, g))
