@@ -440,6 +440,13 @@ fn unit_wafers(units: &[Unit], wafers: u16) -> Vec<u16> {
     super::partition::partition(&bytes, wafers, u64::MAX).unwrap_or_else(|| vec![0; units.len()])
 }
 
+/// How many vertical strips a `cols x rows` block is cut in for `units` units: strips about as
+/// wide as a unit's square side.
+fn strip_count(cols: u64, rows: u64, units: usize) -> u64 {
+    let typical = (cols * rows) / units.max(1) as u64;
+    ((cols as f64 / (typical as f64).sqrt()).round() as u64).clamp(1, cols)
+}
+
 /// Rectangles for the units of one wafer, areas in proportion to their `shares`
 /// ([`area_shares`]): the block of `wafer_percent` of the wafer at its north-west corner (both
 /// sides scaled alike) is cut into vertical strips about as wide as a unit's square side, and
@@ -455,8 +462,7 @@ fn rectangles(
 ) -> Option<Vec<Rect>> {
     let (cols, rows) = block_size(params, wafer_percent);
     let total: u64 = shares.iter().sum::<u64>().max(1);
-    let typical = (cols * rows) / shares.len().max(1) as u64;
-    let strips = ((cols as f64 / (typical as f64).sqrt()).round() as u64).clamp(1, cols);
+    let strips = strip_count(cols, rows, shares.len());
     let width = |s: u64| cols * (s + 1) / strips - cols * s / strips;
     let start = |s: u64| cols * s / strips;
     // Shrink the heights until the snake fits the strips (units never straddle two strips).
@@ -509,8 +515,7 @@ fn exact_rectangles(
 ) -> Option<Vec<Rect>> {
     let (cols, rows) = block_size(params, wafer_percent);
     let total: u64 = shares.iter().sum::<u64>().max(1);
-    let typical = (cols * rows) / shares.len().max(1) as u64;
-    let strips = ((cols as f64 / (typical as f64).sqrt()).round() as u64).clamp(1, (shares.len() as u64).max(1));
+    let strips = strip_count(cols, rows, shares.len()).min(shares.len().max(1) as u64);
     // Unit `k` goes to the strip holding the middle of its share of the running total.
     let mut before = 0u64;
     let strip_of: Vec<u64> = shares
