@@ -53,14 +53,11 @@ pub(super) fn lane_columns(area: Rect, experts: u64, shapes: &[(u64, u64, PanelL
 }
 
 /// The least estimated cycles of a `rows x cols` matrix tiled over `lane` in panels laid out as
-/// `layout` ([`Grid::cost`]), plus its reduction's queueing: each level of the tree puts one
-/// message of a row block per interleaved panel on the row's links, which [`Grid::cost`] leaves
-/// out. `None` when no tiling fits the lane's width.
+/// `layout` ([`Grid::cost`], its interleaved reductions' queueing included). `None` when no
+/// tiling fits the lane's width.
 fn lane_cost((rows, cols, layout): (u64, u64, PanelLayout), lane: Rect) -> Option<u64> {
     let span = Span { area: lane, max_panels: panel_cap(rows, lane.h as u64), layout };
-    Grid::candidates(rows, cols, span)
-        .map(|g| g.cost(lane) + g.interleaved_panels() * g.depth() * g.rows_per_tile)
-        .min()
+    Grid::candidates(rows, cols, span).map(|g| g.cost(lane)).min()
 }
 
 #[cfg(test)]
