@@ -665,3 +665,38 @@ fn stacked_top_k_sits_on_a_segment_of_its_logits() {
     let blob = pack_tile_blob(&program, &module);
     validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// A residual read on the next wafer leaves in at most 16 segments, one multicast each through
+/// the gateway PEs, where its own layout would run in place on its down projection's one-chunk
+/// segments: the 70B's 256 at each crossing ran out of the router's 24 colours. The logits keep
+/// their bits.
+#[test]
+fn a_stacked_residual_crosses_wafers_in_few_segments() {
+    let toml = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 96\ngrid_rows = 48\nwafers = 2\n";
+    let two = waferc_targets::Target::from_toml(toml, "two-grids.toml").unwrap();
+    let shape = Shape { hidden: 1024, heads: 8, kv_heads: 2, head_dim: 128, ffn: 2048, ..Shape::dense() };
+    let module = build(&shape, 15);
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
+    let program = waferc_passes::wafer::compile(&module, &two, &options).unwrap_or_else(|e| panic!("{e}"));
+    let mut crossing: std::collections::BTreeMap<u32, usize> = Default::default();
+    for route in program.routes.iter().filter(|r| r.path.iter().any(|run| run.is_inter_wafer())) {
+        *crossing.entry(route.instr).or_default() += 1;
+    }
+    assert!(!crossing.is_empty(), "no route crosses wafers");
+    assert!(crossing.values().all(|&routes| routes <= 16), "routes crossing, per value: {crossing:?}");
+    // Without the rule the residual would cross in one route per down projection segment.
+    let down_segments = program
+        .instrs
+        .iter()
+        .filter(|p| matches!(p.work, waferc_ir::wafer::Work::MatVec(_)))
+        .filter_map(|p| match &p.result {
+            ResultLayout::Vector(layout) if layout.len() == shape.hidden => Some(layout.segments.len()),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(down_segments > 16, "the matvecs' results are {down_segments} segments: the rule is not exercised");
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[2, 8], &greedy(2)).unwrap_or_else(|e| panic!("{e}"));
+}

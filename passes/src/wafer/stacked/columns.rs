@@ -48,7 +48,7 @@ const SEARCH_LIMIT: usize = 64;
 
 /// A matvec reading elements `base..base + cols` of a vector as its input, in column blocks
 /// `width` elements wide, tiled as `grid`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Consumer {
     base: u64,
     cols: u64,
@@ -247,7 +247,8 @@ impl Stacked<'_> {
 
     /// A PE in column `dx` of the unit's area with room for `bytes` more, not in `taken`: row
     /// `row` (clamped into the area) if it has room, else the nearest row of the column that
-    /// has.
+    /// has, else the same in the nearest column that has (on a tight wafer a column's tiles
+    /// may leave no PE of it room for a long segment).
     pub(super) fn column_pe(
         &mut self,
         i: usize,
@@ -260,16 +261,18 @@ impl Stacked<'_> {
         // An expert's vectors stay in its lane.
         let area = self.area_of(i, unit).0;
         let dx = dx % area.w as u64;
-        for dy in nearest_first(row, area.h as u64) {
-            let pe = area.at(dx, dy);
-            if self.claim_vector(pe, bytes, taken) {
-                return Ok(pe);
+        for x in nearest_first(dx, area.w as u64) {
+            for dy in nearest_first(row, area.h as u64) {
+                let pe = area.at(x, dy);
+                if self.claim_vector(pe, bytes, taken) {
+                    return Ok(pe);
+                }
             }
         }
         Err(unsupported(
             self.placer.module,
             i,
-            format!("no PE of column {dx} of its {}x{} area has {bytes} bytes free", area.w, area.h),
+            format!("no PE of its {}x{} area has {bytes} bytes free (sought from column {dx})", area.w, area.h),
         ))
     }
 

@@ -47,6 +47,7 @@ mod lanes;
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
+use std::rc::Rc;
 
 use waferc_ir::wafer::{
     narrow, AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement, NormPlacement,
@@ -582,7 +583,7 @@ fn stretch_strips(rects: &mut [Rect], rows: u64) {
 }
 
 /// The tiling of a `rows x cols` matvec over `area`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Grid {
     rows_per_tile: u64,
     chunks_per_tile: u64,
@@ -592,14 +593,13 @@ struct Grid {
     panels: u64,
     /// The area's height in PEs.
     height: u64,
-    /// The area's width in PEs.
-    width: u64,
     /// Whether consecutive row blocks sit side by side in one PE row (else down a panel).
     rows_across_panels: bool,
     layout: PanelLayout,
-    /// Where the columns the interleaved column blocks leave idle lie: `None` at the area's east
-    /// edge, else spread between the blocks at phase `j / n` ([`Grid::column`]).
-    gaps: Option<(u64, u64)>,
+    /// The area's columns an interleaved grid's blocks take, in order (`col_blocks * panels` of
+    /// them, see [`Stacked::balance_columns`]); `None`: packed from the west edge, the columns
+    /// left idle at the east edge.
+    used_columns: Option<Rc<[u16]>>,
 }
 
 /// How a tile grid's panels share its area's width.
@@ -645,10 +645,9 @@ impl Grid {
             col_blocks,
             panels,
             height: area.h as u64,
-            width: area.w as u64,
             rows_across_panels: false,
             layout,
-            gaps: None,
+            used_columns: None,
         })
     }
 
@@ -692,33 +691,16 @@ impl Grid {
 
     /// The PE column (from the area's west edge) of column block `c`'s copy in `panel`.
     fn column(&self, c: u64, panel: u64) -> u64 {
-        match self.layout {
-            PanelLayout::Interleaved => c * self.panels + self.gaps_before(c) + panel,
-            PanelLayout::SideBySide => panel * self.col_blocks + c,
+        match (self.layout, &self.used_columns) {
+            (PanelLayout::Interleaved, Some(used)) => used[(c * self.panels + panel) as usize] as u64,
+            (PanelLayout::Interleaved, None) => c * self.panels + panel,
+            (PanelLayout::SideBySide, _) => panel * self.col_blocks + c,
         }
     }
 
-    /// How many idle columns lie west of column block `c` (interleaved panels). The `C` blocks
-    /// and the `I` idle columns form a sequence whose item `k` is idle when `k * I / (C + I) +
-    /// j / n` reaches a new integer (a Sturmian sequence at phase `j / n`): the idle columns
-    /// spread evenly between the blocks, and grids of one shape at phases `0, 1/n, ...`
-    /// leave different columns idle (see `spread_gaps`), so no PE holds a tile of every one.
-    fn gaps_before(&self, c: u64) -> u64 {
-        let Some((j, n)) = self.gaps else { return 0 };
-        let idle = self.width.saturating_sub(self.col_blocks * self.panels);
-        let items = self.col_blocks + idle;
-        // Idle items among items `0..k`: floor(k * idle / items + j / n).
-        let idle_in = |k: u64| (k * idle * n + j * items) / (items * n);
-        // Block `c` is the first item `k` with `k + 1 - idle_in(k + 1) == c + 1`; `k - c` idle
-        // items precede it. Start from `k (1 - idle / items) - j / n = c` and step to it.
-        let mut k = ((c * n + j) * items / (n * self.col_blocks)).max(c);
-        while k + 1 - idle_in(k + 1) < c + 1 {
-            k += 1;
-        }
-        while k > c && k - idle_in(k) > c {
-            k -= 1;
-        }
-        k - c
+    /// The columns (from the area's west edge) this grid's tiles take.
+    fn columns_taken(&self) -> impl Iterator<Item = u64> + '_ {
+        (0..self.col_blocks).flat_map(move |c| (0..self.panels).map(move |p| self.column(c, p)))
     }
 
     /// How many row blocks' reductions share a PE row's links: the panels, when they interleave.
@@ -941,7 +923,7 @@ pub(super) fn place(
         unit_of: units.iter().enumerate().flat_map(|(u, unit)| unit.instrs.clone().map(move |_| u)).collect(),
         input_leaders: HashMap::new(),
         placed_tiles: HashMap::new(),
-        grid_gaps: HashMap::new(),
+        grid_columns: HashMap::new(),
     };
     let limit = (TILE_SHARE * usable as f64) as u64;
     for (u, unit) in units.iter().enumerate() {
@@ -960,7 +942,7 @@ pub(super) fn place(
     }
     for u in 0..units.len() {
         if stacked.regions[u].as_ref().is_some_and(|r| r.tight) {
-            stacked.spread_gaps(u)?;
+            stacked.balance_columns(u)?;
         }
     }
     for (u, unit) in units.iter().enumerate() {
@@ -1010,17 +992,46 @@ struct PlacedTiles {
     tiles: Vec<Tile>,
 }
 
-/// The grid slot of the row block holding `row`, blocks `rows_per_tile` long: with multiplied
-/// `halves` (see [`Stacked::multiplied_halves`]), block `j` of each half side by side (slots `2j`
-/// and `2j + 1`).
-fn slot_index(halves: Option<u64>, rows_per_tile: u64, row: u64) -> u64 {
-    match halves {
-        Some(half) => {
-            let side = (row >= half) as u64;
-            2 * ((row - side * half) / rows_per_tile) + side
+/// `rows` cut in row blocks of at most `rows_per_tile` rows. With `(slots, Some((j, n)))` (a
+/// tight wafer) they are `slots` blocks (fewer when `rows` has fewer rows) of about equal length,
+/// so every slot of the grid holds a tile and none a longer one than it needs: blocks of
+/// `rows_per_tile` leave the last slots idle (the 70B's o and down projections on a 416x390
+/// area: 8-row blocks filled 342 of its 390 rows, so the rest held a tile of each). The longer
+/// blocks lie where `k * r / count + j / n` reaches a new integer (`r` the rows left over), so
+/// the grids of a unit's `n` layers, at phases `j / n`, put them in different slots. Blocks of
+/// `rows_per_tile` when that cannot keep within it.
+fn row_runs(rows: Range<u64>, rows_per_tile: u64, (slots, even): (u64, Option<(u64, u64)>)) -> Vec<Range<u64>> {
+    let len = rows.end - rows.start;
+    let count = slots.min(len).max(1);
+    match even {
+        Some((j, n)) if len.div_ceil(count) <= rows_per_tile => {
+            let (q, r) = (len / count, len % count);
+            // Rows before block `k`: `k * q` plus the longer blocks among the first `k`.
+            let start = |k: u64| rows.start + k * q + (k * r * n + j * count) / (count * n);
+            (0..count).map(|k| start(k)..start(k + 1)).collect()
         }
-        None => row / rows_per_tile,
+        _ => (rows.start..rows.end)
+            .step_by(rows_per_tile.max(1) as usize)
+            .map(|start| start..(start + rows_per_tile).min(rows.end))
+            .collect(),
     }
+}
+
+/// The columns (of an area `load.len()` wide) a grid taking `taken` of them uses, in order: all
+/// but those whose tiles so far weigh most (ties: spread in the order of [`spread_rank`]).
+fn lightest_columns(load: &[u64], taken: usize) -> Rc<[u16]> {
+    let mut by_load: Vec<usize> = (0..load.len()).collect();
+    by_load.sort_by_key(|&x| (std::cmp::Reverse(load[x]), spread_rank(x as u64)));
+    let mut idle = vec![false; load.len()];
+    by_load[..load.len().saturating_sub(taken)].iter().for_each(|&x| idle[x] = true);
+    (0..load.len()).filter(|&x| !idle[x]).map(|x| x as u16).collect()
+}
+
+/// A column's place in the order [`Stacked::balance_columns`] breaks ties by: `x` times the
+/// golden ratio's fractional part, modulo 1 (scaled to 32 bits), so any run of consecutive
+/// places is spread evenly over the columns.
+fn spread_rank(x: u64) -> u64 {
+    (x * 2_654_435_769) % (1 << 32)
 }
 
 /// What a matvec's tile budget starts from ([`Stacked::base_tiles`]).
@@ -1072,8 +1083,9 @@ struct Stacked<'a> {
     input_leaders: HashMap<(usize, u64), usize>,
     /// Matvecs whose tiles are placed ahead of the unit's other instructions, by instruction.
     placed_tiles: HashMap<usize, PlacedTiles>,
-    /// The phase of each matvec's spread idle columns ([`Stacked::spread_gaps`]).
-    grid_gaps: HashMap<usize, (u64, u64)>,
+    /// The columns each matvec's interleaved grid takes on a tight wafer
+    /// ([`Stacked::balance_columns`]).
+    grid_columns: HashMap<usize, Rc<[u16]>>,
 }
 
 impl Stacked<'_> {
@@ -1232,6 +1244,38 @@ impl Stacked<'_> {
         let twin = seg.start - half..seg.end - half;
         let pe = layout.segments.iter().find(|s| s.elements == twin)?.pe;
         self.claim_vector(pe, bytes, &HashSet::new()).then_some(pe)
+    }
+
+    /// The bytes the ops that run in place on rows `rows` of matvec `i`'s result take on its
+    /// segment's PE: rope and a per-head norm (as `attention_head` follows them). On a tight
+    /// wafer a head's segment found a PE with room for itself alone, and the 70B's rope then
+    /// went to a fresh PE bands away from its KV blocks (its deliveries crossed the others'
+    /// and ran out of colours).
+    fn in_place_bytes(&self, i: usize, rows: &Range<u64>) -> u64 {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        let len = rows.end - rows.start;
+        let mut bytes = 0;
+        let mut frontier = vec![(i, 0u64)];
+        while let Some((value, base)) = frontier.pop() {
+            for &reader in &analysis.readers[value] {
+                let r = reader as usize;
+                let op = &module.body[waferc_ir::Handle::new(r)].op;
+                let (Op::Rope { x, .. } | Op::RmsNorm { x, .. }) = op else { continue };
+                if analysis.source[x.index()] as usize != value {
+                    continue;
+                }
+                let start = base + analysis.offset[x.index()];
+                let x_len = match &module.body[*x].ty {
+                    ValueType::Tensor(t) => t.elements(),
+                    ValueType::Routing { .. } => 0,
+                };
+                if start <= rows.start && rows.end <= start + x_len {
+                    bytes += super::size::vector_bytes(module, op, len);
+                    frontier.push((r, start));
+                }
+            }
+        }
+        bytes
     }
 
     /// The attention that reads rows `rows` of matvec `i`'s result as queries, keys or values
@@ -1398,6 +1442,21 @@ impl Stacked<'_> {
                 && (whole.x..whole.x + whole.w).contains(&pe.x)
                 && (whole.y..whole.y + whole.h).contains(&pe.y)
         };
+        // A vector read in another region goes there one multicast per segment. Through another
+        // wafer's gateway PEs, or on a tight wafer down the columns of a region whose rows do
+        // not line up, the multicasts cross, each with a colour of its own: there it takes at
+        // most `MAX_SEGMENTS` segments where its usual layout would have more (the 70B's
+        // residual at a region's last layer ran in place on its down projection's 256 segments,
+        // and their routes ran out of the router's 24 colours both ways). Elsewhere the
+        // multicasts run side by side along rows, and more segments are faster (SmolLM2's
+        // `stacked:1` 10,017 -> 7,654 tok/s with 16).
+        if self.crosses_regions_in_few_segments(i) && self.cut_too_fine_to_cross(i, len) {
+            let fewest = len.div_ceil(MAX_SEGMENTS);
+            return match self.aligned_cut(i, len, 0) {
+                Some(cut) => self.aligned_layout(i, unit, merge_pieces(cut, fewest), false, requests),
+                None => self.fresh_layout(i, unit, &super::size::segments(len, cut.max(fewest)), requests),
+            };
+        }
         // An op reading the vector of the region beside sits in the rows that vector arrives
         // on, so its deliveries run straight along rows, side by side (`columns`).
         let across = self.reads_from_beside(i);
@@ -1422,6 +1481,37 @@ impl Stacked<'_> {
             }
         }
         self.fresh_layout(i, unit, &super::size::segments(len, cut), requests)
+    }
+
+    /// Whether vector op `i` (`len` elements), laid out as usual, would have more than
+    /// [`MAX_SEGMENTS`] segments: its aligned cut has more pieces, or an operand it may run in
+    /// place on has more segments.
+    fn cut_too_fine_to_cross(&mut self, i: usize, len: u64) -> bool {
+        if self.aligned_cut(i, len, 0).is_some_and(|cut| cut.len() as u64 > MAX_SEGMENTS) {
+            return true;
+        }
+        let analysis = self.placer.analysis;
+        self.placer.module.body[waferc_ir::Handle::new(i)].op.operands().into_iter().any(|operand| {
+            let source = analysis.source[operand.index()] as usize;
+            match self.placer.placements.get(source).map(|p| &p.result) {
+                Some(ResultLayout::Vector(layout)) => layout.segments.len() as u64 > MAX_SEGMENTS,
+                _ => false,
+            }
+        })
+    }
+
+    /// Whether instruction `i`'s value goes to its readers through few long segments (see
+    /// `vector_layout`): when it is read on another wafer, or on a tight wafer in another region
+    /// (there `exact_rectangles` does not line regions' rows up, so the segments' multicasts to
+    /// the region beside turn down its columns and cross one another).
+    fn crosses_regions_in_few_segments(&self, i: usize) -> bool {
+        let unit = self.unit_of[i];
+        let Some(own) = self.regions[unit].as_ref() else { return false };
+        self.placer.analysis.readers[i].iter().any(|&r| {
+            let other = self.unit_of[r as usize];
+            let wafer = self.regions[other].as_ref().map(|o| o.area.wafer);
+            other != unit && (own.tight || wafer != Some(own.area.wafer))
+        })
     }
 
     /// The tile area of instruction `i` and how many lanes its area is cut into: the unit's area,
@@ -1499,37 +1589,64 @@ impl Stacked<'_> {
     /// it is squeezed into), so every PE's tiles fit together.
     fn matvec_grid(&mut self, i: usize, unit: usize) -> Result<(Rect, Grid), WaferError> {
         let (area, mut g) = self.packed_grid(i, unit)?;
-        g.gaps = self.grid_gaps.get(&i).copied();
+        g.used_columns = self.grid_columns.get(&i).cloned();
         Ok((area, g))
     }
 
-    /// Spreads the idle columns of the interleaved grids of `unit` (see [`Grid::gaps_before`]):
-    /// the `n` grids of one shape take phases `0, 1/n, ...` in program order. Only on a tight
-    /// wafer (see [`exact_rectangles`]): packed grids leave the same east columns idle in every
-    /// matrix, so the west columns hold a tile of each and overflow first (the 70B's `stacked:4`
-    /// by 1.3 KB, its q/k/v and o grids 256 columns of 365), while spread ones cost the
-    /// reductions a longer span (the 8B's `stacked:4` 3,133 -> 3,123 tok/s with them).
-    fn spread_gaps(&mut self, unit: usize) -> Result<(), WaferError> {
-        let mut shapes: Vec<((u64, u64, u64), Vec<usize>)> = Vec::new();
+    /// Chooses the columns of each interleaved grid of `unit` that leaves some idle, so every
+    /// column's tiles weigh about the same. Only on a tight wafer (see [`exact_rectangles`]),
+    /// where a PE's weights are most of its SRAM: packed grids leave the same east columns idle
+    /// in every matrix, so the west columns hold a tile of each (the 70B's `stacked:4` 10% over
+    /// the mean), while balanced ones cost the reductions a longer span. Grids are taken from
+    /// the heaviest tile down; each leaves idle the columns whose tiles so far weigh most (ties:
+    /// spread in the golden-ratio order, `spread_rank`), and takes the others in order. A
+    /// column's weight counts every tile of the column as if in one PE: a unit's matvecs cover
+    /// nearly all rows, so its busiest PEs hold a tile of each grid over their column. Grids in
+    /// an expert's lane keep their packed columns and are not counted (no MoE model is tight).
+    fn balance_columns(&mut self, unit: usize) -> Result<(), WaferError> {
+        let module = self.placer.module;
+        let area = self.region(unit).area;
+        let mut grids: Vec<(u64, usize, Grid)> = Vec::new();
         for i in self.unit_instrs(unit) {
-            if !matches!(self.placer.module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. }) {
+            let Op::MatVec { weight, .. } = &module.body[waferc_ir::Handle::new(i)].op else { continue };
+            let (tile_area, g) = self.packed_grid(i, unit)?;
+            if tile_area != area {
                 continue;
             }
-            let (_, g) = self.packed_grid(i, unit)?;
-            if g.layout != PanelLayout::Interleaved || g.col_blocks * g.panels >= g.width {
-                continue;
-            }
-            let key = (g.col_blocks, g.panels, g.width);
-            match shapes.iter_mut().find(|(k, _)| *k == key) {
-                Some((_, members)) => members.push(i),
-                None => shapes.push((key, vec![i])),
-            }
+            let w = &module.weights[*weight].ty;
+            let width = (g.chunks_per_tile * CHUNK).min(w.shape[1]);
+            let bytes = w.dtype.row_bytes(width).map_or(0, |row| g.rows_per_tile * row);
+            grids.push((bytes, i, g));
         }
-        for (_, members) in shapes {
-            let n = members.len() as u64;
-            for (j, i) in members.into_iter().enumerate() {
-                self.grid_gaps.insert(i, (j as u64, n));
+        grids.sort_by_key(|&(bytes, i, _)| (std::cmp::Reverse(bytes), i));
+        let width = area.w as usize;
+        let mut load = vec![0u64; width];
+        // The segments of a vector crossing to another region are few and long (see
+        // `vector_layout`): [`MAX_SEGMENTS`] evenly spread columns start with their bytes, so the
+        // grids leave those columns idle more often and the segments find room there.
+        let landing = self
+            .unit_instrs(unit)
+            .filter(|&i| self.crosses_regions_in_few_segments(i))
+            .map(|i| {
+                let ir = &module.body[waferc_ir::Handle::new(i)];
+                let len = match &ir.ty {
+                    ValueType::Tensor(t) => t.elements(),
+                    ValueType::Routing { .. } => 0,
+                };
+                super::size::vector_bytes(module, &ir.op, len.div_ceil(MAX_SEGMENTS))
+            })
+            .max()
+            .unwrap_or(0);
+        for j in 0..MAX_SEGMENTS.min(width as u64) {
+            load[((2 * j + 1) * width as u64 / (2 * MAX_SEGMENTS)) as usize] += landing;
+        }
+        for (bytes, i, g) in grids {
+            let taken = (g.col_blocks * g.panels) as usize;
+            if g.layout == PanelLayout::Interleaved && taken < width {
+                self.grid_columns.insert(i, lightest_columns(&load, taken));
             }
+            let (_, g) = self.matvec_grid(i, unit)?;
+            g.columns_taken().for_each(|x| load[x as usize] += bytes);
         }
         Ok(())
     }
@@ -1728,15 +1845,25 @@ impl Stacked<'_> {
         let rpt = g.rows_per_tile;
         let halves = self.multiplied_halves(i, rows).filter(|&half| 2 * half.div_ceil(rpt) <= g.panels * g.height);
         let blocks = aligned.is_none().then(|| self.band_blocks(i, rows, &g, area)).flatten();
+        // On a tight wafer every slot of the grid takes a block (see `row_runs`), at a phase of
+        // its own per layer of the unit.
+        let local = module.body[waferc_ir::Handle::new(i)].layer.map_or(0, |l| l as u64 % self.layers_per_region);
+        let even = self.region(unit).tight.then_some((local, self.layers_per_region));
         let blocks = blocks.unwrap_or_else(|| {
             let cuts = match halves {
                 Some(half) => [0..half, half..rows],
                 None => [0..rows, rows..rows],
             };
-            let runs = cuts.into_iter().flat_map(|cut| {
-                (cut.start..cut.end).step_by(rpt as usize).map(move |start| start..(start + rpt).min(cut.end))
-            });
-            runs.map(|run| (run.clone(), g.slot(slot_index(halves, rpt, run.start)))).collect()
+            let cuts = &cuts[..1 + halves.is_some() as usize];
+            let sides = cuts.len() as u64;
+            let slots = (g.panels * g.height / sides, even);
+            let mut blocks = Vec::new();
+            for (side, cut) in cuts.iter().enumerate() {
+                for (j, run) in row_runs(cut.clone(), rpt, slots).into_iter().enumerate() {
+                    blocks.push((run, g.slot(j as u64 * sides + side as u64)));
+                }
+            }
+            blocks
         });
         let mut tiles = Vec::with_capacity(blocks.len() * g.col_blocks as usize);
         for (tile_rows, (panel, y)) in &blocks {
@@ -1767,8 +1894,8 @@ impl Stacked<'_> {
                     self.placed_tiles.remove(&i).ok_or_else(|| {
                         unsupported(module, i, "internal: a matvec whose tiles were not placed first".into())
                     })?;
-                let rpt = g.rows_per_tile;
-                let slot_index = |row: u64| slot_index(halves, rpt, row);
+                // The grid slot of the row block holding `row`.
+                let slot_of = |row: u64| blocks[blocks.partition_point(|(rows, _)| rows.end <= row)].1;
                 // Result segments of `vector_cut` elements (whole heads when rope reads the
                 // result), so norms and rope run in place.
                 let mut layout = VectorLayout::default();
@@ -1781,7 +1908,7 @@ impl Stacked<'_> {
                     // each segment in its block's column (`columns`), in the row of its rows' tiles.
                     Some(cut) => {
                         for (seg, dx) in cut {
-                            let row = g.row(slot_index((seg.start + seg.end - 1) / 2));
+                            let row = slot_of((seg.start + seg.end - 1) / 2).1;
                             let bytes = (seg.end - seg.start) * F32;
                             let pe = match self.partner_pe(halves, &seg, &layout, bytes) {
                                 Some(pe) => pe,
@@ -1844,15 +1971,19 @@ impl Stacked<'_> {
                                     let band = whole.band(head, kv_heads);
                                     let top = (band.y - whole.y) as u64;
                                     let row = if *slot % 2 == 1 { top } else { top + band.h as u64 - 1 };
-                                    self.band_pe(
+                                    // With room for the rope and norm that run in place on it.
+                                    let room = bytes + self.in_place_bytes(i, &seg);
+                                    let pe = self.band_pe(
                                         i,
                                         unit,
                                         (head, kv_heads),
-                                        bytes,
+                                        room,
                                         &taken,
                                         (*slot - 1) * kv_heads + head,
                                         row,
-                                    )?
+                                    )?;
+                                    *self.vector_bytes.entry(pe).or_default() -= room - bytes;
+                                    pe
                                 }
                                 (None, None, Some(tile)) if spread => {
                                     let dx = (2 * j as u64 + 1) * area.w as u64 / (2 * count.max(1));
@@ -2167,53 +2298,49 @@ impl Stacked<'_> {
 mod tests {
     use super::*;
 
-    fn grid(col_blocks: u64, panels: u64, width: u64, gaps: Option<(u64, u64)>) -> Grid {
-        Grid {
-            rows_per_tile: 1,
-            chunks_per_tile: 1,
-            row_blocks: 1,
-            col_blocks,
-            panels,
-            height: 1,
-            width,
-            rows_across_panels: false,
-            layout: PanelLayout::Interleaved,
-            gaps,
+    /// The 70B's 4-layer unit on a 315-column area: q/k/v, o, gate/up and down tiles of 1,344,
+    /// 1,088, 7,296 and 4,352 weight bytes over 256, 256, 256 and 224 columns. Packed from the
+    /// west edge, the west columns hold a tile of all sixteen grids (64,000 bytes against a
+    /// mean of 44,003); balanced from the heaviest grid down, the busiest column is within the
+    /// smallest tile of the mean.
+    #[test]
+    fn balanced_columns_keep_every_column_near_the_mean() {
+        let width = 315;
+        let shapes = [(7_296u64, 256usize), (4_352, 224), (1_344, 256), (1_088, 256)];
+        let mut load = vec![0u64; width];
+        for (bytes, taken) in shapes.iter().flat_map(|&shape| [shape; 4]) {
+            let used = lightest_columns(&load, taken);
+            assert_eq!(used.len(), taken);
+            assert!(used.windows(2).all(|w| w[0] < w[1]), "columns out of order");
+            used.iter().for_each(|&x| load[x as usize] += bytes);
         }
+        let total: u64 = shapes.iter().map(|&(bytes, taken)| 4 * bytes * taken as u64).sum();
+        let mean = total / width as u64;
+        let busiest = *load.iter().max().unwrap();
+        assert!(busiest < mean + 1_088, "busiest column {busiest} bytes, mean {mean}");
     }
 
-    /// Spread idle columns keep every block's copies adjacent, in order and inside the area, and
-    /// `n` grids of one shape at phases `0, 1/n, ...` leave every column idle in at least
-    /// `floor(n * idle / width)` of them: the 70B's q/k/v and o grids (256 one-column blocks
-    /// of 365 columns) packed from the west put a tile of all eight of a 4-layer region's on the
-    /// west columns; spread, each column misses at least two.
+    /// On a tight wafer a matvec's rows fill every slot of its grid, no block longer than the
+    /// grid's rows per tile, and the grids of a unit's layers put their longer blocks in
+    /// different slots: the 70B's o projection (8,192 rows over 3 panels of 390 rows) in
+    /// 8-row blocks filled 1,024 of its 1,170 slots.
     #[test]
-    fn spread_idle_columns_cover_every_column_evenly() {
-        for (blocks, panels, width, n) in [(256, 1, 365, 8), (64, 5, 365, 4), (112, 3, 365, 4), (10, 3, 31, 3)] {
-            let mut used = vec![0u64; width as usize];
-            for j in 0..n {
-                let g = grid(blocks, panels, width, Some((j, n)));
-                let starts: Vec<u64> = (0..blocks).map(|c| g.column(c, 0)).collect();
-                assert!(starts.windows(2).all(|w| w[1] >= w[0] + panels), "blocks overlap at phase {j}/{n}");
-                assert!(starts[blocks as usize - 1] + panels <= width, "past the east edge at phase {j}/{n}");
-                for c in 0..blocks {
-                    for p in 0..panels {
-                        used[g.column(c, p) as usize] += 1;
-                    }
-                }
-                // An input chunk's column is one of its block's copies.
-                let chunks = blocks * 4;
-                for chunk in 0..chunks {
-                    let c = chunk * blocks / chunks;
-                    assert!((g.column(c, 0)..g.column(c, 0) + panels).contains(&g.chunk_column(chunk, chunks)));
-                }
-            }
-            let idle = width - blocks * panels;
-            let least_idle = n * idle / width;
-            assert!(used.iter().all(|&u| n - u >= least_idle), "{blocks}x{panels} over {width}: {used:?}");
+    fn tight_row_blocks_fill_every_slot() {
+        let (rows, slots, rows_per_tile) = (8_192u64, 1_170u64, 8u64);
+        assert_eq!(row_runs(0..rows, rows_per_tile, (slots, None)).len(), 1_024);
+        let mut longer_slots = Vec::new();
+        for j in 0..4 {
+            let runs = row_runs(0..rows, rows_per_tile, (slots, Some((j, 4))));
+            assert_eq!(runs.len() as u64, slots);
+            assert!(runs.windows(2).all(|w| w[0].end == w[1].start), "runs leave a gap");
+            assert_eq!((runs[0].start, runs[runs.len() - 1].end), (0, rows));
+            assert!(runs.iter().all(|r| (7..=8).contains(&(r.end - r.start))));
+            longer_slots.push(runs.iter().position(|r| r.end - r.start == 8).unwrap());
         }
-        // Packed (no gaps), the west columns hold a tile of every grid.
-        assert_eq!(grid(256, 1, 365, None).column(255, 0), 255);
+        longer_slots.dedup();
+        assert_eq!(longer_slots.len(), 4, "the layers' longer blocks share a slot: {longer_slots:?}");
+        // Halves of a short matrix: fewer blocks than slots, one row each.
+        assert_eq!(row_runs(10..14, 1, (8, Some((0, 1)))), vec![10..11, 11..12, 12..13, 13..14]);
     }
 
     /// On a tight wafer every unit gets its share of the block, whatever strip it falls in: the
