@@ -1246,72 +1246,73 @@ impl Stacked<'_> {
         self.claim_vector(pe, bytes, &HashSet::new()).then_some(pe)
     }
 
-    /// The bytes the ops that run in place on rows `rows` of matvec `i`'s result take on its
-    /// segment's PE: rope and a per-head norm (as `attention_head` follows them). On a tight
-    /// wafer a head's segment found a PE with room for itself alone, and the 70B's rope then
-    /// went to a fresh PE bands away from its KV blocks (its deliveries crossed the others'
-    /// and ran out of colours).
-    fn in_place_bytes(&self, i: usize, rows: &Range<u64>) -> u64 {
+    /// Matvec `i` and the ops that run in place on its result (rope and a per-head norm, Qwen3's q
+    /// and k norms, through slices), each with where its element 0 lies in `i`'s result.
+    fn in_place_chain(&self, i: usize) -> Vec<(usize, u64)> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
-        let len = rows.end - rows.start;
-        let mut bytes = 0;
-        let mut frontier = vec![(i, 0u64)];
-        while let Some((value, base)) = frontier.pop() {
+        let mut chain = vec![(i, 0u64)];
+        let mut next = 0;
+        while let Some(&(value, base)) = chain.get(next) {
+            next += 1;
             for &reader in &analysis.readers[value] {
                 let r = reader as usize;
-                let op = &module.body[waferc_ir::Handle::new(r)].op;
-                let (Op::Rope { x, .. } | Op::RmsNorm { x, .. }) = op else { continue };
-                if analysis.source[x.index()] as usize != value {
+                let (Op::Rope { x, .. } | Op::RmsNorm { x, .. }) = &module.body[waferc_ir::Handle::new(r)].op else {
                     continue;
-                }
-                let start = base + analysis.offset[x.index()];
-                let x_len = match &module.body[*x].ty {
-                    ValueType::Tensor(t) => t.elements(),
-                    ValueType::Routing { .. } => 0,
                 };
-                if start <= rows.start && rows.end <= start + x_len {
-                    bytes += super::size::vector_bytes(module, op, len);
-                    frontier.push((r, start));
+                if analysis.source[x.index()] as usize == value {
+                    chain.push((r, base + analysis.offset[x.index()]));
                 }
             }
         }
-        bytes
+        chain
+    }
+
+    /// The bytes the ops that run in place on rows `rows` of matvec `i`'s result take on its
+    /// segment's PE ([`Stacked::in_place_chain`]). On a tight wafer a head's segment found a PE
+    /// with room for itself alone, and the 70B's rope then went to a fresh PE bands away from
+    /// its KV blocks (its deliveries crossed the others' and ran out of colours).
+    fn in_place_bytes(&self, i: usize, rows: &Range<u64>) -> u64 {
+        let module = self.placer.module;
+        self.in_place_chain(i)
+            .into_iter()
+            .skip(1)
+            .filter_map(|(r, start)| {
+                let ir = &module.body[waferc_ir::Handle::new(r)];
+                let len = ir.ty.tensor().map_or(0, |t| t.elements());
+                (start <= rows.start && rows.end <= start + len)
+                    .then(|| super::size::vector_bytes(module, &ir.op, rows.end - rows.start))
+            })
+            .sum()
     }
 
     /// The attention that reads rows `rows` of matvec `i`'s result as queries, keys or values
-    /// (directly, or through slices and rope), with its KV head count and the KV head those rows
-    /// belong to.
+    /// (directly, or through slices and the ops of [`Stacked::in_place_chain`]), with its KV
+    /// head count and the KV head those rows belong to.
     fn attention_head(&self, i: usize, rows: &Range<u64>) -> Option<(u64, u64)> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
-        // (instruction, where its element 0 lies in `i`'s result)
-        let mut frontier = vec![(i, 0u64)];
-        while let Some((value, base)) = frontier.pop() {
+        for (value, base) in self.in_place_chain(i) {
             for &reader in &analysis.readers[value] {
-                let r = reader as usize;
-                let offset_of = |operand: waferc_ir::Handle<waferc_ir::Instr>| {
-                    (analysis.source[operand.index()] as usize == value)
-                        .then(|| base + analysis.offset[operand.index()])
+                let Op::Attention { q, k, v, cache, heads, .. } =
+                    &module.body[waferc_ir::Handle::new(reader as usize)].op
+                else {
+                    continue;
                 };
-                match &module.body[waferc_ir::Handle::new(r)].op {
-                    // Rope and a per-head norm (Qwen3's q and k norms) run on the rows in place.
-                    Op::Rope { x, .. } | Op::RmsNorm { x, .. } => frontier.extend(offset_of(*x).map(|o| (r, o))),
-                    Op::Attention { q, k, v, cache, heads, .. } => {
-                        let c = &module.caches[*cache];
-                        let (hd, kv_heads) = (c.head_dim as u64, c.kv_heads as u64);
-                        let q_per_kv = (*heads / c.kv_heads) as u64;
-                        for (role, operand) in [q, k, v].into_iter().enumerate() {
-                            let Some(start) = offset_of(*operand) else { continue };
-                            let head_len = if role == 0 { q_per_kv * hd } else { hd };
-                            let end = start + kv_heads * head_len;
-                            if start <= rows.start && rows.end <= end {
-                                let head = (rows.start - start) / head_len;
-                                if (rows.end - 1 - start) / head_len == head {
-                                    return Some((kv_heads, head));
-                                }
-                            }
+                let c = &module.caches[*cache];
+                let (hd, kv_heads) = (c.head_dim as u64, c.kv_heads as u64);
+                let q_per_kv = (*heads / c.kv_heads) as u64;
+                for (role, operand) in [q, k, v].into_iter().enumerate() {
+                    if analysis.source[operand.index()] as usize != value {
+                        continue;
+                    }
+                    let start = base + analysis.offset[operand.index()];
+                    let head_len = if role == 0 { q_per_kv * hd } else { hd };
+                    let end = start + kv_heads * head_len;
+                    if start <= rows.start && rows.end <= end {
+                        let head = (rows.start - start) / head_len;
+                        if (rows.end - 1 - start) / head_len == head {
+                            return Some((kv_heads, head));
                         }
                     }
-                    _ => {}
                 }
             }
         }
@@ -1629,10 +1630,7 @@ impl Stacked<'_> {
             .filter(|&i| self.crosses_regions_in_few_segments(i))
             .map(|i| {
                 let ir = &module.body[waferc_ir::Handle::new(i)];
-                let len = match &ir.ty {
-                    ValueType::Tensor(t) => t.elements(),
-                    ValueType::Routing { .. } => 0,
-                };
+                let len = ir.ty.tensor().map_or(0, |t| t.elements());
                 super::size::vector_bytes(module, &ir.op, len.div_ceil(MAX_SEGMENTS))
             })
             .max()
