@@ -700,3 +700,42 @@ fn a_stacked_residual_crosses_wafers_in_few_segments() {
     let blob = pack_tile_blob(&program, &module);
     validate(&program, &module, Some(&blob), &[2, 8], &greedy(2)).unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// A vector cut coarser than its operand takes the operand's segments on one gather per landing
+/// segment, not one multicast each: the residual crossing to the next wafer in 16 segments of
+/// 128 elements reads its down projection's and its residual's 32-element segments, four each
+/// (three of them from other PEs), and each multicast into one PE took a colour there (the 70B's 16 segments of 512 read
+/// 256: 32 routes into each, beyond the router's 24 colours). The logits keep their bits.
+#[test]
+fn a_coarse_crossing_gathers_its_fine_operands_bit_exactly() {
+    use waferc_ir::wafer::RouteKind;
+    let toml = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 192\ngrid_rows = 48\nwafers = 2\n";
+    let two = waferc_targets::Target::from_toml(toml, "two-grids.toml").unwrap();
+    let shape = Shape { hidden: 2048, heads: 16, kv_heads: 2, head_dim: 128, ffn: 2048, ..Shape::dense() };
+    let module = build(&shape, 16);
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
+    let program = waferc_passes::wafer::compile(&module, &two, &options).unwrap_or_else(|e| panic!("{e}"));
+    let gathers: Vec<_> = program.routes.iter().filter(|r| matches!(r.kind, RouteKind::Gather { .. })).collect();
+    assert!(!gathers.is_empty(), "no operand comes on a gather");
+    for route in &gathers {
+        assert_eq!(route.destinations.len(), 1, "route {}", route.id);
+        assert!(route.sources.len() >= 2, "route {} gathers {} segments", route.id, route.sources.len());
+    }
+    // Every gathered PE receives no multicast of the segments its gather brings.
+    for route in &gathers {
+        let RouteKind::Gather { value, elements } = &route.kind else { unreachable!() };
+        let twice = program.routes.iter().any(|r| match &r.kind {
+            RouteKind::Operand { value: v, elements: e } => {
+                v == value
+                    && e.start >= elements.start
+                    && e.end <= elements.end
+                    && r.destinations.contains(&route.destinations[0])
+            }
+            _ => false,
+        });
+        assert!(!twice, "route {} and a multicast both bring %{value} {elements:?}", route.id);
+    }
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[2, 8], &greedy(2)).unwrap_or_else(|e| panic!("{e}"));
+}

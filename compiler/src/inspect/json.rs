@@ -565,7 +565,9 @@ impl<'a> RouteJson<'a> {
     fn of(view: &Analysis<'a>, route: &'a Route) -> Self {
         let producer = view.program.instrs.get(route.instr as usize);
         let (elements, value, reduce_op) = match &route.kind {
-            RouteKind::Operand { value, elements } => (Some(range(elements)), Some(*value), None),
+            RouteKind::Operand { value, elements } | RouteKind::Gather { value, elements } => {
+                (Some(range(elements)), Some(*value), None)
+            }
             RouteKind::Collect { elements } => (Some(range(elements)), None, None),
             RouteKind::Reduce { op, elements } => {
                 let op = match op {

@@ -256,6 +256,7 @@ fn routes(view: &Analysis, out: &mut String) {
 pub(super) fn route_kind_name(kind: &RouteKind) -> &'static str {
     match kind {
         RouteKind::Operand { .. } => "operand",
+        RouteKind::Gather { .. } => "gather",
         RouteKind::Collect { .. } => "collect",
         RouteKind::Reduce { .. } => "reduce",
         RouteKind::Statistic { .. } => "statistic",

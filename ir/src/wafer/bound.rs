@@ -166,7 +166,7 @@ fn chosen_expert_senders(
 fn route_span(program: &WaferProgram, route: &Route, senders: Option<&Senders>) -> u64 {
     match route.kind {
         // Many sources into one destination: the farthest sending source's distance.
-        RouteKind::Reduce { .. } | RouteKind::Collect { .. } => {
+        RouteKind::Reduce { .. } | RouteKind::Collect { .. } | RouteKind::Gather { .. } => {
             let Some(&destination) = route.destinations.first() else { return 0 };
             let distance = |&source: &Pe| pe_distance(program, source, destination);
             match senders {

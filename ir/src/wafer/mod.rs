@@ -22,7 +22,9 @@
 //! * A value's result segments are sent once, by the producer's [`Phase::Deliver`] step, along one
 //!   [`RouteKind::Operand`] multicast per segment to every PE of every consumer that needs it (so a
 //!   vector read by q, k and v projections, or by all experts of a layer, costs one colour per
-//!   segment, not one per consumer). `expert_dispatch` aliases its `x`: its result layout is `x`'s,
+//!   segment, not one per consumer); a PE that would receive many segments of a value on its
+//!   own (a vector op cut coarser than its operand) gets them on one [`RouteKind::Gather`]
+//!   instead, one colour for all of them. `expert_dispatch` aliases its `x`: its result layout is `x`'s,
 //!   and `x`'s operand routes reach the expert's PEs, which learn whether their expert was chosen
 //!   from the router's [`RouteKind::Routing`] route.
 //! * The [`Step`]s of `schedule` are the order of one decode step. Each names its instruction, a
@@ -454,14 +456,14 @@ pub struct InstrPlacement {
     /// The MoE expert whose FFN the instruction belongs to (from its `expert_dispatch` ancestry).
     pub expert: Option<u32>,
     pub result: ResultLayout,
-    /// The [`RouteKind::Operand`] routes on which this instruction's PEs receive their operands
+    /// The [`RouteKind::Operand`] and [`RouteKind::Gather`] routes on which this instruction's PEs receive their operands
     /// (other instructions' deliveries; for an operand produced by `expert_dispatch`, the
     /// deliveries of the dispatched `x`). For a matvec they end at the tiles, for attention at the
     /// KV blocks, otherwise at the result's segments or the router PE.
     pub operand_routes: Vec<RouteId>,
-    /// The [`RouteKind::Operand`] routes carrying this instruction's result to its consumers, in
-    /// segment order, one per result segment read on another PE (empty when nothing reads the
-    /// result elsewhere, e.g. the logits).
+    /// The routes carrying this instruction's result to its consumers: the [`RouteKind::Operand`]
+    /// multicasts in segment order, one per result segment read on another PE (empty when
+    /// nothing reads the result elsewhere, e.g. the logits), then the [`RouteKind::Gather`]s.
     pub deliveries: Vec<RouteId>,
     pub work: Work,
 }
@@ -746,6 +748,12 @@ pub enum RouteKind {
     /// The segment `elements` of `value` from the one source (the segment's PE) to every
     /// destination (a multicast); each destination uses the part it needs.
     Operand { value: InstrIndex, elements: Range<u64> },
+    /// Elements `elements` of `value`, from several sources to the one destination: each source
+    /// holds one segment of `value` inside `elements` and sends it (sources in element order,
+    /// their segments covering `elements`). One route, so one colour, where one multicast per
+    /// segment would take a colour each at the destination: a few long segments reading a finely
+    /// cut operand (the 70B's residual crossing to the next region in 16 segments, reading 256).
+    Gather { value: InstrIndex, elements: Range<u64> },
     /// Elements `elements` of the route's instruction's result, from several sources to the one
     /// destination (the result segment's PE); each source sends the part it holds: a matvec's
     /// row-block roots their reduced rows (bias added), attention's root blocks their heads'

@@ -748,14 +748,10 @@ impl<'a> Checker<'a> {
 
     /// A weight held as a grid: row bands that partition the rows, each band's column pieces
     /// partitioning the columns; for a matvec, column pieces are aligned equal power-of-two
-    /// chunk runs (the last may be short).
-    fn exactly_once(
-        &mut self,
-        instr: u32,
-        weight: Handle<waferc_ir::Weight>,
-        mut pieces: Vec<Piece>,
-        chunk_runs: bool,
-    ) {
+    /// chunk runs (the last may be short). A table (not a matvec's) may instead be held in column
+    /// bands, each with a row cut of its own (the embedding on a tight wafer: each segment's band
+    /// of PEs cuts the rows as finely as its PEs allow).
+    fn exactly_once(&mut self, instr: u32, weight: Handle<waferc_ir::Weight>, pieces: Vec<Piece>, chunk_runs: bool) {
         let w = &self.module.weights[weight];
         // Pieces hold rows and columns in u32; a larger weight is left uncovered, and said so.
         let (n_rows, n_cols) = match w.ty.shape.as_slice() {
@@ -767,67 +763,14 @@ impl<'a> Checker<'a> {
             self.report(None, None, Some(instr), format!("weight {} is held by no PE", w.name));
             return;
         }
-        pieces.sort_by_key(|(r, c, _)| (r.start, c.start, r.end, c.end));
-        let mut row = 0;
-        let mut i = 0;
-        while i < pieces.len() {
-            let band = pieces[i].0.clone();
-            let pe = pieces[i].2;
-            if band.start != row {
-                let what = if band.start < row { "held twice" } else { "held by no PE" };
-                self.report(
-                    Some(pe),
-                    None,
-                    Some(instr),
-                    format!("rows {row}..{} of {} are {what}", band.start.max(row), w.name),
-                );
+        if !chunk_runs {
+            let transposed = pieces.iter().map(|(r, c, pe)| (c.clone(), r.clone(), *pe)).collect();
+            if grid_problems(transposed, (n_cols, n_rows), false, &w.name).is_empty() {
                 return;
             }
-            let mut col = 0;
-            let run = pieces[i].1.end - pieces[i].1.start;
-            while i < pieces.len() && pieces[i].0 == band {
-                let (_, cols, pe) = &pieces[i];
-                if cols.start != col {
-                    let what = if cols.start < col { "held twice" } else { "held by no PE" };
-                    self.report(
-                        Some(*pe),
-                        None,
-                        Some(instr),
-                        format!("rows {band:?}, cols {col}.. of {} are {what}", w.name),
-                    );
-                    return;
-                }
-                let aligned = cols.start % run == 0 && (cols.end - cols.start == run || cols.end == n_cols);
-                // A tile holding whole rows computes the entire chunk tree itself, whatever its length.
-                let whole_rows = cols.start == 0 && cols.end == n_cols;
-                if chunk_runs
-                    && !whole_rows
-                    && (!run.is_multiple_of(32) && cols.end != n_cols
-                        || !(run / 32).max(1).is_power_of_two()
-                        || !aligned)
-                {
-                    self.report(
-                        Some(*pe),
-                        None,
-                        Some(instr),
-                        format!("cols {cols:?} of {} are not an aligned power-of-two run of 32-element chunks", w.name),
-                    );
-                }
-                col = cols.end;
-                i += 1;
-            }
-            if col != n_cols {
-                self.report(
-                    Some(pe),
-                    None,
-                    Some(instr),
-                    format!("rows {band:?}, cols {col}..{n_cols} of {} are held by no PE", w.name),
-                );
-            }
-            row = band.end;
         }
-        if row != n_rows {
-            self.report(None, None, Some(instr), format!("rows {row}..{n_rows} of {} are held by no PE", w.name));
+        for (pe, problem) in grid_problems(pieces, (n_rows, n_cols), chunk_runs, &w.name) {
+            self.report(pe, None, Some(instr), problem);
         }
     }
 
@@ -1023,7 +966,7 @@ impl<'a> Checker<'a> {
                     route.destinations.iter().find(|pe| !holds_output(**pe, route.instr, elements)).copied()
                 }
                 RouteKind::Routing => route.sources.iter().find(|pe| !holds_instr(**pe, route.instr)).copied(),
-                RouteKind::Operand { .. } => None,
+                RouteKind::Operand { .. } | RouteKind::Gather { .. } => None,
             };
             if let Some(pe) = bad {
                 self.report(
@@ -1144,6 +1087,48 @@ impl<'a> Checker<'a> {
                         Some(r.id),
                         Some(*value),
                         format!("sends elements {elements:?} of %{value}, which this PE does not hold"),
+                    );
+                }
+                for d in &r.destinations {
+                    if let Some(at) = self.images.position(*d) {
+                        arriving[at].push((*value, elements.clone(), r.id));
+                    }
+                }
+            }
+            if let RouteKind::Gather { value, elements } = &r.kind {
+                // The sources' segments of the value, inside the gather's elements, cover them.
+                let mut sent: Vec<Range<u64>> = Vec::new();
+                for source in &r.sources {
+                    let held =
+                        self.images.get(*source).into_iter().flat_map(|img| &img.regions).filter_map(|g| {
+                            match &g.kind {
+                                RegionKind::Output { elements: e }
+                                    if g.instr == Some(*value) && overlap(e, elements) =>
+                                {
+                                    Some(e.start.max(elements.start)..e.end.min(elements.end))
+                                }
+                                _ => None,
+                            }
+                        });
+                    let before = sent.len();
+                    sent.extend(held);
+                    if sent.len() == before {
+                        self.report(
+                            Some(*source),
+                            Some(r.id),
+                            Some(*value),
+                            format!("a source of the gather of elements {elements:?} of %{value} holds none of them"),
+                        );
+                    }
+                }
+                sent.sort_by_key(|e| e.start);
+                let covered = sent.iter().fold(elements.start, |c, e| if e.start <= c { c.max(e.end) } else { c });
+                if covered < elements.end {
+                    self.report(
+                        r.destinations.first().copied(),
+                        Some(r.id),
+                        Some(*value),
+                        format!("no source of the gather sends elements {covered}..{} of %{value}", elements.end),
                     );
                 }
                 for d in &r.destinations {
@@ -1327,7 +1312,7 @@ impl<'a> Checker<'a> {
             match used.get(&r.id) {
                 None => self.report(None, Some(r.id), Some(r.instr), "no schedule step uses this route".into()),
                 Some(step) => {
-                    if let RouteKind::Operand { .. } = r.kind {
+                    if let RouteKind::Operand { .. } | RouteKind::Gather { .. } = r.kind {
                         for &reader in readers.get(&r.id).into_iter().flatten() {
                             if first_step.get(&reader).is_some_and(|f| f < step) {
                                 self.report(
@@ -1348,4 +1333,61 @@ impl<'a> Checker<'a> {
             }
         }
     }
+}
+
+/// What keeps `pieces` from being a grid of `n_rows x n_cols` (see `Checker::exactly_once`): row
+/// bands that partition the rows, each band's column pieces partitioning the columns, and with
+/// `chunk_runs` column pieces that are aligned equal power-of-two chunk runs. Stops at the first
+/// gap or overlap.
+fn grid_problems(
+    mut pieces: Vec<Piece>,
+    (n_rows, n_cols): (u32, u32),
+    chunk_runs: bool,
+    name: &str,
+) -> Vec<(Option<Pe>, String)> {
+    let mut problems = Vec::new();
+    pieces.sort_by_key(|(r, c, _)| (r.start, c.start, r.end, c.end));
+    let mut row = 0;
+    let mut i = 0;
+    while i < pieces.len() {
+        let band = pieces[i].0.clone();
+        let pe = pieces[i].2;
+        if band.start != row {
+            let what = if band.start < row { "held twice" } else { "held by no PE" };
+            problems.push((Some(pe), format!("rows {row}..{} of {name} are {what}", band.start.max(row))));
+            return problems;
+        }
+        let mut col = 0;
+        let run = pieces[i].1.end - pieces[i].1.start;
+        while i < pieces.len() && pieces[i].0 == band {
+            let (_, cols, pe) = &pieces[i];
+            if cols.start != col {
+                let what = if cols.start < col { "held twice" } else { "held by no PE" };
+                problems.push((Some(*pe), format!("rows {band:?}, cols {col}.. of {name} are {what}")));
+                return problems;
+            }
+            let aligned = cols.start % run == 0 && (cols.end - cols.start == run || cols.end == n_cols);
+            // A tile holding whole rows computes the entire chunk tree itself, whatever its length.
+            let whole_rows = cols.start == 0 && cols.end == n_cols;
+            if chunk_runs
+                && !whole_rows
+                && (!run.is_multiple_of(32) && cols.end != n_cols || !(run / 32).max(1).is_power_of_two() || !aligned)
+            {
+                problems.push((
+                    Some(*pe),
+                    format!("cols {cols:?} of {name} are not an aligned power-of-two run of 32-element chunks"),
+                ));
+            }
+            col = cols.end;
+            i += 1;
+        }
+        if col != n_cols {
+            problems.push((Some(pe), format!("rows {band:?}, cols {col}..{n_cols} of {name} are held by no PE")));
+        }
+        row = band.end;
+    }
+    if row != n_rows {
+        problems.push((None, format!("rows {row}..{n_rows} of {name} are held by no PE")));
+    }
+    problems
 }

@@ -101,7 +101,7 @@ pub enum WaferError {
     Unsupported { instr: u32, op: &'static str, layer: Option<u32>, message: String },
     #[error(
         "{pe}: route {route} of %{instr} = {op}{} needs a colour, but all {limit} colours of the PE's router \
-         are taken by routes sharing its PEs ({holders})",
+         are taken by routes through it that may run alongside ({holders})",
         layer_suffix(*layer)
     )]
     Colours { pe: Pe, route: u32, instr: u32, op: &'static str, layer: Option<u32>, limit: u8, holders: String },

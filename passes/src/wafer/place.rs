@@ -1,6 +1,7 @@
 //! Placement (PEs and SRAM images), routes and the schedule, from the sizes.
 
-use rustc_hash::{FxHashMap as HashMap, FxHashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 use waferc_ir::completion::Completion;
@@ -316,21 +317,17 @@ impl<'a> Placer<'a> {
                 step_of[id as usize] = s as u32;
             }
         }
-        if let Err(clash) =
-            assign_colours(&mut self.routes, params, &route::RouteOrder { precedence: &precedence, step_of })
-        {
+        let order = route::RouteOrder { precedence: &precedence, step_of };
+        if let Err(clash) = assign_colours(&mut self.routes, params, &order) {
             let route = &self.routes[clash.route];
             let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
-            // Name the routes that took the colours: every route sharing a PE with the failed one.
-            let mut mine = FxHashSet::default();
-            route::for_each_pe(&self.routes[clash.route], |pe| {
-                mine.insert(pe);
-            });
-            let mut holders: std::collections::BTreeMap<(u32, &'static str), u32> = std::collections::BTreeMap::new();
+            // Name the routes that took the colours: those through the clashing PE that may be
+            // active alongside the failed one.
+            let mut holders: BTreeMap<(u32, &'static str), u32> = BTreeMap::new();
             for (j, r) in self.routes.iter().enumerate() {
                 let mut touches = false;
-                route::for_each_pe(r, |pe| touches |= mine.contains(&pe));
-                if touches && j != clash.route {
+                route::for_each_pe(r, |pe| touches |= pe == clash.pe);
+                if touches && j != clash.route && !order.apart(&self.routes, clash.route, j) {
                     *holders.entry((r.instr, kind_name(&r.kind))).or_default() += 1;
                 }
             }
@@ -1237,7 +1234,9 @@ impl<'a> Placer<'a> {
     }
 
     /// The deliveries of instruction `i`'s result: per segment, one multicast to every PE of every
-    /// reader that needs part of it.
+    /// reader that needs part of it; except that a PE whose vector readers need at least
+    /// [`GATHER_MIN_SEGMENTS`] segments gets them on one gather per run of consecutive segments
+    /// (a multicast each would take as many colours at that PE).
     fn deliver(&mut self, i: usize) {
         if self.analysis.source[i] as usize != i {
             return;
@@ -1246,17 +1245,34 @@ impl<'a> Placer<'a> {
             return;
         };
         let readers = self.analysis.readers[i].clone();
+        // Per segment: each reader's PEs that need part of it, and the attention heads reached.
+        let mut reads: Vec<Vec<SegmentReader>> = Vec::new();
         for seg in &layout.segments {
-            let mut destinations = Vec::new();
-            // (reader, attention head and role) that this segment reaches.
-            let mut reached: Vec<(usize, Option<(usize, usize)>)> = Vec::new();
+            let mut per_reader = Vec::new();
             for &reader in &readers {
                 let reader = reader as usize;
-                let before = destinations.len();
-                self.reader_pes(i, reader, &self.placements[reader], &seg.elements, &mut destinations, &mut reached);
-                if destinations.len() > before {
-                    reached.push((reader, None));
+                let (mut pes, mut heads) = (Vec::new(), Vec::new());
+                self.reader_pes(i, reader, &self.placements[reader], &seg.elements, &mut pes, &mut heads);
+                if !pes.is_empty() {
+                    per_reader.push(SegmentReader { reader, pes, heads });
                 }
+            }
+            reads.push(per_reader);
+        }
+        let gathers = self.gathers(&layout, &reads);
+        let gathered: HashSet<(usize, Pe)> =
+            gathers.iter().flat_map(|(d, run)| run.clone().map(move |k| (k, *d))).collect();
+        for (k, seg) in layout.segments.iter().enumerate() {
+            let mut destinations = Vec::new();
+            let mut reached: Vec<(usize, Option<(usize, usize)>)> = Vec::new();
+            for SegmentReader { reader, pes, heads } in &reads[k] {
+                let vector = gathers_operands(&self.placements[*reader]);
+                let before = destinations.len();
+                destinations.extend(pes.iter().filter(|&&pe| !(vector && gathered.contains(&(k, pe)))));
+                if destinations.len() > before {
+                    reached.push((*reader, None));
+                }
+                reached.extend(heads);
             }
             let Some(id) = self.operand_multicast(i, seg, destinations) else { continue };
             self.placements[i].deliveries.push(id);
@@ -1273,6 +1289,77 @@ impl<'a> Placer<'a> {
                 }
             }
         }
+        for (destination, run) in gathers {
+            let segments = &layout.segments[run.clone()];
+            let sources: Vec<Pe> = segments.iter().map(|s| s.pe).collect();
+            let largest = segments.iter().map(|s| s.elements.end - s.elements.start).max().unwrap_or(0);
+            let elements = segments[0].elements.start..segments[segments.len() - 1].elements.end;
+            let path = route::gather(&sources, destination, self.route_band);
+            let id = self.add_route(
+                i,
+                RouteKind::Gather { value: i as u32, elements },
+                sources,
+                vec![destination],
+                vec![path],
+                largest * F32,
+            );
+            self.placements[i].deliveries.push(id);
+            let mut listed: Vec<usize> = Vec::new();
+            for k in run {
+                for SegmentReader { reader, pes, .. } in &reads[k] {
+                    let reads_here = gathers_operands(&self.placements[*reader]) && pes.contains(&destination);
+                    if reads_here && !listed.contains(reader) {
+                        listed.push(*reader);
+                    }
+                }
+            }
+            for reader in listed {
+                push_unique(&mut self.placements[reader].operand_routes, id);
+            }
+        }
+    }
+
+    /// The gathers of a value laid out as `layout`, whose segments' readers reach the PEs `reads`
+    /// lists (see [`Placer::deliver`]): per PE whose vector readers need at least
+    /// [`GATHER_MIN_SEGMENTS`] segments held elsewhere, the runs of consecutive such segments
+    /// on distinct PEs (a route takes one message per source), two segments or more each.
+    fn gathers(&self, layout: &VectorLayout, reads: &[Vec<SegmentReader>]) -> Vec<(Pe, Range<usize>)> {
+        let mut needs: BTreeMap<Pe, Vec<usize>> = BTreeMap::new();
+        for (k, per_reader) in reads.iter().enumerate() {
+            for SegmentReader { reader, pes, .. } in per_reader {
+                if !gathers_operands(&self.placements[*reader]) {
+                    continue;
+                }
+                for &pe in pes.iter().filter(|&&pe| pe != layout.segments[k].pe) {
+                    let list = needs.entry(pe).or_default();
+                    if list.last() != Some(&k) {
+                        list.push(k);
+                    }
+                }
+            }
+        }
+        let mut gathers = Vec::new();
+        for (pe, mut list) in needs {
+            list.sort_unstable();
+            list.dedup();
+            if list.len() < GATHER_MIN_SEGMENTS {
+                continue;
+            }
+            let mut start = 0;
+            for end in 1..=list.len() {
+                let joins = end < list.len()
+                    && list[end] == list[end - 1] + 1
+                    && layout.segments[list[end - 1]].elements.end == layout.segments[list[end]].elements.start
+                    && !list[start..end].iter().any(|&k| layout.segments[k].pe == layout.segments[list[end]].pe);
+                if !joins {
+                    if end - start >= 2 {
+                        gathers.push((pe, list[start]..list[end - 1] + 1));
+                    }
+                    start = end;
+                }
+            }
+        }
+        gathers
     }
 
     /// Appends the PEs of `reader` that need `elements` of value `value` (an operand, possibly
@@ -1377,6 +1464,34 @@ impl<'a> Placer<'a> {
         steps
     }
 }
+
+/// One reader's PEs that need part of a segment (see [`Placer::deliver`]), with the attention
+/// heads and q/k/v roles they serve.
+struct SegmentReader {
+    reader: usize,
+    pes: Vec<Pe>,
+    heads: Vec<(usize, Option<(usize, usize)>)>,
+}
+
+/// Whether `p`'s PEs that read a vector operand are its own result segments (an elementwise op,
+/// a norm, a router): those may take their operand's segments on one gather.
+fn gathers_operands(p: &InstrPlacement) -> bool {
+    let reads_on_segments = !matches!(
+        p.work,
+        Work::MatVec(_)
+            | Work::Attention(_)
+            | Work::Combine { .. }
+            | Work::Dispatch { .. }
+            | Work::Slice
+            | Work::Embed { .. }
+    );
+    reads_on_segments && matches!(p.result, ResultLayout::Vector(_))
+}
+
+/// The fewest segments of one value a PE's vector readers need from elsewhere before they come
+/// on gathers rather than a multicast each: below it the multicasts cost few colours and each
+/// still reaches every other reader of its segment.
+const GATHER_MIN_SEGMENTS: usize = 3;
 
 /// The steps of one placement, in phase order: each phase with the routes it sends on.
 fn steps_of(p: &InstrPlacement) -> Vec<(Phase, Vec<RouteId>)> {
@@ -1603,6 +1718,7 @@ fn suits(op: &Op, module: &Module, layout: &VectorLayout, len: u64) -> bool {
 fn kind_name(kind: &RouteKind) -> &'static str {
     match kind {
         RouteKind::Operand { .. } => "delivery",
+        RouteKind::Gather { .. } => "gather",
         RouteKind::Collect { .. } => "collect",
         RouteKind::Reduce { .. } => "reduction",
         RouteKind::Statistic { .. } => "broadcast",

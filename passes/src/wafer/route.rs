@@ -359,7 +359,7 @@ pub(super) struct RouteOrder<'a> {
 }
 
 impl RouteOrder<'_> {
-    fn apart(&self, routes: &[Route], r: usize, s: usize) -> bool {
+    pub(super) fn apart(&self, routes: &[Route], r: usize, s: usize) -> bool {
         self.instrs_apart((r, routes[r].instr as usize), (s, routes[s].instr as usize))
     }
 

@@ -167,10 +167,17 @@ impl<'p> Executor<'p> {
         }
         for &id in run.operand_routes_to(self.program, self.placement(run.instr), pe) {
             let route = self.route(run, id)?;
-            let RouteKind::Operand { value: carried, elements: carried_elements } = &route.kind else {
-                return Err(route_kind_error(run, route, "an operand route"));
+            let (carried, carried_elements) = match &route.kind {
+                RouteKind::Operand { value, elements } => (*value, elements),
+                RouteKind::Gather { value, elements: gathered } => {
+                    if *value == source && intersect(gathered, &elements).is_some() {
+                        self.gathered(state, run, route, pe, &elements, &mut pieces)?;
+                    }
+                    continue;
+                }
+                _ => return Err(route_kind_error(run, route, "an operand route")),
             };
-            if *carried != source {
+            if carried != source {
                 continue;
             }
             let Some(overlap) = intersect(carried_elements, &elements) else { continue };
@@ -214,7 +221,9 @@ impl<'p> Executor<'p> {
             // Name the route that carries the missing elements but does not reach this PE.
             for &id in &self.placement(run.instr).operand_routes {
                 let route = self.route(run, id)?;
-                if let RouteKind::Operand { value: carried, elements: carried_elements } = &route.kind {
+                if let RouteKind::Operand { value: carried, elements: carried_elements }
+                | RouteKind::Gather { value: carried, elements: carried_elements } = &route.kind
+                {
                     if *carried == source && intersect(carried_elements, &gap).is_some() {
                         return Err(ExecError::NotADestination { site: run.site.clone(), route: id, pe });
                     }
@@ -232,6 +241,33 @@ impl<'p> Executor<'p> {
             Some(values) => Data::Values(values),
             None => Data::Shape(span(&elements) as usize),
         })
+    }
+
+    /// The pieces of `elements` (of the value gather `route` carries) that `pe` receives on it:
+    /// each source's segment of the value inside the gather's elements, one message per source.
+    fn gathered(
+        &self,
+        state: &StepState,
+        run: &InstrRun,
+        route: &Route,
+        pe: Pe,
+        elements: &Range<u64>,
+        pieces: &mut Vec<(Range<u64>, Data)>,
+    ) -> Result<(), ExecError> {
+        let RouteKind::Gather { value, elements: gathered } = &route.kind else {
+            return Err(route_kind_error(run, route, "a gather"));
+        };
+        let ResultLayout::Vector(layout) = &self.placement(*value).result else {
+            return Err(route_kind_error(run, route, "a gather of a vector's segments"));
+        };
+        for segment in layout.segments.iter().filter(|s| route.sources.contains(&s.pe)) {
+            let Some(sent) = intersect(&segment.elements, gathered) else { continue };
+            let Some(overlap) = intersect(&sent, elements) else { continue };
+            let message = self.message(state, run, route.id, segment.pe, pe)?;
+            let data = data_of(run, route.id, segment.pe, pe, message, span(&sent) as usize)?;
+            pieces.push((overlap.clone(), data.slice(relative(&overlap, sent.start))));
+        }
+        Ok(())
     }
 
     /// Runs one reduction: `leaves[i]` is the partial held by `route.sources[i]`; partials are
@@ -346,8 +382,20 @@ impl<'p> Executor<'p> {
         let mut next = 0;
         for &id in &placement.deliveries {
             let route = self.route(run, id)?;
-            let RouteKind::Operand { value, elements } = &route.kind else {
-                return Err(route_kind_error(run, route, "the delivery of a result segment"));
+            let (value, elements) = match &route.kind {
+                RouteKind::Operand { value, elements } => (value, elements),
+                // Each source sends its segment inside the gather's elements.
+                RouteKind::Gather { value, elements } if *value == run.instr => {
+                    for (segment, data) in segments.iter().zip(&held) {
+                        let sent = intersect(&segment.elements, elements);
+                        if let Some(sent) = sent.filter(|_| route.sources.contains(&segment.pe)) {
+                            let part = data.slice(relative(&sent, segment.elements.start));
+                            self.send(state, run, id, segment.pe, Payload::Data(part))?;
+                        }
+                    }
+                    continue;
+                }
+                _ => return Err(route_kind_error(run, route, "the delivery of a result segment")),
             };
             let found = segments[next..].iter().position(|s| s.elements == *elements).map(|k| next + k);
             let Some(index) = found.filter(|_| *value == run.instr) else {

@@ -62,7 +62,10 @@ pub(super) fn check_ranges(program: &WaferProgram) -> Result<(), ExecError> {
         }
     }
     for route in &program.routes {
-        if let RouteKind::Operand { elements, .. } | RouteKind::Collect { elements } = &route.kind {
+        if let RouteKind::Operand { elements, .. }
+        | RouteKind::Gather { elements, .. }
+        | RouteKind::Collect { elements } = &route.kind
+        {
             in_order(elements, "elements").map_err(|what| ExecError::Malformed {
                 site: site_of(program, route.instr),
                 problem: format!("route {}: {what}", route.id),

@@ -596,7 +596,7 @@ fn route_cost(
     })?;
     let serial = route.path.iter().map(|run| serialise(params, run.from, run.to, bytes * run.messages as u64)).max();
     let serial = serial.unwrap_or(0);
-    if let RouteKind::Collect { .. } = route.kind {
+    if let RouteKind::Collect { .. } | RouteKind::Gather { .. } = route.kind {
         // The depths above are a multicast's (the earliest arrival at each PE); a gather's
         // messages are distinct, so the last one arrives after the longest source's path.
         latency = latency.max(gather_latency(params, route));
