@@ -23,7 +23,7 @@ use std::time::Instant;
 use serde::Serialize;
 use waferc_ir::wafer::{Plan, WaferProgram};
 use waferc_ir::Module;
-use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CompileOptions, STACKED_TILE_SHARE};
+use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CompileOptions};
 use waferc_passes::PlanKind;
 use waferc_runtime::executor::{ExecOptions, Executor};
 use waferc_targets::Target;
@@ -49,6 +49,10 @@ const REFINED_PLANS: usize = 3;
 /// its experts' tiles twice `stacked:2`'s) 12.6 GB pinned. Larger candidates are not tried;
 /// `--plan` pins one on a machine with the memory.
 const MAX_STACKED_TILES: u64 = 48_000_000;
+/// [`MAX_STACKED_TILES`] for a dense model, whose lowering holds less per tile (no lanes, no
+/// expert copies): llama3.1-70b `stacked:4` on wse3x4 (about 60 million tiles) peaks at 12.9 GB
+/// pinned.
+const MAX_DENSE_STACKED_TILES: u64 = 64_000_000;
 
 /// The most experts the search puts in one MoE lane (`Plan::Stacked::experts_per_lane`).
 const MAX_EXPERTS_PER_LANE: u8 = 8;
@@ -144,6 +148,10 @@ pub fn search_keeping<T>(
     let mut plans = candidates(modules.for_plan(&Plan::Tiled));
     let params = target.params();
     let wafer_bytes = params.grid_cols as u64 * params.grid_rows as u64 * params.usable_bytes_per_pe() as u64;
+    let max_tiles = match modules.for_plan(&plans[0]).has_moe() {
+        true => MAX_STACKED_TILES,
+        false => MAX_DENSE_STACKED_TILES,
+    };
 
     struct Kept<T> {
         index: usize,
@@ -180,8 +188,10 @@ pub fn search_keeping<T>(
             Plan::Stacked { wafer_percent, .. } => wafer_percent as f64 / 100.0,
             _ => 1.0,
         };
-        // A share whose SRAM cannot hold the weights at the stacked plan's tile share is not tried.
-        let room = share * STACKED_TILE_SHARE * wafer_bytes as f64 * params.wafers as f64;
+        // A share whose SRAM cannot hold the weights is not tried. (Weights beyond the tiles' usual
+        // share of it make a tight wafer, which the stacked plan lays out with rules of its own:
+        // the 70B's 141 GB on wse3x4's 166 GB.)
+        let room = share * wafer_bytes as f64 * params.wafers as f64;
         // The PEs a stacked candidate's regions span, and the tiles it would lay over them.
         let tiles = match plan {
             Plan::Stacked { layers_per_region, experts_per_lane, .. } => {
@@ -192,16 +202,16 @@ pub fn search_keeping<T>(
         };
         if matches!(plan, Plan::Stacked { .. }) && weight_bytes as f64 > room {
             candidate.lost_because = Some(format!(
-                "not tried: {:.1} GB of weights exceed the tile share of its {}% of the wafer ({:.1} GB)",
+                "not tried: {:.1} GB of weights exceed the SRAM of its {}% of the wafer ({:.1} GB)",
                 weight_bytes as f64 / 1e9,
                 (share * 100.0).round(),
                 room / 1e9
             ));
-        } else if tiles > MAX_STACKED_TILES {
+        } else if tiles > max_tiles {
             candidate.lost_because = Some(format!(
                 "not tried: about {:.0} million matvec tiles, more than the search lowers ({:.0} million)",
                 tiles as f64 / 1e6,
-                MAX_STACKED_TILES as f64 / 1e6
+                max_tiles as f64 / 1e6
             ));
         } else {
             match evaluate(module, target, base, plan) {

@@ -5,7 +5,7 @@
 mod executor_common;
 
 use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
-use waferc_ir::wafer::{Plan, ResultLayout};
+use waferc_ir::wafer::{Plan, ResultLayout, WaferProgram};
 use waferc_ir::Op;
 use waferc_passes::rewrite::rewrite_module;
 use waferc_passes::wafer::CompileOptions;
@@ -666,19 +666,26 @@ fn stacked_top_k_sits_on_a_segment_of_its_logits() {
     validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// `shape`'s model (seeded) compiled `stacked:1` with 64 positions for two wafers of
+/// `grid_cols x 48` PEs.
+fn stacked_on_two_wafers(grid_cols: u16, shape: &Shape, seed: u64) -> (waferc_ir::Module, WaferProgram) {
+    let toml = format!("name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = {grid_cols}\ngrid_rows = 48\nwafers = 2\n");
+    let two = waferc_targets::Target::from_toml(&toml, "two-grids.toml").unwrap();
+    let module = build(shape, seed);
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
+    let program = waferc_passes::wafer::compile(&module, &two, &options).unwrap_or_else(|e| panic!("{e}"));
+    (module, program)
+}
+
 /// A residual read on the next wafer leaves in at most 16 segments, one multicast each through
 /// the gateway PEs, where its own layout would run in place on its down projection's one-chunk
 /// segments: the 70B's 256 at each crossing ran out of the router's 24 colours. The logits keep
 /// their bits.
 #[test]
 fn a_stacked_residual_crosses_wafers_in_few_segments() {
-    let toml = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 96\ngrid_rows = 48\nwafers = 2\n";
-    let two = waferc_targets::Target::from_toml(toml, "two-grids.toml").unwrap();
     let shape = Shape { hidden: 1024, heads: 8, kv_heads: 2, head_dim: 128, ffn: 2048, ..Shape::dense() };
-    let module = build(&shape, 15);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
-    let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
-    let program = waferc_passes::wafer::compile(&module, &two, &options).unwrap_or_else(|e| panic!("{e}"));
+    let (module, program) = stacked_on_two_wafers(96, &shape, 15);
     let mut crossing: std::collections::BTreeMap<u32, usize> = Default::default();
     for route in program.routes.iter().filter(|r| r.path.iter().any(|run| run.is_inter_wafer())) {
         *crossing.entry(route.instr).or_default() += 1;
@@ -704,18 +711,15 @@ fn a_stacked_residual_crosses_wafers_in_few_segments() {
 /// A vector cut coarser than its operand takes the operand's segments on one gather per landing
 /// segment, not one multicast each: the residual crossing to the next wafer in 16 segments of
 /// 128 elements reads its down projection's and its residual's 32-element segments, four each
-/// (three of them from other PEs), and each multicast into one PE took a colour there (the 70B's 16 segments of 512 read
-/// 256: 32 routes into each, beyond the router's 24 colours). The logits keep their bits.
+/// (three of them from other PEs), and each multicast into one PE took a colour there (the 70B's
+/// 16 segments of 512 read 256: 32 routes into each, beyond the router's 24 colours). The logits
+/// keep their bits.
 #[test]
 fn a_coarse_crossing_gathers_its_fine_operands_bit_exactly() {
     use waferc_ir::wafer::RouteKind;
-    let toml = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 192\ngrid_rows = 48\nwafers = 2\n";
-    let two = waferc_targets::Target::from_toml(toml, "two-grids.toml").unwrap();
+    // Wide enough for the down projection's 64 one-chunk column blocks.
     let shape = Shape { hidden: 2048, heads: 16, kv_heads: 2, head_dim: 128, ffn: 2048, ..Shape::dense() };
-    let module = build(&shape, 16);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
-    let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
-    let program = waferc_passes::wafer::compile(&module, &two, &options).unwrap_or_else(|e| panic!("{e}"));
+    let (module, program) = stacked_on_two_wafers(192, &shape, 16);
     let gathers: Vec<_> = program.routes.iter().filter(|r| matches!(r.kind, RouteKind::Gather { .. })).collect();
     assert!(!gathers.is_empty(), "no operand comes on a gather");
     for route in &gathers {
