@@ -1055,6 +1055,40 @@ impl<'a> Checker<'a> {
         }
     }
 
+    /// Gather `r`'s sources each hold part of `elements` of `value` as a result segment, and
+    /// together all of them.
+    fn gather_sources(&mut self, r: &Route, value: u32, elements: &Range<u64>) {
+        let mut sent: Vec<Range<u64>> = Vec::new();
+        for source in &r.sources {
+            let before = sent.len();
+            for g in self.images.get(*source).into_iter().flat_map(|img| &img.regions) {
+                if let (RegionKind::Output { elements: e }, true) = (&g.kind, g.instr == Some(value)) {
+                    if overlap(e, elements) {
+                        sent.push(e.start.max(elements.start)..e.end.min(elements.end));
+                    }
+                }
+            }
+            if sent.len() == before {
+                self.report(
+                    Some(*source),
+                    Some(r.id),
+                    Some(value),
+                    format!("a source of the gather of elements {elements:?} of %{value} holds none of them"),
+                );
+            }
+        }
+        sent.sort_by_key(|e| e.start);
+        let covered = sent.iter().fold(elements.start, |c, e| if e.start <= c { c.max(e.end) } else { c });
+        if covered < elements.end {
+            self.report(
+                r.destinations.first().copied(),
+                Some(r.id),
+                Some(value),
+                format!("no source of the gather sends elements {covered}..{} of %{value}", elements.end),
+            );
+        }
+    }
+
     /// Every operand region is fed: the PE holds the value itself, or an operand route of the
     /// value's source ends here and is listed by the instruction.
     fn operands(&mut self, routes: &HashMap<u32, &Route>) {
@@ -1077,64 +1111,30 @@ impl<'a> Checker<'a> {
         // there, with their element ranges and routes; sorted by value, in route order within one.
         let mut arriving: Vec<Vec<(u32, Range<u64>, u32)>> = vec![Vec::new(); self.program.pes.len()];
         for r in &self.program.routes {
-            if let RouteKind::Operand { value, elements } = &r.kind {
-                let src_ok = self.images.get(r.sources[0]).is_some_and(|img| {
-                    img.regions.iter().any(|g| g.instr == Some(*value) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
-                });
-                if !src_ok {
-                    self.report(
-                        Some(r.sources[0]),
-                        Some(r.id),
-                        Some(*value),
-                        format!("sends elements {elements:?} of %{value}, which this PE does not hold"),
-                    );
-                }
-                for d in &r.destinations {
-                    if let Some(at) = self.images.position(*d) {
-                        arriving[at].push((*value, elements.clone(), r.id));
-                    }
-                }
-            }
-            if let RouteKind::Gather { value, elements } = &r.kind {
-                // The sources' segments of the value, inside the gather's elements, cover them.
-                let mut sent: Vec<Range<u64>> = Vec::new();
-                for source in &r.sources {
-                    let held =
-                        self.images.get(*source).into_iter().flat_map(|img| &img.regions).filter_map(|g| {
-                            match &g.kind {
-                                RegionKind::Output { elements: e }
-                                    if g.instr == Some(*value) && overlap(e, elements) =>
-                                {
-                                    Some(e.start.max(elements.start)..e.end.min(elements.end))
-                                }
-                                _ => None,
-                            }
-                        });
-                    let before = sent.len();
-                    sent.extend(held);
-                    if sent.len() == before {
+            let (value, elements) = match &r.kind {
+                RouteKind::Operand { value, elements } => {
+                    let src_ok = self.images.get(r.sources[0]).is_some_and(|img| {
+                        img.regions.iter().any(|g| g.instr == Some(*value) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
+                    });
+                    if !src_ok {
                         self.report(
-                            Some(*source),
+                            Some(r.sources[0]),
                             Some(r.id),
                             Some(*value),
-                            format!("a source of the gather of elements {elements:?} of %{value} holds none of them"),
+                            format!("sends elements {elements:?} of %{value}, which this PE does not hold"),
                         );
                     }
+                    (value, elements)
                 }
-                sent.sort_by_key(|e| e.start);
-                let covered = sent.iter().fold(elements.start, |c, e| if e.start <= c { c.max(e.end) } else { c });
-                if covered < elements.end {
-                    self.report(
-                        r.destinations.first().copied(),
-                        Some(r.id),
-                        Some(*value),
-                        format!("no source of the gather sends elements {covered}..{} of %{value}", elements.end),
-                    );
+                RouteKind::Gather { value, elements } => {
+                    self.gather_sources(r, *value, elements);
+                    (value, elements)
                 }
-                for d in &r.destinations {
-                    if let Some(at) = self.images.position(*d) {
-                        arriving[at].push((*value, elements.clone(), r.id));
-                    }
+                _ => continue,
+            };
+            for d in &r.destinations {
+                if let Some(at) = self.images.position(*d) {
+                    arriving[at].push((*value, elements.clone(), r.id));
                 }
             }
         }

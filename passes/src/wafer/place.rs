@@ -1339,9 +1339,8 @@ impl<'a> Placer<'a> {
             }
         }
         let mut gathers = Vec::new();
-        for (pe, mut list) in needs {
-            list.sort_unstable();
-            list.dedup();
+        // Each list is in segment order, once each: segments are visited in order.
+        for (pe, list) in needs {
             if list.len() < GATHER_MIN_SEGMENTS {
                 continue;
             }

@@ -260,8 +260,7 @@ impl<'p> Executor<'p> {
         let ResultLayout::Vector(layout) = &self.placement(*value).result else {
             return Err(route_kind_error(run, route, "a gather of a vector's segments"));
         };
-        for segment in layout.segments.iter().filter(|s| route.sources.contains(&s.pe)) {
-            let Some(sent) = intersect(&segment.elements, gathered) else { continue };
+        for (segment, sent) in layout.overlapping(gathered.clone()).filter(|(s, _)| route.sources.contains(&s.pe)) {
             let Some(overlap) = intersect(&sent, elements) else { continue };
             let message = self.message(state, run, route.id, segment.pe, pe)?;
             let data = data_of(run, route.id, segment.pe, pe, message, span(&sent) as usize)?;
