@@ -114,6 +114,30 @@ fn a_doubly_placed_tile_is_caught() {
     );
 }
 
+/// The weight regions' bytes lie end to end in the tile blob in PE order: two regions whose blob
+/// ranges are swapped are named, and so is a blob longer than its regions.
+#[test]
+fn weight_regions_out_of_blob_order_are_caught() {
+    let (module, mut program) = compiled();
+    let mut weights = program.pes.iter_mut().flat_map(|image| {
+        let pe = image.pe;
+        image.regions.iter_mut().filter_map(move |r| match &mut r.kind {
+            RegionKind::Weight { blob, .. } => Some((pe, blob)),
+            _ => None,
+        })
+    });
+    let (first_pe, first) = weights.next().unwrap();
+    let (_, second) = weights.next().unwrap();
+    std::mem::swap(first, second);
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.pe == Some(first_pe) && p.message.contains("does not start where")), "{err}");
+
+    let (module, mut program) = compiled();
+    program.tile_blob_len += 2;
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.message.contains("blob ranges end at")), "{err}");
+}
+
 #[test]
 fn shared_colours_and_broken_paths_are_caught() {
     let (module, mut program) = compiled();

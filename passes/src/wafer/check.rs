@@ -560,7 +560,9 @@ impl<'a> Checker<'a> {
         // Per (instruction, weight, copy): `None` the original, a copy's PEs are its own.
         type Holder = (u32, u32, Option<(usize, usize)>);
         let mut held: BTreeMap<Holder, Vec<Piece>> = BTreeMap::new();
-        let mut blobs = Vec::new();
+        // The weight regions' bytes lie end to end in the blob in PE order (see
+        // `WaferProgram::tile_blob_len`), so each range starts where the one before it ended.
+        let mut blob_end = 0u64;
         for image in &self.program.pes {
             let copy = self.copy_of_pe.get(&image.pe).copied();
             for r in &image.regions {
@@ -599,10 +601,15 @@ impl<'a> Checker<'a> {
                             format!("region of {} is {} bytes, blob {blob:?}; expected {expect:?}", w.name, r.bytes),
                         );
                     }
-                    if blob.end > self.program.tile_blob_len {
-                        self.report(Some(image.pe), None, Some(instr), format!("blob range {blob:?} is past the blob"));
+                    if blob.start != blob_end {
+                        self.report(
+                            Some(image.pe),
+                            None,
+                            Some(instr),
+                            format!("blob range {blob:?} does not start where the weight region before it in PE order ends ({blob_end})"),
+                        );
                     }
-                    blobs.push((blob.clone(), image.pe));
+                    blob_end = blob.end;
                     held.entry((instr, *weight, copy)).or_default().push((
                         narrow_rows.clone(),
                         narrow_cols.clone(),
@@ -611,16 +618,16 @@ impl<'a> Checker<'a> {
                 }
             }
         }
-        blobs.sort_by_key(|(b, _)| (b.start, b.end));
-        for pair in blobs.windows(2) {
-            if pair[1].0.start < pair[0].0.end {
-                self.report(
-                    Some(pair[1].1),
-                    None,
-                    None,
-                    format!("blob range {:?} overlaps {:?}", pair[1].0, pair[0].0),
-                );
-            }
+        if blob_end != self.program.tile_blob_len {
+            self.report(
+                None,
+                None,
+                None,
+                format!(
+                    "the weight regions' blob ranges end at {blob_end}, the blob at {}",
+                    self.program.tile_blob_len
+                ),
+            );
         }
         for (handle, ir) in self.module.body.iter() {
             let instr = handle.index() as u32;
@@ -1108,39 +1115,57 @@ impl<'a> Checker<'a> {
             }
         };
         // Per destination PE's image (position in `program.pes`): the values operand routes bring
-        // there, with their element ranges and routes; sorted by value, in route order within one.
-        let mut arriving: Vec<Vec<(u32, Range<u64>, u32)>> = vec![Vec::new(); self.program.pes.len()];
+        // there and the routes (positions in `program.routes`), sorted by value, in route order
+        // within one; the elements are the route's. One flat table indexed by image (an 8B program has tens of millions of
+        // arrivals: a list per image held twice their bytes).
+        let carried = |r: &'a Route| match &r.kind {
+            RouteKind::Operand { value, elements } | RouteKind::Gather { value, elements } => Some((*value, elements)),
+            _ => None,
+        };
+        let mut first = vec![0u32; self.program.pes.len() + 1];
         for r in &self.program.routes {
-            let (value, elements) = match &r.kind {
-                RouteKind::Operand { value, elements } => {
+            let Some((value, elements)) = carried(r) else { continue };
+            match &r.kind {
+                RouteKind::Gather { .. } => self.gather_sources(r, value, elements),
+                _ => {
                     let src_ok = self.images.get(r.sources[0]).is_some_and(|img| {
-                        img.regions.iter().any(|g| g.instr == Some(*value) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
+                        img.regions.iter().any(|g| g.instr == Some(value) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
                     });
                     if !src_ok {
                         self.report(
                             Some(r.sources[0]),
                             Some(r.id),
-                            Some(*value),
+                            Some(value),
                             format!("sends elements {elements:?} of %{value}, which this PE does not hold"),
                         );
                     }
-                    (value, elements)
                 }
-                RouteKind::Gather { value, elements } => {
-                    self.gather_sources(r, *value, elements);
-                    (value, elements)
-                }
-                _ => continue,
-            };
+            }
             for d in &r.destinations {
                 if let Some(at) = self.images.position(*d) {
-                    arriving[at].push((*value, elements.clone(), r.id));
+                    first[at + 1] += 1;
                 }
             }
         }
-        for list in &mut arriving {
-            list.sort_by_key(|(value, _, _)| *value);
+        for at in 0..self.program.pes.len() {
+            first[at + 1] += first[at];
         }
+        let mut filled = first.clone();
+        let mut arrivals = vec![(0u32, 0u32); first[self.program.pes.len()] as usize];
+        for (index, r) in self.program.routes.iter().enumerate() {
+            let Some((value, _)) = carried(r) else { continue };
+            for d in &r.destinations {
+                if let Some(at) = self.images.position(*d) {
+                    arrivals[filled[at] as usize] = (value, index as u32);
+                    filled[at] += 1;
+                }
+            }
+        }
+        drop(filled);
+        for at in 0..self.program.pes.len() {
+            arrivals[first[at] as usize..first[at + 1] as usize].sort_by_key(|&(value, _)| value);
+        }
+        let arriving = |at: usize| &arrivals[first[at] as usize..first[at + 1] as usize];
         let slots = waferc_ir::wafer::replica_slots(self.program);
         let listed: Vec<HashSet<u32>> = self
             .program
@@ -1178,10 +1203,16 @@ impl<'a> Checker<'a> {
                         _ => None,
                     })
                     .collect();
-                let list = &arriving[at];
+                let list = arriving(at);
                 let of_src = &list[list.partition_point(|a| a.0 < src)..list.partition_point(|a| a.0 <= src)];
-                let mut pieces: Vec<(Range<u64>, u32)> =
-                    of_src.iter().filter(|(_, e, _)| overlap(e, elements)).map(|(_, e, id)| (e.clone(), *id)).collect();
+                let mut pieces: Vec<(Range<u64>, u32)> = of_src
+                    .iter()
+                    .filter_map(|&(_, index)| {
+                        let r = &self.program.routes[index as usize];
+                        carried(r).map(|(_, e)| (e.clone(), r.id))
+                    })
+                    .filter(|(e, _)| overlap(e, elements))
+                    .collect();
                 held.extend(pieces.iter().map(|(e, _)| e.clone()));
                 held.sort_by_key(|e| e.start);
                 let mut covered = elements.start;

@@ -960,12 +960,20 @@ impl<'a> Placer<'a> {
         &mut self,
         instr: usize,
         kind: RouteKind,
-        sources: Vec<Pe>,
-        destinations: Vec<Pe>,
+        mut sources: Vec<Pe>,
+        mut destinations: Vec<Pe>,
         path: Vec<Vec<Run>>,
         message_bytes: u64,
     ) -> RouteId {
         let id = self.routes.len() as RouteId;
+        // Lists built by extending grow by doubling; a stacked program holds hundreds of
+        // thousands of routes with millions of destinations, so each keeps its exact length.
+        sources.shrink_to_fit();
+        // Sorted, so the executor tests membership in place rather than in a sorted copy.
+        destinations.sort_unstable();
+        destinations.shrink_to_fit();
+        let mut path: Vec<Run> = path.into_iter().flatten().collect();
+        path.shrink_to_fit();
         self.routes.push(Route {
             id,
             instr: instr as u32,
@@ -973,7 +981,7 @@ impl<'a> Placer<'a> {
             colour: 0,
             sources,
             destinations,
-            path: path.into_iter().flatten().collect(),
+            path,
             message_bytes: message_bytes as u32,
         });
         id

@@ -79,6 +79,25 @@ impl<'p> Executor<'p> {
         })
     }
 
+    /// The message `sender` sent on route `id`, taken by `receiver` (a reduction's partial, which
+    /// only its receiver reads, right after it is sent): a step's reductions send a message per
+    /// tile, and the step's message map holds only the rest.
+    fn take_message(
+        &self,
+        state: &mut StepState,
+        run: &InstrRun,
+        id: RouteId,
+        sender: Pe,
+        receiver: Pe,
+    ) -> Result<Payload, ExecError> {
+        state.messages.remove(&(id, sender)).ok_or_else(|| ExecError::MissingMessage {
+            site: run.site.clone(),
+            route: id,
+            sender,
+            pe: receiver,
+        })
+    }
+
     /// A data message of exactly `expected` values.
     pub(super) fn receive_data(
         &self,
@@ -325,7 +344,7 @@ impl<'p> Executor<'p> {
             }
             let (from, to) = (route.sources[sender], route.sources[receiver]);
             self.send(state, run, id, from, Payload::Data(leaves[sender].clone()))?;
-            let sent = data_of(run, id, from, to, self.message(state, run, id, from, to)?, elements as usize)?;
+            let sent = data_of(run, id, from, to, &self.take_message(state, run, id, from, to)?, elements as usize)?;
             run.compute(to, self.costs.flops(elements as u64));
             leaves[receiver] = match sender < receiver {
                 true => self.combine(op, &sent, &leaves[receiver]),
@@ -338,7 +357,14 @@ impl<'p> Executor<'p> {
             return Ok((root, total));
         }
         self.send(state, run, id, root, Payload::Data(total))?;
-        let total = self.receive_data(state, run, id, root, destination, elements as usize)?;
+        let total = data_of(
+            run,
+            id,
+            root,
+            destination,
+            &self.take_message(state, run, id, root, destination)?,
+            elements as usize,
+        )?;
         Ok((destination, total))
     }
 

@@ -170,11 +170,12 @@ pub struct Executor<'p> {
     /// KV caches, keyed by (attention instruction, KV head placement, block): a sequence's
     /// steps use only its own KV head placements.
     kv: HashMap<(InstrIndex, usize, usize), KvBlockState>,
-    /// Destinations of each route, sorted (membership tests on big multicasts).
-    destinations: Vec<Vec<Pe>>,
-    /// The most messages a step can send: one per route source. A step's message map is made
-    /// this large at once, so it never rehashes (on a large program, growing it held the old
-    /// and the new table together, hundreds of megabytes).
+    /// Destinations of each route, sorted (membership tests on big multicasts): the route's
+    /// own list when it is sorted already (the compiler sorts them), else a sorted copy.
+    destinations: Vec<std::borrow::Cow<'p, [Pe]>>,
+    /// The most messages a step holds at once: one per source of a route other than a
+    /// reduction (a reduction's partials are taken as they arrive). A step's message map is
+    /// made this large at once, so it never rehashes.
     most_messages: usize,
     costs: timing::CostModel,
     /// The sequence the steps feed, and its position.
@@ -291,13 +292,21 @@ impl<'p> Executor<'p> {
         let destinations = program
             .routes
             .iter()
-            .map(|r| {
-                let mut d = r.destinations.clone();
-                d.sort_unstable();
-                d
+            .map(|r| match r.destinations.is_sorted() {
+                true => std::borrow::Cow::Borrowed(r.destinations.as_slice()),
+                false => {
+                    let mut d = r.destinations.clone();
+                    d.sort_unstable();
+                    std::borrow::Cow::Owned(d)
+                }
             })
             .collect();
-        let most_messages = program.routes.iter().map(|r| r.sources.len()).sum();
+        let most_messages = program
+            .routes
+            .iter()
+            .filter(|r| !matches!(r.kind, RouteKind::Reduce { .. }))
+            .map(|r| r.sources.len())
+            .sum();
         let costs = timing::CostModel::new(program)?;
         Ok(Executor {
             program,

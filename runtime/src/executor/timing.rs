@@ -367,13 +367,29 @@ struct RouteCost {
 /// A reduction's tree edges, timed, and which runs of its path each uses.
 #[derive(Clone, Debug, Default)]
 struct ReduceShape {
-    /// `(receiver, sender, cycles of the edge, its runs)` in [`Route::reduce_edges`] order.
-    edges: Vec<(usize, usize, u64, Range<usize>)>,
+    /// In [`Route::reduce_edges`] order.
+    edges: Vec<ReduceEdge>,
     /// The root leaf ([`Route::reduce_root`]), where the tree's total ends.
     root: usize,
     /// The root's forward to the destination (none when the destination is the root): cycles
     /// and runs.
     forward: (u64, Range<usize>),
+}
+
+/// One edge of a reduction's tree: leaf `sender`'s partial to leaf `receiver`, in `cycles`, on
+/// the route's runs `runs`. Compact (a stacked program's reductions have an edge per tile).
+#[derive(Clone, Debug)]
+struct ReduceEdge {
+    receiver: u32,
+    sender: u32,
+    cycles: u32,
+    runs: (u32, u32),
+}
+
+impl ReduceEdge {
+    fn runs(&self) -> Range<usize> {
+        self.runs.0 as usize..self.runs.1 as usize
+    }
 }
 
 impl CostModel {
@@ -433,9 +449,10 @@ impl CostModel {
                     return cost.latency;
                 }
                 let mut ready = vec![0u64; leaves];
-                for (receiver, sender, cycles, _) in &shape.edges {
-                    if *sender < leaves {
-                        ready[*receiver] = ready[*receiver].max(ready[*sender] + cycles);
+                for edge in &shape.edges {
+                    let (receiver, sender) = (edge.receiver as usize, edge.sender as usize);
+                    if sender < leaves {
+                        ready[receiver] = ready[receiver].max(ready[sender] + edge.cycles as u64);
                     }
                 }
                 // Only attention's reductions send from leading leaves, and they end on leaf 0.
@@ -453,7 +470,7 @@ impl CostModel {
                 let shape = &self.reduce_edges[route.id as usize];
                 let leaves = Self::reduce_leaves(route, shape, messages);
                 let mut ranges: Vec<Range<usize>> =
-                    shape.edges.iter().filter(|e| e.1 < leaves).map(|e| e.3.clone()).collect();
+                    shape.edges.iter().filter(|e| (e.sender as usize) < leaves).map(ReduceEdge::runs).collect();
                 ranges.push(shape.forward.1.clone());
                 Some(ranges)
             }
@@ -571,13 +588,25 @@ fn route_cost(
             Ok((latency, serial, first..*next_run))
         };
         let add = (elements as f64 / params.f32_fma_per_cycle).ceil() as u64;
-        let mut shape = ReduceShape { root: root_leaf, ..ReduceShape::default() };
+        let tree = route.reduce_edges();
+        let mut shape =
+            ReduceShape { root: root_leaf, edges: Vec::with_capacity(tree.len()), ..ReduceShape::default() };
         let mut ready = vec![0u64; route.sources.len()];
-        for (receiver, sender) in route.reduce_edges() {
+        for (receiver, sender) in tree {
             let (latency, serial, runs) = walk(&mut next_run, route.sources[sender], route.sources[receiver])?;
             let cycles = latency + serial + add;
             ready[receiver] = ready[receiver].max(ready[sender] + cycles);
-            shape.edges.push((receiver, sender, cycles, runs));
+            let narrow = |n: u64| {
+                u32::try_from(n).map_err(|_| {
+                    path_error(program, route, format!("edge {sender} -> {receiver} is too long to model ({n})"))
+                })
+            };
+            shape.edges.push(ReduceEdge {
+                receiver: receiver as u32,
+                sender: sender as u32,
+                cycles: narrow(cycles)?,
+                runs: (narrow(runs.start as u64)?, narrow(runs.end as u64)?),
+            });
         }
         let (mut forward, forward_start) = (0, next_run);
         for &destination in &route.destinations {
