@@ -1116,13 +1116,13 @@ impl<'a> Checker<'a> {
         };
         // Per destination PE's image (position in `program.pes`): the values operand routes bring
         // there and the routes (positions in `program.routes`), sorted by value, in route order
-        // within one; the elements are the route's. One flat table indexed by image (an 8B program has tens of millions of
-        // arrivals: a list per image held twice their bytes).
+        // within one; the elements are the route's. One flat table indexed by image: an 8B
+        // program has tens of millions of arrivals, and a list per image held twice their bytes.
         let carried = |r: &'a Route| match &r.kind {
             RouteKind::Operand { value, elements } | RouteKind::Gather { value, elements } => Some((*value, elements)),
             _ => None,
         };
-        let mut first = vec![0u32; self.program.pes.len() + 1];
+        let mut first = vec![0usize; self.program.pes.len() + 1];
         for r in &self.program.routes {
             let Some((value, elements)) = carried(r) else { continue };
             match &r.kind {
@@ -1151,21 +1151,21 @@ impl<'a> Checker<'a> {
             first[at + 1] += first[at];
         }
         let mut filled = first.clone();
-        let mut arrivals = vec![(0u32, 0u32); first[self.program.pes.len()] as usize];
+        let mut arrivals = vec![(0u32, 0u32); first[self.program.pes.len()]];
         for (index, r) in self.program.routes.iter().enumerate() {
             let Some((value, _)) = carried(r) else { continue };
             for d in &r.destinations {
                 if let Some(at) = self.images.position(*d) {
-                    arrivals[filled[at] as usize] = (value, index as u32);
+                    arrivals[filled[at]] = (value, index as u32);
                     filled[at] += 1;
                 }
             }
         }
         drop(filled);
         for at in 0..self.program.pes.len() {
-            arrivals[first[at] as usize..first[at + 1] as usize].sort_by_key(|&(value, _)| value);
+            arrivals[first[at]..first[at + 1]].sort_by_key(|&(value, _)| value);
         }
-        let arriving = |at: usize| &arrivals[first[at] as usize..first[at + 1] as usize];
+        let arriving = |at: usize| &arrivals[first[at]..first[at + 1]];
         let slots = waferc_ir::wafer::replica_slots(self.program);
         let listed: Vec<HashSet<u32>> = self
             .program
