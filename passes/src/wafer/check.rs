@@ -1124,22 +1124,22 @@ impl<'a> Checker<'a> {
         };
         let mut first = vec![0usize; self.program.pes.len() + 1];
         for r in &self.program.routes {
-            let Some((value, elements)) = carried(r) else { continue };
             match &r.kind {
-                RouteKind::Gather { .. } => self.gather_sources(r, value, elements),
-                _ => {
+                RouteKind::Gather { value, elements } => self.gather_sources(r, *value, elements),
+                RouteKind::Operand { value, elements } => {
                     let src_ok = self.images.get(r.sources[0]).is_some_and(|img| {
-                        img.regions.iter().any(|g| g.instr == Some(value) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
+                        img.regions.iter().any(|g| g.instr == Some(*value) && matches!(&g.kind, RegionKind::Output { elements: e } if e.start <= elements.start && elements.end <= e.end))
                     });
                     if !src_ok {
                         self.report(
                             Some(r.sources[0]),
                             Some(r.id),
-                            Some(value),
+                            Some(*value),
                             format!("sends elements {elements:?} of %{value}, which this PE does not hold"),
                         );
                     }
                 }
+                _ => continue,
             }
             for d in &r.destinations {
                 if let Some(at) = self.images.position(*d) {

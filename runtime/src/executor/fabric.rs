@@ -71,12 +71,7 @@ impl<'p> Executor<'p> {
         sender: Pe,
         receiver: Pe,
     ) -> Result<&'s Payload, ExecError> {
-        state.messages.get(&(id, sender)).ok_or_else(|| ExecError::MissingMessage {
-            site: run.site.clone(),
-            route: id,
-            sender,
-            pe: receiver,
-        })
+        state.messages.get(&(id, sender)).ok_or_else(|| missing_message(run, id, sender, receiver))
     }
 
     /// The message `sender` sent on route `id`, taken by `receiver` (a reduction's partial, which
@@ -90,12 +85,7 @@ impl<'p> Executor<'p> {
         sender: Pe,
         receiver: Pe,
     ) -> Result<Payload, ExecError> {
-        state.messages.remove(&(id, sender)).ok_or_else(|| ExecError::MissingMessage {
-            site: run.site.clone(),
-            route: id,
-            sender,
-            pe: receiver,
-        })
+        state.messages.remove(&(id, sender)).ok_or_else(|| missing_message(run, id, sender, receiver))
     }
 
     /// A data message of exactly `expected` values.
@@ -499,6 +489,11 @@ fn single_destination(run: &InstrRun, route: &Route) -> Result<Pe, ExecError> {
             problem: format!("route {} must have one destination, it has {}", route.id, route.destinations.len()),
         }),
     }
+}
+
+/// `receiver` found no message from `sender` on route `id`.
+fn missing_message(run: &InstrRun, id: RouteId, sender: Pe, receiver: Pe) -> ExecError {
+    ExecError::MissingMessage { site: run.site.clone(), route: id, sender, pe: receiver }
 }
 
 fn data_of(
