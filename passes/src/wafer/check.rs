@@ -23,7 +23,9 @@ use std::fmt;
 use std::ops::Range;
 
 use waferc_ir::completion::Completion;
-use waferc_ir::wafer::{wide, Pe, PeImage, Region, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work};
+use waferc_ir::wafer::{
+    wide, MatVecPlacement, Pe, PeImage, Region, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work,
+};
 use waferc_ir::{DependencyGraph, Handle, Module, Op};
 // Fx hashing: the checker hashes millions of (value, PE) and route keys, and nothing it reports
 // depends on a map's iteration order.
@@ -559,6 +561,16 @@ impl<'a> Checker<'a> {
     fn weights(&mut self) {
         // Per (instruction, weight, copy): `None` the original, a copy's PEs are its own.
         type Holder = (u32, u32, Option<(usize, usize)>);
+        // A matvec's own weight is covered through its tiles (`tile_pieces`), each of which must
+        // name one of these regions: here they are only counted, so no list of every tile's
+        // piece is held (the 8B's ten million, 0.3 GB at the checker's peak).
+        let matvec_weight: Vec<Option<u32>> = (self.module.body.iter())
+            .map(|(_, ir)| match &ir.op {
+                Op::MatVec { weight, .. } => Some(weight.index() as u32),
+                _ => None,
+            })
+            .collect();
+        let mut tile_regions: BTreeMap<Holder, (usize, Pe)> = BTreeMap::new();
         let mut held: BTreeMap<Holder, Vec<Piece>> = BTreeMap::new();
         // The weight regions' bytes lie end to end in the blob in PE order (see
         // `WaferProgram::tile_blob_len`), so each range starts where the one before it ended.
@@ -610,11 +622,12 @@ impl<'a> Checker<'a> {
                         );
                     }
                     blob_end = blob.end;
-                    held.entry((instr, *weight, copy)).or_default().push((
-                        narrow_rows.clone(),
-                        narrow_cols.clone(),
-                        image.pe,
-                    ));
+                    let holder = (instr, *weight, copy);
+                    if matvec_weight.get(instr as usize).copied().flatten() == Some(*weight) {
+                        tile_regions.entry(holder).or_insert((0, image.pe)).0 += 1;
+                    } else {
+                        held.entry(holder).or_default().push((narrow_rows.clone(), narrow_cols.clone(), image.pe));
+                    }
                 }
             }
         }
@@ -629,6 +642,7 @@ impl<'a> Checker<'a> {
                 ),
             );
         }
+        let program = self.program;
         for (handle, ir) in self.module.body.iter() {
             let instr = handle.index() as u32;
             let (exact, shared): (Vec<_>, Vec<_>) = match &ir.op {
@@ -639,19 +653,24 @@ impl<'a> Checker<'a> {
                 _ => continue,
             };
             // The original and every copy of a replicated expert each hold the whole weight.
-            let copies: Vec<Option<(usize, usize)>> = std::iter::once(None)
-                .chain(
-                    self.program
-                        .replicas
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, r)| r.instrs.contains(&instr))
-                        .flat_map(|(r, replica)| (0..replica.copies.len()).map(move |c| Some((r, c)))),
-                )
-                .collect();
-            for copy in copies {
+            let original = program.instrs.iter().find(|p| p.instr == instr);
+            let copies = original.map(|p| (None, p)).into_iter().chain(program.replicas.iter().enumerate().flat_map(
+                |(r, replica)| {
+                    replica.copies.iter().enumerate().flat_map(move |(c, copy)| {
+                        copy.iter().filter(move |p| p.instr == instr).map(move |p| (Some((r, c)), p))
+                    })
+                },
+            ));
+            for (copy, placement) in copies {
                 for &w in &exact {
-                    let pieces = held.remove(&(instr, w.index() as u32, copy)).unwrap_or_default();
+                    let key = (instr, w.index() as u32, copy);
+                    let pieces = match &placement.work {
+                        Work::MatVec(mv) => {
+                            let regions = tile_regions.remove(&key).map_or(0, |(count, _)| count);
+                            self.tile_pieces(placement.instr, mv, w.index() as u32, regions)
+                        }
+                        _ => held.remove(&key).unwrap_or_default(),
+                    };
                     self.exactly_once(instr, w, pieces, matches!(ir.op, Op::MatVec { .. }));
                 }
                 for &w in &shared {
@@ -660,59 +679,73 @@ impl<'a> Checker<'a> {
                 }
             }
         }
-        for ((instr, weight, _), pieces) in held {
+        let unread = held.into_iter().map(|(holder, pieces)| (holder, pieces[0].2));
+        for ((instr, weight, _), pe) in unread.chain(tile_regions.into_iter().map(|(holder, (_, pe))| (holder, pe))) {
             self.report(
-                Some(pieces[0].2),
+                Some(pe),
                 None,
                 Some(instr),
                 format!("holds weight #{weight}, which the instruction does not read"),
             );
         }
-        // Every tile a matvec lists is a weight region of that matvec with the tile's extent.
-        let copies = self.program.replicas.iter().flat_map(|r| r.copies.iter().flatten());
-        for p in self.program.instrs.iter().chain(copies) {
-            let Work::MatVec(mv) = &p.work else { continue };
-            if mv.tiles.len() != mv.row_blocks as usize * mv.col_blocks as usize {
+    }
+
+    /// The pieces of weight `weight` that matvec placement `mv`'s tiles hold: each tile must name
+    /// a weight region of its instruction with the tile's extent, no two the same, and the grid's
+    /// PEs must hold no other region of that weight (`regions` counts them). Then the tiles'
+    /// pieces are the regions' pieces, and cover the weight as they do.
+    fn tile_pieces(&mut self, instr: u32, mv: &MatVecPlacement, weight: u32, regions: usize) -> Vec<Piece> {
+        if mv.tiles.len() != mv.row_blocks as usize * mv.col_blocks as usize {
+            self.report(
+                None,
+                None,
+                Some(instr),
+                format!("{} tiles for a {} x {} grid", mv.tiles.len(), mv.row_blocks, mv.col_blocks),
+            );
+        }
+        if regions != mv.tiles.len() {
+            self.report(
+                None,
+                None,
+                Some(instr),
+                format!("its PEs hold {regions} regions of weight #{weight}, but it lists {} tiles", mv.tiles.len()),
+            );
+        }
+        let mut pieces = Vec::with_capacity(mv.tiles.len());
+        let mut seen = HashSet::default();
+        for t in &mv.tiles {
+            let region = self.images.get(t.pe).and_then(|img| img.regions.get(t.region as usize));
+            let piece = region.and_then(|r| match &r.kind {
+                RegionKind::Weight { weight: w, rows, cols, .. }
+                    if r.instr == Some(instr)
+                        && *w == weight
+                        && *rows == t.rows
+                        && cols.start == t.chunks.start * 32
+                        && cols.end.div_ceil(32) == t.chunks.end =>
+                {
+                    Some((rows.clone(), cols.clone(), t.pe))
+                }
+                _ => None,
+            });
+            match piece {
+                Some(piece) => pieces.push(piece),
+                None => self.report(
+                    Some(t.pe),
+                    None,
+                    Some(instr),
+                    format!("tile rows {:?} x chunks {:?} is not the weight region it names", t.rows, t.chunks),
+                ),
+            }
+            if !seen.insert((t.pe, t.region)) {
                 self.report(
+                    Some(t.pe),
                     None,
-                    None,
-                    Some(p.instr),
-                    format!("{} tiles for a {} x {} grid", mv.tiles.len(), mv.row_blocks, mv.col_blocks),
+                    Some(instr),
+                    format!("tile rows {:?} x chunks {:?} is placed twice", t.rows, t.chunks),
                 );
             }
-            let mut seen = HashSet::default();
-            for t in &mv.tiles {
-                let region = self.images.get(t.pe).and_then(|img| img.regions.get(t.region as usize));
-                let ok = match region {
-                    Some(r) => match &r.kind {
-                        RegionKind::Weight { rows, cols, .. } => {
-                            r.instr == Some(p.instr)
-                                && *rows == t.rows
-                                && cols.start == t.chunks.start * 32
-                                && cols.end.div_ceil(32) == t.chunks.end
-                        }
-                        _ => false,
-                    },
-                    None => false,
-                };
-                if !ok {
-                    self.report(
-                        Some(t.pe),
-                        None,
-                        Some(p.instr),
-                        format!("tile rows {:?} x chunks {:?} is not the weight region it names", t.rows, t.chunks),
-                    );
-                }
-                if !seen.insert((t.pe, t.region)) {
-                    self.report(
-                        Some(t.pe),
-                        None,
-                        Some(p.instr),
-                        format!("tile rows {:?} x chunks {:?} is placed twice", t.rows, t.chunks),
-                    );
-                }
-            }
         }
+        pieces
     }
 
     /// A norm group split over several segments: each segment's part is a leaf of the chunk tree
@@ -1114,10 +1147,11 @@ impl<'a> Checker<'a> {
                 }
             }
         };
-        // Per destination PE's image (position in `program.pes`): the values operand routes bring
-        // there and the routes (positions in `program.routes`), sorted by value, in route order
-        // within one; the elements are the route's. One flat table indexed by image: an 8B
-        // program has tens of millions of arrivals, and a list per image held twice their bytes.
+        // Per destination PE's image (position in `program.pes`): the operand routes arriving
+        // there (positions in `program.routes`), sorted by the value they carry, in route order
+        // within one; the elements are the route's. One flat table indexed by image, of route
+        // positions alone: an 8B program has 40 million arrivals (a list per image held twice
+        // their bytes, and the value beside each route another 0.16 GB).
         let carried = |r: &'a Route| match &r.kind {
             RouteKind::Operand { value, elements } | RouteKind::Gather { value, elements } => Some((*value, elements)),
             _ => None,
@@ -1151,19 +1185,23 @@ impl<'a> Checker<'a> {
             first[at + 1] += first[at];
         }
         let mut filled = first.clone();
-        let mut arrivals = vec![(0u32, 0u32); first[self.program.pes.len()]];
+        let mut arrivals = vec![0u32; first[self.program.pes.len()]];
+        let value_of: Vec<u32> =
+            self.program.routes.iter().map(|r| carried(r).map_or(u32::MAX, |(value, _)| value)).collect();
         for (index, r) in self.program.routes.iter().enumerate() {
-            let Some((value, _)) = carried(r) else { continue };
+            if value_of[index] == u32::MAX {
+                continue;
+            }
             for d in &r.destinations {
                 if let Some(at) = self.images.position(*d) {
-                    arrivals[filled[at]] = (value, index as u32);
+                    arrivals[filled[at]] = index as u32;
                     filled[at] += 1;
                 }
             }
         }
         drop(filled);
         for at in 0..self.program.pes.len() {
-            arrivals[first[at]..first[at + 1]].sort_by_key(|&(value, _)| value);
+            arrivals[first[at]..first[at + 1]].sort_by_key(|&index| value_of[index as usize]);
         }
         let arriving = |at: usize| &arrivals[first[at]..first[at + 1]];
         let slots = waferc_ir::wafer::replica_slots(self.program);
@@ -1204,10 +1242,12 @@ impl<'a> Checker<'a> {
                     })
                     .collect();
                 let list = arriving(at);
-                let of_src = &list[list.partition_point(|a| a.0 < src)..list.partition_point(|a| a.0 <= src)];
+                let carries = |&index: &u32| value_of[index as usize];
+                let of_src =
+                    &list[list.partition_point(|a| carries(a) < src)..list.partition_point(|a| carries(a) <= src)];
                 let mut pieces: Vec<(Range<u64>, u32)> = of_src
                     .iter()
-                    .filter_map(|&(_, index)| {
+                    .filter_map(|&index| {
                         let r = &self.program.routes[index as usize];
                         carried(r).map(|(_, e)| (e.clone(), r.id))
                     })

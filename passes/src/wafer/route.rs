@@ -330,22 +330,15 @@ fn pe_index(params: &TargetParams, pe: Pe) -> usize {
     (pe.wafer as usize * rows + pe.y as usize) * cols + pe.x as usize
 }
 
-/// Each route's PEs, deduplicated and sorted by dense index. Each list is collected in one
-/// scratch buffer and kept at its exact length: a route visits most of its PEs more than once
-/// (a reduction's runs overlap), and lists grown in place held the 8B's colouring peak at
-/// 1.45 GB where the lists themselves take 0.38 GB.
-fn route_pes(routes: &[Route], params: &TargetParams) -> Vec<Vec<u32>> {
-    let mut scratch = Vec::new();
-    routes
-        .iter()
-        .map(|route| {
-            scratch.clear();
-            for_each_pe(route, |pe| scratch.push(pe_index(params, pe) as u32));
-            scratch.sort_unstable();
-            scratch.dedup();
-            scratch.to_vec()
-        })
-        .collect()
+/// Route `route`'s PEs into `out`, deduplicated and sorted by dense index (a route visits most
+/// of its PEs more than once: a reduction's runs overlap). The colouring computes a route's
+/// list when it needs it rather than holding every route's at once (the 8B's 95 million
+/// route-PE pairs were 0.38 GB at the lowering's peak).
+fn route_pes_into(route: &Route, params: &TargetParams, out: &mut Vec<u32>) {
+    out.clear();
+    for_each_pe(route, |pe| out.push(pe_index(params, pe) as u32));
+    out.sort_unstable();
+    out.dedup();
 }
 
 /// When two routes can never be active at the same time, so may share a colour on a PE: their
@@ -379,19 +372,18 @@ impl RouteOrder<'_> {
 /// the epoch of the route's instruction ([`Precedence::epoch`]) and then by index, so the graph
 /// is the same on every run (the colouring reads only
 /// neighbour sets, so the order of the edges does not matter to it).
-#[cfg(test)]
-pub(super) fn conflict_graph(routes: &[Route], params: &TargetParams, order: &RouteOrder) -> UnGraph<(), ()> {
-    conflict_graph_of(routes, &route_pes(routes, params), params, order)
-}
-
-/// [`conflict_graph`] of routes whose PEs ([`route_pes`]) are already listed. Only routes of
-/// one epoch can be active together, so routes are taken epoch by epoch (then by index), and
-/// each is compared with the routes of its epoch taken before it at each of its PEs. Those
-/// lists live only for the epoch (a linked list per PE, reset when the epoch first touches the
-/// PE), so the working set is one epoch's region of the wafer rather than every route of
-/// every PE (the 8B's 95 million route-PE pairs: reading per-PE lists of the whole program, in
-/// route order, was most of the colouring's time in cache misses).
-fn conflict_graph_of(routes: &[Route], pes: &[Vec<u32>], params: &TargetParams, order: &RouteOrder) -> UnGraph<(), ()> {
+/// Only routes of one epoch can be active together, so routes are taken epoch by epoch (then by
+/// index), and each is compared with the routes of its epoch taken before it at each of its
+/// PEs. Those lists live only for the epoch (a linked list per PE, reset when the epoch first
+/// touches the PE), so the working set is one epoch's region of the wafer rather than every
+/// route of every PE (the 8B's 95 million route-PE pairs: reading per-PE lists of the whole
+/// program, in route order, was most of the colouring's time in cache misses). Also returns
+/// each route's PE count.
+pub(super) fn conflict_graph(
+    routes: &[Route],
+    params: &TargetParams,
+    order: &RouteOrder,
+) -> (UnGraph<(), ()>, Vec<u32>) {
     const NONE: u32 = u32::MAX;
     let pe_count = params.grid_cols as usize * params.grid_rows as usize * params.wafers as usize;
     // Each route's instruction and epoch, read for every pair: looked up in the routes
@@ -410,6 +402,8 @@ fn conflict_graph_of(routes: &[Route], pes: &[Vec<u32>], params: &TargetParams, 
     let mut met: Vec<(u32, u32)> = Vec::new();
     // `seen_by[s] == r`: the pair (s, r) was already considered.
     let mut seen_by = vec![NONE; routes.len()];
+    let mut pe_counts = vec![0u32; routes.len()];
+    let mut pes = Vec::new();
     let mut current = NONE;
     for &r in &visit {
         let (r_instr, r_epoch) = (instr[r as usize] as usize, epoch[r as usize]);
@@ -417,7 +411,9 @@ fn conflict_graph_of(routes: &[Route], pes: &[Vec<u32>], params: &TargetParams, 
             current = r_epoch;
             met.clear();
         }
-        for &p in &pes[r as usize] {
+        route_pes_into(&routes[r as usize], params, &mut pes);
+        pe_counts[r as usize] = pes.len() as u32;
+        for &p in &pes {
             let p = p as usize;
             if list_epoch[p] != r_epoch {
                 list_epoch[p] = r_epoch;
@@ -438,7 +434,7 @@ fn conflict_graph_of(routes: &[Route], pes: &[Vec<u32>], params: &TargetParams, 
             head[p] = (met.len() - 1) as u32;
         }
     }
-    graph
+    (graph, pe_counts)
 }
 
 /// Colours routes so that no two routes touching a PE share one while both can be active, by
@@ -454,16 +450,15 @@ pub(super) fn assign_colours(
     params: &TargetParams,
     order: &RouteOrder,
 ) -> Result<(), ColourClash> {
-    let mut pes = route_pes(routes, params);
-    let mut graph = conflict_graph_of(routes, &pes, params, order);
+    let (mut graph, pe_counts) = conflict_graph(routes, params, order);
     let mut detoured = Detoured::new(params);
     let mut detours = 0usize;
     let limit = params.colours_per_pe.min(32) as u32;
     let all = if limit == 32 { u32::MAX } else { (1u32 << limit) - 1 };
     let mut neighbour_colours = vec![0u32; routes.len()];
     let mut coloured = vec![false; routes.len()];
-    let mut queue: BinaryHeap<(u32, usize, Reverse<usize>)> =
-        pes.iter().enumerate().map(|(r, list)| (0, list.len(), Reverse(r))).collect();
+    let mut queue: BinaryHeap<(u32, u32, Reverse<usize>)> =
+        pe_counts.iter().enumerate().map(|(r, &count)| (0, count, Reverse(r))).collect();
     while let Some((saturation, _, Reverse(r))) = queue.pop() {
         if coloured[r] || saturation != neighbour_colours[r].count_ones() {
             continue;
@@ -473,20 +468,14 @@ pub(super) fn assign_colours(
             free.trailing_zeros()
         } else if detours < DETOUR_BUDGET {
             detours += 1;
-            let mut state = Colouring {
-                params,
-                order,
-                graph: &mut graph,
-                pes: &mut pes,
-                coloured: &coloured,
-                detoured: &mut detoured,
-            };
+            let mut state =
+                Colouring { params, order, graph: &mut graph, coloured: &coloured, detoured: &mut detoured };
             match state.detour(routes, r, limit) {
                 Some(colour) => colour,
-                None => return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &pes, &coloured, r) }),
+                None => return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &coloured, r) }),
             }
         } else {
-            return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &pes, &coloured, r) });
+            return Err(ColourClash { route: r, pe: busiest_pe(routes, params, &coloured, r) });
         };
         routes[r].colour = colour as u8;
         coloured[r] = true;
@@ -495,7 +484,7 @@ pub(super) fn assign_colours(
             let other = other.index();
             if !coloured[other] && neighbour_colours[other] & bit == 0 {
                 neighbour_colours[other] |= bit;
-                queue.push((neighbour_colours[other].count_ones(), pes[other].len(), Reverse(other)));
+                queue.push((neighbour_colours[other].count_ones(), pe_counts[other], Reverse(other)));
             }
         }
     }
@@ -551,11 +540,13 @@ impl Detoured {
     }
 
     /// Built on the first detour only: most programs never need one.
-    fn touching(&mut self, pes: &[Vec<u32>]) -> &mut [Vec<u32>] {
+    fn touching(&mut self, routes: &[Route], params: &TargetParams) -> &mut [Vec<u32>] {
         if !self.built {
             self.pe_routes = vec![Vec::new(); self.pe_count];
-            for (r, list) in pes.iter().enumerate() {
-                for &p in list {
+            let mut pes = Vec::new();
+            for (r, route) in routes.iter().enumerate() {
+                route_pes_into(route, params, &mut pes);
+                for &p in &pes {
                     self.pe_routes[p as usize].push(r as u32);
                 }
             }
@@ -570,7 +561,6 @@ struct Colouring<'a, 'g> {
     params: &'a TargetParams,
     order: &'a RouteOrder<'a>,
     graph: &'g mut UnGraph<(), ()>,
-    pes: &'g mut Vec<Vec<u32>>,
     coloured: &'g [bool],
     detoured: &'g mut Detoured,
 }
@@ -583,10 +573,10 @@ impl Colouring<'_, '_> {
     /// route's path, its PEs and its conflict-graph edges. `None`: the route has no legs to
     /// re-route, or no colour has paths for all of them.
     fn detour(&mut self, routes: &mut [Route], r: usize, limit: u32) -> Option<u32> {
-        let route = &routes[r];
-        let legs = legs(route)?;
+        let legs = legs(&routes[r])?;
         let params = self.params;
-        let touching = self.detoured.touching(self.pes);
+        let touching = self.detoured.touching(routes, params);
+        let route = &routes[r];
         // Colours taken at a PE by coloured routes that may be active alongside route `r`.
         let taken = |pe: Pe| -> u32 {
             let mut colours = 0u32;
@@ -626,12 +616,12 @@ impl Colouring<'_, '_> {
             }
         }
         let (_, colour, runs) = best?;
+        let mut old_pes = Vec::new();
+        route_pes_into(&routes[r], params, &mut old_pes);
         routes[r].path = runs;
         let mut new_pes = Vec::new();
-        for_each_pe(&routes[r], |pe| new_pes.push(pe_index(params, pe) as u32));
-        new_pes.sort_unstable();
-        new_pes.dedup();
-        for &p in &self.pes[r] {
+        route_pes_into(&routes[r], params, &mut new_pes);
+        for &p in &old_pes {
             if let Some(list) = touching.get_mut(p as usize) {
                 list.retain(|&s| s as usize != r);
             }
@@ -653,17 +643,19 @@ impl Colouring<'_, '_> {
                 self.graph.add_edge(node, NodeIndex::new(s as usize), ());
             }
         }
-        self.pes[r] = new_pes;
         Some(colour)
     }
 }
 
 /// The PE of route `clash` where the routes coloured so far use the most distinct colours (the
 /// last such PE in dense order).
-fn busiest_pe(routes: &[Route], params: &TargetParams, pes: &[Vec<u32>], coloured: &[bool], clash: usize) -> Pe {
-    let mut used: BTreeMap<u32, u32> = pes[clash].iter().map(|&p| (p, 0)).collect();
-    for (r, list) in pes.iter().enumerate().filter(|(r, _)| coloured[*r]) {
-        for p in list {
+fn busiest_pe(routes: &[Route], params: &TargetParams, coloured: &[bool], clash: usize) -> Pe {
+    let mut pes = Vec::new();
+    route_pes_into(&routes[clash], params, &mut pes);
+    let mut used: BTreeMap<u32, u32> = pes.iter().map(|&p| (p, 0)).collect();
+    for (r, route) in routes.iter().enumerate().filter(|(r, _)| coloured[*r]) {
+        route_pes_into(route, params, &mut pes);
+        for p in &pes {
             if let Some(colours) = used.get_mut(p) {
                 *colours |= 1 << routes[r].colour;
             }
@@ -719,7 +711,7 @@ mod tests {
         ];
         let precedence = module_precedence();
         let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
-        let graph = conflict_graph(&routes, &params, &order);
+        let (graph, _) = conflict_graph(&routes, &params, &order);
         let edges: Vec<(usize, usize)> = graph
             .edge_indices()
             .map(|e| graph.edge_endpoints(e).expect("an edge has endpoints"))
@@ -808,7 +800,7 @@ mod tests {
         // The colours are legal on the new path: no PE has two unordered routes of one colour.
         let precedence = module_precedence();
         let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
-        let graph = conflict_graph(&routes, &params, &order);
+        let (graph, _) = conflict_graph(&routes, &params, &order);
         for e in graph.edge_indices() {
             let (a, b) = graph.edge_endpoints(e).expect("an edge has endpoints");
             assert_ne!(routes[a.index()].colour, routes[b.index()].colour);
