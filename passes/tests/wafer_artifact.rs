@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use wafer_common::{build, Shape};
 use waferc_ir::wafer::artifact::{self, Artifact, ArtifactError};
-use waferc_ir::wafer::{region_bytes, RegionKind};
+use waferc_ir::wafer::region_bytes;
 use waferc_passes::wafer::{check, compile, CompileOptions};
 use waferc_targets::Target;
 
@@ -33,14 +33,11 @@ fn round_trip_keeps_program_module_and_every_tile() {
         assert_eq!(a.data.bytes(), b.data.bytes(), "IR weight {}", a.name);
     }
     let mut tiles = 0;
-    for image in &back.program.pes {
-        for region in &image.regions {
-            if let RegionKind::Weight { .. } = region.kind {
-                let from_file = back.region_bytes(&region.kind).unwrap();
-                assert_eq!(Some(from_file), region_bytes(&original.module, &region.kind), "{}", image.pe);
-                tiles += 1;
-            }
-        }
+    for (at, index, blob) in back.program.blob_ranges() {
+        let (pe, region) = (back.program.pes[at].pe, &back.program.pes[at].regions[index]);
+        let from_file = back.region_bytes(&region.kind, blob).unwrap();
+        assert_eq!(Some(from_file), region_bytes(&original.module, &region.kind), "{pe}");
+        tiles += 1;
     }
     assert!(tiles > 0);
     check(&back.program, &back.module).unwrap();

@@ -114,28 +114,27 @@ fn a_doubly_placed_tile_is_caught() {
     );
 }
 
-/// The weight regions' bytes lie end to end in the tile blob in PE order: two regions whose blob
-/// ranges are swapped are named, and so is a blob longer than its regions.
+/// The tile blob lays the weight regions' bytes end to end, so its length is their sum: a blob
+/// longer than its regions is named, and so is a weight region whose bytes are not its rows
+/// of its columns.
 #[test]
-fn weight_regions_out_of_blob_order_are_caught() {
-    let (module, mut program) = compiled();
-    let mut weights = program.pes.iter_mut().flat_map(|image| {
-        let pe = image.pe;
-        image.regions.iter_mut().filter_map(move |r| match &mut r.kind {
-            RegionKind::Weight { blob, .. } => Some((pe, blob)),
-            _ => None,
-        })
-    });
-    let (first_pe, first) = weights.next().unwrap();
-    let (_, second) = weights.next().unwrap();
-    std::mem::swap(first, second);
-    let err = problems(&program, &module);
-    assert!(err.problems.iter().any(|p| p.pe == Some(first_pe) && p.message.contains("does not start where")), "{err}");
-
+fn a_tile_blob_or_weight_region_of_the_wrong_size_is_caught() {
     let (module, mut program) = compiled();
     program.tile_blob_len += 2;
     let err = problems(&program, &module);
-    assert!(err.problems.iter().any(|p| p.message.contains("blob ranges end at")), "{err}");
+    assert!(err.problems.iter().any(|p| p.message.contains("the weight regions hold")), "{err}");
+
+    let (module, mut program) = compiled();
+    let (pe, region) = (program.pes.iter_mut())
+        .find_map(|image| {
+            let pe = image.pe;
+            image.regions.iter_mut().find(|r| matches!(r.kind, RegionKind::Weight { .. })).map(|r| (pe, r))
+        })
+        .unwrap();
+    region.bytes += 2;
+    program.tile_blob_len += 2;
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.pe == Some(pe) && p.message.contains("; expected")), "{err}");
 }
 
 #[test]

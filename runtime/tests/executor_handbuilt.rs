@@ -54,12 +54,13 @@ fn program(far: u16) -> (WaferProgram, Vec<u8>) {
     let (b0, b1) = (blob.len() as u64, (blob.len() + tile0.len()) as u64);
     blob.extend(&tile0);
     blob.extend(&tile1);
+    // The tile blob holds the regions' bytes in PE order: the table's, then each tile's.
     let weight_region = |weight: u32,
                          instr: u32,
                          rows: std::ops::Range<u32>,
                          cols: std::ops::Range<u32>,
                          blob: std::ops::Range<u64>| {
-        region(code, (blob.end - blob.start) as u32, Some(instr), RegionKind::Weight { weight, rows, cols, blob })
+        region(code, (blob.end - blob.start) as u32, Some(instr), RegionKind::Weight { weight, rows, cols })
     };
     let code_region = region(0, code, None, RegionKind::Code);
     let pes = vec![

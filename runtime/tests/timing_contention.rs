@@ -41,9 +41,8 @@ fn program(b_row: u16) -> WaferProgram {
     let code_region = region(0, code, None, RegionKind::Code);
     let tile_bytes = (OUT * 32 * 2) as u32;
     let table_bytes = (VOCAB * HIDDEN * 4) as u32;
-    let weight = |weight: u32, instr: u32, cols: std::ops::Range<u32>, at: u64| {
-        let blob = at..at + tile_bytes as u64;
-        region(code, tile_bytes, Some(instr), RegionKind::Weight { weight, rows: 0..OUT as u32, cols, blob })
+    let weight = |weight: u32, instr: u32, cols: std::ops::Range<u32>| {
+        region(code, tile_bytes, Some(instr), RegionKind::Weight { weight, rows: 0..OUT as u32, cols })
     };
     let t = table_bytes as u64;
     let b = tile_bytes as u64;
@@ -56,14 +55,14 @@ fn program(b_row: u16) -> WaferProgram {
                     code,
                     table_bytes,
                     Some(0),
-                    RegionKind::Weight { weight: 0, rows: 0..VOCAB as u32, cols: 0..HIDDEN as u32, blob: 0..t },
+                    RegionKind::Weight { weight: 0, rows: 0..VOCAB as u32, cols: 0..HIDDEN as u32 },
                 ),
             ],
         },
-        PeImage { pe: a0, regions: vec![code_region.clone(), weight(1, 1, 0..32, t)] },
-        PeImage { pe: a1, regions: vec![code_region.clone(), weight(1, 1, 32..64, t + b)] },
-        PeImage { pe: b0, regions: vec![code_region.clone(), weight(2, 2, 0..32, t + 2 * b)] },
-        PeImage { pe: b1, regions: vec![code_region, weight(2, 2, 32..64, t + 3 * b)] },
+        PeImage { pe: a0, regions: vec![code_region.clone(), weight(1, 1, 0..32)] },
+        PeImage { pe: a1, regions: vec![code_region.clone(), weight(1, 1, 32..64)] },
+        PeImage { pe: b0, regions: vec![code_region.clone(), weight(2, 2, 0..32)] },
+        PeImage { pe: b1, regions: vec![code_region, weight(2, 2, 32..64)] },
     ];
     pes.sort_by_key(|image| image.pe);
     let route = |id: u32, instr, kind, sources, destinations, path, message_bytes| Route {

@@ -37,10 +37,10 @@ fn a_flipped_byte_in_a_layer_1_tile_names_its_pe_and_layer() {
         program.instrs.iter().find(|p| p.layer == Some(1) && p.op == "matvec").expect("layer 1 has a matvec");
     let Work::MatVec(matvec) = &placement.work else { unreachable!() };
     let tile = matvec.tiles.last().expect("tiles");
-    let image = program.pe(tile.pe).expect("the tile's PE has an image");
-    let RegionKind::Weight { blob: range, .. } = &image.regions[tile.region as usize].kind else {
-        panic!("a tile's region is a weight region")
-    };
+    let at = program.pes.iter().position(|image| image.pe == tile.pe).expect("the tile's PE has an image");
+    let (_, _, range) = (program.blob_ranges())
+        .find(|&(of, index, _)| of == at && index == tile.region as usize)
+        .expect("a tile's region is a weight region");
     blob[range.start as usize + 5] ^= 0x40;
 
     let error = validate(&program, &module, Some(&blob), &[3, 4], &ValidationOptions::default()).unwrap_err();

@@ -122,11 +122,11 @@ fn gpt_oss_mxfp4_expert_tiles_are_a_quarter_of_bf16() {
         let program = compile_for(&model.module, "grid:32x32", 64);
         let (mut experts, mut rest) = (0, 0);
         for region in program.pes.iter().flat_map(|pe| &pe.regions) {
-            if let waferc_ir::wafer::RegionKind::Weight { weight, blob, .. } = &region.kind {
+            if let waferc_ir::wafer::RegionKind::Weight { weight, .. } = &region.kind {
                 let w = &model.module.weights[waferc_ir::Handle::new(*weight as usize)];
                 match w.name.contains(".mlp.experts.") && w.name.ends_with("_proj.weight") {
-                    true => experts += blob.end - blob.start,
-                    false => rest += blob.end - blob.start,
+                    true => experts += region.bytes as u64,
+                    false => rest += region.bytes as u64,
                 }
             }
         }

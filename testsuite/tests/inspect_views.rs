@@ -45,12 +45,11 @@ impl Builder {
         cols: (u64, u64),
         bytes: u32,
     ) -> u32 {
-        let blob = self.blob..self.blob + bytes as u64;
         self.blob += bytes as u64;
         self.region(
             pe,
             instr,
-            RegionKind::Weight { weight, rows: narrow(rows.0..rows.1), cols: narrow(cols.0..cols.1), blob },
+            RegionKind::Weight { weight, rows: narrow(rows.0..rows.1), cols: narrow(cols.0..cols.1) },
             bytes,
         )
     }

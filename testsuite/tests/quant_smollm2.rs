@@ -191,9 +191,10 @@ fn gguf_blocks_are_placed_with_the_files_own_bytes() {
     let tiles = compiled.tiles.bytes().unwrap();
 
     let mut regions_by_dtype: BTreeMap<&str, (usize, u64)> = BTreeMap::new();
-    for image in &compiled.program.pes {
-        for region in &image.regions {
-            let RegionKind::Weight { weight, rows, cols, blob } = &region.kind else { continue };
+    for (at, index, blob) in compiled.program.blob_ranges() {
+        {
+            let region = &compiled.program.pes[at].regions[index];
+            let RegionKind::Weight { weight, rows, cols } = &region.kind else { continue };
             let (rows, cols) = (waferc_ir::wafer::wide(rows), waferc_ir::wafer::wide(cols));
             let w = &compiled.module.weights[waferc_ir::Handle::new(*weight as usize)];
             let t = &tensors[&gguf_name(&w.name)];

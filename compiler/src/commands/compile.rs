@@ -463,10 +463,10 @@ fn weight_formats(program: &WaferProgram, module: &Module) -> (Vec<FormatUse>, u
     for image in &program.pes {
         let mut held = vec![false; DType::ALL.len()];
         for region in &image.regions {
-            if let RegionKind::Weight { weight, blob, .. } = &region.kind {
+            if let RegionKind::Weight { weight, .. } = &region.kind {
                 if let Some(index) = dtype_of(*weight).and_then(|d| DType::ALL.iter().position(|&x| x == d)) {
                     held[index] = true;
-                    tile_bytes[index] += blob.end - blob.start;
+                    tile_bytes[index] += region.bytes as u64;
                 }
             }
         }

@@ -123,6 +123,8 @@ struct Document<'v, 'a> {
     view: &'v Analysis<'a>,
     /// Colours in use per PE of each wafer (`y * grid_cols + x`), indexed by wafer.
     colours: Vec<Vec<u16>>,
+    /// Where each PE image's weight bytes start in the tile blob (by position in `pes`).
+    blob_starts: Vec<u64>,
 }
 
 impl<'v, 'a> Document<'v, 'a> {
@@ -130,7 +132,11 @@ impl<'v, 'a> Document<'v, 'a> {
         let colours = (0..view.program.target.wafers)
             .map(|w| if view.wafers().contains(&w) { view.colours_in_use(w) } else { Vec::new() })
             .collect();
-        Document { view, colours }
+        let mut blob_starts = vec![u64::MAX; view.program.pes.len()];
+        for (at, _, range) in view.program.blob_ranges() {
+            blob_starts[at] = blob_starts[at].min(range.start);
+        }
+        Document { view, colours, blob_starts }
     }
 }
 
@@ -654,7 +660,8 @@ struct RegionJson {
 }
 
 impl RegionJson {
-    fn of(region: &Region) -> Self {
+    /// `blob`: where a weight region's bytes start in the tile blob.
+    fn of(region: &Region, blob: u64) -> Self {
         let mut json = RegionJson {
             blob: None,
             bytes: region.bytes,
@@ -671,11 +678,11 @@ impl RegionJson {
         };
         json.kind = match &region.kind {
             RegionKind::Code => "code",
-            RegionKind::Weight { weight, rows, cols, blob } => {
+            RegionKind::Weight { weight, rows, cols } => {
                 json.weight = Some(*weight);
                 json.rows = Some(range(&wide(rows)));
                 json.cols = Some(range(&wide(cols)));
-                json.blob = Some(range(blob));
+                json.blob = Some([blob, blob + region.bytes as u64]);
                 "weight"
             }
             RegionKind::KvCache { kv_head, positions } => {
@@ -728,7 +735,19 @@ impl Document<'_, '_> {
                 part: part_name(owner.part),
             }),
             pe: pe(image.pe),
-            regions: image.regions.iter().map(RegionJson::of).collect(),
+            regions: {
+                let at = self.view.program.pes.binary_search_by_key(&image.pe, |i| i.pe).ok();
+                let mut blob = at.map_or(0, |at| self.blob_starts[at]);
+                (image.regions.iter())
+                    .map(|region| {
+                        let json = RegionJson::of(region, blob);
+                        if matches!(region.kind, RegionKind::Weight { .. }) {
+                            blob += region.bytes as u64;
+                        }
+                        json
+                    })
+                    .collect()
+            },
             used_bytes: image.used_bytes(),
         }
     }

@@ -13,7 +13,7 @@
 //! checksum       u64       over header, tile blob and IR blob, in that order
 //! header         bincode 2 (serde, standard config): `Header`, then the replica table
 //!                (`Vec<ExpertReplicas>`, bincode) only when the program has replicas
-//! tile blob      every weight region's bytes, in the program's `pes` order (`RegionKind::Weight::blob`)
+//! tile blob      every weight region's bytes, in the program's `pes` order (`WaferProgram::blob_ranges`)
 //! IR blob        every IR weight's bytes, in module order (`Header::ir_weights`)
 //! ```
 //!
@@ -36,7 +36,7 @@ use crate::weights::WeightBytes;
 pub const MAGIC: [u8; 8] = *b"WAFERC\0\x1a";
 /// Bumped on any change to the file layout, to the serialised types or to what they mean
 /// (5: a PE image's working regions may overlap).
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 /// Magic, version, three lengths and the checksum.
 pub const PREFIX_LEN: usize = 8 + 4 + 8 + 8 + 8 + 8;
 
@@ -47,7 +47,7 @@ pub struct Artifact {
     /// The IR. After [`read`], its weights are views of the file's IR blob (absent for a
     /// shape-only compile).
     pub module: Module,
-    /// The tile blob (offsets in `RegionKind::Weight::blob`). After [`read`], a view of the file;
+    /// The tile blob (ranges from `WaferProgram::blob_ranges`). After [`read`], a view of the file;
     /// for a freshly compiled program, `Absent` (the writer cuts tiles from the module's weights).
     pub tiles: WeightBytes,
     /// The checkpoint's tokenizer as Hugging Face `tokenizer.json` text, so `waferc run --prompt`
@@ -66,11 +66,12 @@ impl Artifact {
         Artifact { tokenizer_json, ..self }
     }
 
-    /// The initial bytes of a weight region: from the tile blob if the artifact has one, else cut
-    /// from the module's weights. `None` for another region kind or a shape-only artifact.
-    pub fn region_bytes(&self, kind: &RegionKind) -> Option<Vec<u8>> {
+    /// The initial bytes of a weight region whose bytes are at `blob` in the tile blob (see
+    /// [`WaferProgram::blob_ranges`]): from the tile blob if the artifact has one, else cut from
+    /// the module's weights. `None` for another region kind or a shape-only artifact.
+    pub fn region_bytes(&self, kind: &RegionKind, blob: Range<u64>) -> Option<Vec<u8>> {
         match (kind, self.tiles.bytes()) {
-            (RegionKind::Weight { blob, .. }, Some(tiles)) => {
+            (RegionKind::Weight { .. }, Some(tiles)) => {
                 tiles.get(blob.start as usize..blob.end as usize).map(|b| b.to_vec())
             }
             (RegionKind::Weight { .. }, None) => region_bytes(&self.module, kind),
@@ -191,26 +192,20 @@ pub fn write(path: &Path, artifact: &Artifact) -> Result<(), ArtifactError> {
         };
         if tile_len > 0 {
             let mut written = 0u64;
-            for image in &program.pes {
-                for region in &image.regions {
-                    if let RegionKind::Weight { blob, .. } = &region.kind {
-                        if blob.start != written {
-                            return Err(inconsistent(format!(
-                                "{}: tile blob range {blob:?} does not follow {written}",
-                                image.pe
-                            )));
-                        }
-                        let bytes = match artifact.tiles.bytes() {
-                            Some(tiles) => tiles.get(blob.start as usize..blob.end as usize).map(|b| b.to_vec()),
-                            None => region_bytes(module, &region.kind),
-                        }
-                        .ok_or_else(|| {
-                            inconsistent(format!("{}: no bytes for the weight region at {blob:?}", image.pe))
-                        })?;
-                        emit(&mut out, &bytes)?;
-                        written = blob.end;
-                    }
+            for (at, index, blob) in program.blob_ranges() {
+                let (pe, region) = (program.pes[at].pe, &program.pes[at].regions[index]);
+                let bytes = artifact.region_bytes(&region.kind, blob.clone()).ok_or_else(|| {
+                    inconsistent(format!("{pe}: no bytes for the weight region at {blob:?} of the tile blob"))
+                })?;
+                if bytes.len() as u64 != blob.end - blob.start {
+                    return Err(inconsistent(format!(
+                        "{pe}: a weight region of {} bytes holds {} bytes of its weight",
+                        region.bytes,
+                        bytes.len()
+                    )));
                 }
+                emit(&mut out, &bytes)?;
+                written = blob.end;
             }
             if written != tile_len {
                 return Err(inconsistent(format!("tile regions hold {written} bytes, the program says {tile_len}")));

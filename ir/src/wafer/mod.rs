@@ -244,7 +244,7 @@ impl std::str::FromStr for Plan {
 }
 
 /// The whole placed program. Serialised into an artifact with bincode; weight bytes are not
-/// part of it (they are the artifact's tile blob, addressed by [`RegionKind::Weight::blob`]).
+/// part of it (they are the artifact's tile blob, where [`WaferProgram::blob_ranges`] finds them).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct WaferProgram {
     pub target: TargetParams,
@@ -259,7 +259,8 @@ pub struct WaferProgram {
     pub routes: Vec<Route>,
     /// One decode step, in execution order.
     pub schedule: Vec<Step>,
-    /// Length of the tile blob: the weight regions' bytes, laid end to end in `pes` order.
+    /// Length of the tile blob: the weight regions' bytes, laid end to end in `pes` order (each
+    /// region's `bytes` of them: [`WaferProgram::blob_ranges`]).
     pub tile_blob_len: u64,
     /// Whether the tile blob holds bytes (false for a shape-only compile).
     pub weights_present: bool,
@@ -285,6 +286,30 @@ impl WaferProgram {
                 _ => 0,
             })
             .sum()
+    }
+
+    /// Every weight region with its bytes' range in the tile blob, in blob order: as
+    /// (position in `pes`, position in its image's regions, range). The blob lays the weight
+    /// regions' `bytes` end to end in `pes` order, so the ranges are derived rather than stored
+    /// (16 bytes a region: a quarter of a full-size lowering's regions).
+    pub fn blob_ranges(&self) -> impl Iterator<Item = (usize, usize, Range<u64>)> + '_ {
+        let mut end = 0u64;
+        self.pes
+            .iter()
+            .enumerate()
+            .flat_map(|(at, image)| {
+                image
+                    .regions
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| matches!(r.kind, RegionKind::Weight { .. }))
+                    .map(move |(index, r)| (at, index, r))
+            })
+            .map(move |(at, index, r)| {
+                let start = end;
+                end += r.bytes as u64;
+                (at, index, start..end)
+            })
     }
 
     /// The image of `pe`, if it holds anything.
@@ -350,8 +375,9 @@ pub enum RegionKind {
     /// A block of IR weight `weight`: rows `rows` by elements `cols` of its last axis (a 1-D
     /// weight has the single row `0..1`). The bytes are the weight's storage bytes of each row's
     /// `cols` slice, rows in order; `cols` starts and ends on 32-element block boundaries for
-    /// block-quantised types (or at the row end). `blob` is where they are in the tile blob.
-    Weight { weight: u32, rows: Range<u32>, cols: Range<u32>, blob: Range<u64> },
+    /// block-quantised types (or at the row end). The region's `bytes` are exactly those bytes;
+    /// where they are in the tile blob follows from the order ([`WaferProgram::blob_ranges`]).
+    Weight { weight: u32, rows: Range<u32>, cols: Range<u32> },
     /// KV cache of one KV head for positions `positions` (capacity; filled as decoding goes):
     /// keys then values, each `positions.len() x head_dim` f32, position-major.
     KvCache { kv_head: u32, positions: Range<u32> },

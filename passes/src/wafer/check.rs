@@ -557,7 +557,7 @@ impl<'a> Checker<'a> {
         self.copy_of_pe = owner;
     }
 
-    /// Weight coverage, blob ranges, and the tiles the placements list.
+    /// Weight coverage, the tile blob's length, and the tiles the placements list.
     fn weights(&mut self) {
         // Per (instruction, weight, copy): `None` the original, a copy's PEs are its own.
         type Holder = (u32, u32, Option<(usize, usize)>);
@@ -572,13 +572,12 @@ impl<'a> Checker<'a> {
             .collect();
         let mut tile_regions: BTreeMap<Holder, (usize, Pe)> = BTreeMap::new();
         let mut held: BTreeMap<Holder, Vec<Piece>> = BTreeMap::new();
-        // The weight regions' bytes lie end to end in the blob in PE order (see
-        // `WaferProgram::tile_blob_len`), so each range starts where the one before it ended.
-        let mut blob_end = 0u64;
+        // The tile blob lays the weight regions' bytes end to end (`WaferProgram::blob_ranges`).
+        let mut blob_len = 0u64;
         for image in &self.program.pes {
             let copy = self.copy_of_pe.get(&image.pe).copied();
             for r in &image.regions {
-                if let (RegionKind::Weight { weight, rows: narrow_rows, cols: narrow_cols, blob }, Some(instr)) =
+                if let (RegionKind::Weight { weight, rows: narrow_rows, cols: narrow_cols }, Some(instr)) =
                     (&r.kind, r.instr)
                 {
                     let (rows, cols) = (&wide(narrow_rows), &wide(narrow_cols));
@@ -605,23 +604,15 @@ impl<'a> Checker<'a> {
                             Some(instr),
                             format!("holds rows {rows:?} x cols {cols:?} of {} ({}), out of range", w.name, w.ty),
                         );
-                    } else if expect != Some(r.bytes as u64) || blob.end - blob.start != r.bytes as u64 {
+                    } else if expect != Some(r.bytes as u64) {
                         self.report(
                             Some(image.pe),
                             None,
                             Some(instr),
-                            format!("region of {} is {} bytes, blob {blob:?}; expected {expect:?}", w.name, r.bytes),
+                            format!("region of {} is {} bytes; expected {expect:?}", w.name, r.bytes),
                         );
                     }
-                    if blob.start != blob_end {
-                        self.report(
-                            Some(image.pe),
-                            None,
-                            Some(instr),
-                            format!("blob range {blob:?} does not start where the weight region before it in PE order ends ({blob_end})"),
-                        );
-                    }
-                    blob_end = blob.end;
+                    blob_len += r.bytes as u64;
                     let holder = (instr, *weight, copy);
                     if matvec_weight.get(instr as usize).copied().flatten() == Some(*weight) {
                         tile_regions.entry(holder).or_insert((0, image.pe)).0 += 1;
@@ -631,15 +622,12 @@ impl<'a> Checker<'a> {
                 }
             }
         }
-        if blob_end != self.program.tile_blob_len {
+        if blob_len != self.program.tile_blob_len {
             self.report(
                 None,
                 None,
                 None,
-                format!(
-                    "the weight regions' blob ranges end at {blob_end}, the blob at {}",
-                    self.program.tile_blob_len
-                ),
+                format!("the weight regions hold {blob_len} bytes, the tile blob {}", self.program.tile_blob_len),
             );
         }
         let program = self.program;

@@ -291,7 +291,7 @@ pub(super) type Request = (RegionKind, u64);
 
 impl<'a> Placer<'a> {
     /// Routes every placed instruction's results and collectives, colours the routes, writes the
-    /// schedule and lays the weight regions into the tile blob: the part of placement every
+    /// schedule and sizes the tile blob: the part of placement every
     /// plan shares once its instructions have PEs.
     pub(super) fn finish(mut self) -> Result<WaferProgram, WaferError> {
         let module = self.module;
@@ -351,15 +351,11 @@ impl<'a> Placer<'a> {
         let options = self.options;
         let Placer { mut images, placements, routes, replicas, .. } = self;
         images.sort_unstable_by_key(|image| image.pe);
-        let mut blob = 0u64;
-        for image in &mut images {
-            for region in &mut image.regions {
-                if let RegionKind::Weight { blob: range, .. } = &mut region.kind {
-                    *range = blob..blob + region.bytes as u64;
-                    blob += region.bytes as u64;
-                }
-            }
-        }
+        // The tile blob lays the weight regions' bytes end to end in this order.
+        let blob: u64 = (images.iter().flat_map(|image| &image.regions))
+            .filter(|region| matches!(region.kind, RegionKind::Weight { .. }))
+            .map(|region| region.bytes as u64)
+            .sum();
         Ok(WaferProgram {
             target: params.clone(),
             plan: options.plan,
@@ -1574,10 +1570,7 @@ pub(super) fn norm_requests(module: &Module, i: usize, seg: &Range<u64>, len: u6
     let cols = if g <= n && g < len { 0..g } else { seg.start % g..seg.start % g + n };
     let bytes = w.ty.dtype.row_bytes(cols.end - cols.start).unwrap_or((cols.end - cols.start) * F32);
     let mut requests = operand_requests(module, i, seg);
-    requests.push((
-        RegionKind::Weight { weight: weight.index() as u32, rows: 0..1, cols: narrow(cols), blob: 0..0 },
-        bytes,
-    ));
+    requests.push((RegionKind::Weight { weight: weight.index() as u32, rows: 0..1, cols: narrow(cols) }, bytes));
     requests.push((RegionKind::Scratch, 2 * n.div_ceil(g.min(n)) * F32));
     requests
 }
@@ -1616,7 +1609,6 @@ pub(super) fn tile_requests(
                 weight: weight.index() as u32,
                 rows: narrow(rows.clone()),
                 cols: narrow(cols.clone()),
-                blob: 0..0,
             },
             n_rows * w.ty.dtype.row_bytes(width).expect("tiles cut at block boundaries"),
         ),
@@ -1627,8 +1619,7 @@ pub(super) fn tile_requests(
         let bytes = bw.ty.dtype.row_bytes(n_rows).ok_or_else(|| {
             unsupported(module, i, format!("bias {} ({}) cannot be cut at row {}", bw.name, bw.ty, rows.start))
         })?;
-        requests
-            .push((RegionKind::Weight { weight: b.index() as u32, rows: 0..1, cols: narrow(rows), blob: 0..0 }, bytes));
+        requests.push((RegionKind::Weight { weight: b.index() as u32, rows: 0..1, cols: narrow(rows) }, bytes));
     }
     Ok(requests)
 }
@@ -1641,12 +1632,8 @@ pub(super) fn embed_block_requests(
     cols: &Range<u64>,
     row_bytes: u64,
 ) -> Vec<Request> {
-    let weight = RegionKind::Weight {
-        weight: table.index() as u32,
-        rows: narrow(rows.clone()),
-        cols: narrow(cols.clone()),
-        blob: 0..0,
-    };
+    let weight =
+        RegionKind::Weight { weight: table.index() as u32, rows: narrow(rows.clone()), cols: narrow(cols.clone()) };
     vec![(weight, (rows.end - rows.start) * row_bytes), (RegionKind::Scratch, (cols.end - cols.start) * F32)]
 }
 
@@ -1684,10 +1671,7 @@ pub(super) fn kv_block_requests(
     // The sink logits of the block's query heads live on its first block, the reductions' root.
     if let (Some(sinks), true) = (sinks, first) {
         let bytes = module.weights[*sinks].ty.dtype.row_bytes(queries).unwrap_or(queries * F32);
-        requests.push((
-            RegionKind::Weight { weight: sinks.index() as u32, rows: 0..1, cols: narrow(served), blob: 0..0 },
-            bytes,
-        ));
+        requests.push((RegionKind::Weight { weight: sinks.index() as u32, rows: 0..1, cols: narrow(served) }, bytes));
     }
     requests
 }

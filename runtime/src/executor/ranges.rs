@@ -17,10 +17,9 @@ pub(super) fn check_ranges(program: &WaferProgram) -> Result<(), ExecError> {
             let instr = region.instr.unwrap_or(0);
             let on_pe = |what: String| malformed_on_pe(program, instr, image.pe, format!("region {index}: {what}"));
             match &region.kind {
-                RegionKind::Weight { rows, cols, blob, .. } => {
+                RegionKind::Weight { rows, cols, .. } => {
                     in_order(rows, "rows").map_err(on_pe)?;
                     in_order(cols, "elements").map_err(on_pe)?;
-                    in_order(blob, "blob range").map_err(on_pe)?;
                 }
                 RegionKind::KvCache { positions, .. } => in_order(positions, "positions").map_err(on_pe)?,
                 RegionKind::Operand { elements, .. } | RegionKind::Output { elements } => {

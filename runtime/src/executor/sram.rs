@@ -13,9 +13,8 @@ impl Executor<'_> {
     /// The bytes of weight region `region` of the `pe_index`-th PE image, as loaded into its SRAM.
     pub(crate) fn region_bytes(&self, pe_index: usize, region: usize) -> Option<&[u8]> {
         let found = self.program.pes.get(pe_index)?.regions.get(region)?;
-        let RegionKind::Weight { blob, .. } = &found.kind else { return None };
-        let len = blob.end.checked_sub(blob.start)?;
-        self.sram.get(pe_index)?.get(found.offset as usize..)?.get(..usize::try_from(len).ok()?)
+        let RegionKind::Weight { .. } = &found.kind else { return None };
+        self.sram.get(pe_index)?.get(found.offset as usize..)?.get(..found.bytes as usize)
     }
 
     /// The bytes of weight region `region` of `pe`'s image, with its description.
@@ -30,7 +29,7 @@ impl Executor<'_> {
             pe,
             problem: format!("region {region} does not exist ({} regions)", image.regions.len()),
         })?;
-        let RegionKind::Weight { weight, rows, cols, blob } = &found.kind else {
+        let RegionKind::Weight { weight, rows, cols } = &found.kind else {
             return Err(ExecError::MalformedOnPe {
                 site: run.site.clone(),
                 pe,
@@ -38,10 +37,7 @@ impl Executor<'_> {
             });
         };
         let malformed = |problem: String| ExecError::MalformedOnPe { site: run.site.clone(), pe, problem };
-        let len = blob
-            .end
-            .checked_sub(blob.start)
-            .ok_or_else(|| malformed(format!("weight region {region}'s blob range {blob:?} ends before it starts")))?;
+        let len = found.bytes;
         let bytes: &[u8] = match self.sram.get(index) {
             Some(sram) => sram.get(found.offset as usize..).and_then(|s| s.get(..len as usize)).ok_or_else(|| {
                 malformed(format!(
@@ -161,7 +157,8 @@ pub(super) fn load_sram(
         return Err(ExecError::TileBlobLength { expected: program.tile_blob_len, found: blob.len() as u64 });
     }
     let mut sram = Vec::with_capacity(program.pes.len());
-    for image in &program.pes {
+    let mut ranges = program.blob_ranges().peekable();
+    for (at, image) in program.pes.iter().enumerate() {
         // Only the weights are held as bytes (operand buffers sit above them, at the top).
         let size = image
             .regions
@@ -171,8 +168,9 @@ pub(super) fn load_sram(
             .max()
             .unwrap_or(0);
         let mut memory = vec![0u8; size];
-        for (index, region) in image.regions.iter().enumerate() {
-            let RegionKind::Weight { weight, rows, cols, blob: range } = &region.kind else { continue };
+        while let Some((_, index, range)) = ranges.next_if(|(of, _, _)| *of == at) {
+            let region = &image.regions[index];
+            let RegionKind::Weight { weight, rows, cols } = &region.kind else { continue };
             let (rows, cols) = (&wide(rows), &wide(cols));
             let site = site_of(program, region.instr.unwrap_or(0));
             let error = |problem: String| {
@@ -190,13 +188,12 @@ pub(super) fn load_sram(
                 return Err(error("the module has no such weight".into()));
             };
             // Every range comes from the artifact file: an inverted one is an error, not an underflow.
-            let (Some(row_count), Some(col_count), Some(held)) = (
-                rows.end.checked_sub(rows.start),
-                cols.end.checked_sub(cols.start),
-                range.end.checked_sub(range.start),
-            ) else {
-                return Err(error(format!("inverted range: rows {rows:?}, cols {cols:?}, blob range {range:?}")));
+            let (Some(row_count), Some(col_count)) =
+                (rows.end.checked_sub(rows.start), cols.end.checked_sub(cols.start))
+            else {
+                return Err(error(format!("inverted range: rows {rows:?}, cols {cols:?}")));
             };
+            let held = range.end - range.start;
             let needed = spec.ty.dtype.row_bytes(col_count).and_then(|b| b.checked_mul(row_count));
             if needed != Some(held) {
                 let needed = match needed {
@@ -204,18 +201,14 @@ pub(super) fn load_sram(
                     None => format!("whole {}-element blocks", waferc_ir::BLOCK),
                 };
                 return Err(error(format!(
-                    "its blob range {range:?} holds {held} bytes, but {row_count} rows of {col_count} {} elements need {needed}",
+                    "it holds {held} bytes, but {row_count} rows of {col_count} {} elements need {needed}",
                     spec.ty.dtype
                 )));
             }
-            if range.end > blob.len() as u64 || range.end - range.start > region.bytes as u64 {
-                return Err(error(format!(
-                    "its blob range {range:?} does not fit the blob ({} bytes) or the region ({} bytes)",
-                    blob.len(),
-                    region.bytes
-                )));
+            if range.end > blob.len() as u64 {
+                return Err(error(format!("its bytes at {range:?} do not fit the tile blob ({} bytes)", blob.len())));
             }
-            memory[region.offset as usize..][..(range.end - range.start) as usize]
+            memory[region.offset as usize..][..held as usize]
                 .copy_from_slice(&blob[range.start as usize..range.end as usize]);
         }
         sram.push(memory);

@@ -1,11 +1,11 @@
 //! Shared by the executor tests: small dense and MoE decoder modules built with `Module::push`
 //! and random weights, compiling them for a grid, and packing the tile blob the way the artifact
-//! lays it out (each weight region's rows, `cols` slice of each, at its `blob` range).
+//! lays it out (each weight region's rows, `cols` slice of each, at its `blob_ranges` range).
 
 #![allow(dead_code)] // each test binary uses a different subset
 
 use half::{bf16, f16};
-use waferc_ir::wafer::{region_bytes, RegionKind, WaferProgram};
+use waferc_ir::wafer::{region_bytes, WaferProgram};
 use waferc_ir::{DType, KvCache, ModelMeta, Module, Op, Rope, RopeScaling, TensorType, Value, WeightBytes};
 use waferc_passes::wafer::{compile, CompileOptions};
 use waferc_targets::Target;
@@ -225,15 +225,12 @@ pub fn compile_with(module: &Module, target: &str, options: CompileOptions) -> W
 }
 
 /// The tile blob of `program`, as the artifact writer lays it out: every weight region's bytes
-/// (cut from the module by `region_bytes`) at its `blob` range.
+/// (cut from the module by `region_bytes`) at its range (`WaferProgram::blob_ranges`).
 pub fn pack_tile_blob(program: &WaferProgram, module: &Module) -> Vec<u8> {
     let mut blob = vec![0u8; program.tile_blob_len as usize];
-    for image in &program.pes {
-        for region in &image.regions {
-            let RegionKind::Weight { blob: range, .. } = &region.kind else { continue };
-            let bytes = region_bytes(module, &region.kind).expect("weights present");
-            blob[range.start as usize..range.end as usize].copy_from_slice(&bytes);
-        }
+    for (at, index, range) in program.blob_ranges() {
+        let bytes = region_bytes(module, &program.pes[at].regions[index].kind).expect("weights present");
+        blob[range.start as usize..range.end as usize].copy_from_slice(&bytes);
     }
     blob
 }
