@@ -347,8 +347,10 @@ impl LinkIndex {
 pub(crate) struct CostModel {
     params: TargetParams,
     routes: Vec<RouteCost>,
-    /// Per route: the edges of a reduction (empty otherwise), for reductions some of whose
-    /// leaves do not send.
+    /// Per route: the edges of an attention's reduction (empty otherwise), the only reductions
+    /// some of whose leaves do not send (blocks with no position yet). Every other reduction is
+    /// timed whole, so its edges are not kept (a stacked program's matvecs have one per tile:
+    /// 0.2 GB for the 8B).
     reduce_edges: Vec<ReduceShape>,
     links: LinkIndex,
 }
@@ -400,7 +402,9 @@ impl CostModel {
         for route in &program.routes {
             let (cost, shape) = route_cost(program, &params, route)?;
             routes.push(cost);
-            reduce_edges.push(shape);
+            let partial =
+                program.instrs.get(route.instr as usize).is_some_and(|p| matches!(p.work, Work::Attention(_)));
+            reduce_edges.push(if partial { shape } else { ReduceShape::default() });
         }
         Ok(CostModel { links: LinkIndex::new(&params), params, routes, reduce_edges })
     }
@@ -433,7 +437,8 @@ impl CostModel {
     /// send (the embedding: one table block; an MoE combine: the chosen experts) serialises only
     /// the messages sent, and waits only for its farthest sender that did send (`reach`, an MoE
     /// combine); a reduction whose trailing leaves do not send (attention blocks with no
-    /// position yet) is the critical path of the edges that do.
+    /// position yet) is the critical path of the edges that do (a reduction whose edges are not
+    /// kept is timed whole: see [`CostModel::reduce_edges`]).
     fn route_cycles(&self, route: &Route, messages: u32, reach: Option<u64>) -> u64 {
         let cost = self.routes[route.id as usize];
         match route.kind {
@@ -445,7 +450,7 @@ impl CostModel {
             RouteKind::Reduce { .. } => {
                 let shape = &self.reduce_edges[route.id as usize];
                 let leaves = Self::reduce_leaves(route, shape, messages);
-                if leaves >= route.sources.len() {
+                if leaves >= route.sources.len() || shape.edges.is_empty() {
                     return cost.latency;
                 }
                 let mut ready = vec![0u64; leaves];
@@ -465,14 +470,20 @@ impl CostModel {
     /// The runs of `route` that carry messages when `messages` were sent on it, each with the
     /// messages it carries.
     fn sending_runs<'r>(&'r self, route: &'r Route, messages: u32) -> impl Iterator<Item = (&'r Run, u64)> + 'r {
+        // A reduction whose leaves all send uses every run: its edges' runs, then the forward's,
+        // are the path in order.
         let reduce_runs: Option<Vec<Range<usize>>> = match route.kind {
             RouteKind::Reduce { .. } => {
                 let shape = &self.reduce_edges[route.id as usize];
                 let leaves = Self::reduce_leaves(route, shape, messages);
-                let mut ranges: Vec<Range<usize>> =
-                    shape.edges.iter().filter(|e| (e.sender as usize) < leaves).map(ReduceEdge::runs).collect();
-                ranges.push(shape.forward.1.clone());
-                Some(ranges)
+                if leaves >= route.sources.len() || shape.edges.is_empty() {
+                    None
+                } else {
+                    let mut ranges: Vec<Range<usize>> =
+                        shape.edges.iter().filter(|e| (e.sender as usize) < leaves).map(ReduceEdge::runs).collect();
+                    ranges.push(shape.forward.1.clone());
+                    Some(ranges)
+                }
             }
             _ => None,
         };
