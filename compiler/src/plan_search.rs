@@ -39,15 +39,14 @@ const REFINE_WITHIN: f64 = 1.03;
 const REFINED_PLANS: usize = 3;
 
 /// The most matvec tiles (`stacked_tiles_estimate`) of a stacked candidate the search lowers.
-/// A stacked lowering holds a few hundred bytes per tile (tile, SRAM region, routes), and the
+/// A stacked lowering holds a hundred-odd bytes per tile (tile, SRAM regions, routes), and the
 /// count grows with the group size, since every PE of a region holds a tile of each of its
-/// layers' matvecs. Measured peaks: llama3.1-8b `stacked:4` on wse3 (about 15 million tiles)
-/// near 5 GB in the search; mixtral-8x7b and qwen3-30b-a3b `stacked:2` on wse3x4 (about 32
-/// million each) 9.0 and 8.6 GB pinned, and worth it (1,260 and 989 tok/s against `stacked:1`'s
-/// 991 and 835 with KV copies); qwen3-30b-a3b `stacked:4` on wse3x4 (about 61 million) passed
-/// 11 GB before it was stopped; qwen3-30b-a3b `stacked:2,100,kv8,share2` (about 46 million,
-/// its experts' tiles twice `stacked:2`'s) 12.6 GB pinned. Larger candidates are not tried;
-/// `--plan` pins one on a machine with the memory.
+/// layers' matvecs. Measured pinned peaks at 5f3b451: llama3.1-8b `stacked:4,100,kv2` on wse3
+/// (about 15 million tiles) 1.85 GB; mixtral-8x7b `stacked:2,100,kv4` on wse3x4 (about 32
+/// million) 4.3 GB; qwen3-30b-a3b `stacked:2,100,kv8,share2` (about 46 million, its experts'
+/// tiles twice `stacked:2`'s) 5.8 GB, and `share4` (about 74 million) 8.7 GB, slower (942
+/// tok/s against 1,436: its combine's gathers queue on shared links). Larger candidates are
+/// not tried; `--plan` pins one.
 const MAX_STACKED_TILES: u64 = 48_000_000;
 /// [`MAX_STACKED_TILES`] for a dense model, whose lowering holds less per tile (no lanes, no
 /// expert copies): llama3.1-70b `stacked:4` on wse3x4 (about 60 million tiles) peaks at 12.9 GB

@@ -44,6 +44,7 @@ pub mod artifact;
 mod bound;
 pub mod profile;
 pub mod replicas;
+pub mod serial;
 
 pub use bound::{distance_bound_cycles, distance_bound_ends};
 pub use profile::{LayerProfile, RoutingProfile};

@@ -23,6 +23,7 @@ use std::fmt;
 use std::ops::Range;
 
 use waferc_ir::completion::Completion;
+use waferc_ir::wafer::serial::SharedPes;
 use waferc_ir::wafer::{
     wide, MatVecPlacement, Pe, PeImage, Region, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work,
 };
@@ -1033,6 +1034,8 @@ impl<'a> Checker<'a> {
         order.sort_by_key(|(_, r)| (r.instr, step(r), r.id));
         let graph = DependencyGraph::new(self.module);
         let mut reads = Reads::new(&graph);
+        // Experts sharing a PE run one after the other (`serial`); copies are on PEs of their own.
+        let shared = SharedPes::new(&self.program.instrs, !self.program.replicas.is_empty());
         let mut visited = Visited::new(self.program);
         for (position, route) in order {
             if route.sources.is_empty() || route.destinations.is_empty() {
@@ -1061,6 +1064,7 @@ impl<'a> Checker<'a> {
                         step(other) != step(route)
                     } else {
                         reads.transitively(route.instr, other.instr)
+                            || shared.share(route.instr as usize, other.instr as usize)
                     };
                     if !apart && clash.is_none_or(|(c, _)| *pe < c) {
                         clash = Some((*pe, other));

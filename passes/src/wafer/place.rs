@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use waferc_ir::completion::Completion;
 use waferc_ir::wafer::covered_bytes;
+use waferc_ir::wafer::serial::SharedPes;
 use waferc_ir::wafer::{group_query_heads, narrow, replica_slots_in, wide, ExpertReplicas};
 use waferc_ir::wafer::{
     AttentionPlacement, EmbedBlock, GroupRoutes, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement,
@@ -317,7 +318,8 @@ impl<'a> Placer<'a> {
                 step_of[id as usize] = s as u32;
             }
         }
-        let order = route::RouteOrder { precedence: &precedence, step_of };
+        let shared = SharedPes::new(&self.placements, !self.replicas.is_empty());
+        let order = route::RouteOrder { precedence: &precedence, step_of, shared: &shared };
         if let Err(clash) = assign_colours(&mut self.routes, params, &order) {
             let route = &self.routes[clash.route];
             let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BinaryHeap};
 use petgraph::graph::{NodeIndex, UnGraph};
 use rustc_hash::FxHashMap;
 
+use waferc_ir::wafer::serial::SharedPes;
 use waferc_ir::wafer::{reduce_root, reduce_tree, Pe, Route, RouteId, RouteKind, Run, TargetParams};
 
 use super::detour::{paths_for_legs, MeshView};
@@ -342,13 +343,15 @@ fn route_pes_into(route: &Route, params: &TargetParams, out: &mut Vec<u32>) {
 }
 
 /// When two routes can never be active at the same time, so may share a colour on a PE: their
-/// instructions are ordered by [`Precedence`], or they belong to one instruction and are sent
-/// in different steps of the schedule (an instruction's steps run one after another, each
-/// step's messages delivered before the next begins).
+/// instructions are ordered by [`Precedence`], or are experts sharing a PE (run one after the
+/// other: [`SharedPes`]), or they belong to one instruction and are sent in different steps of
+/// the schedule (an instruction's steps run one after another, each step's messages delivered
+/// before the next begins).
 pub(super) struct RouteOrder<'a> {
     pub precedence: &'a Precedence,
     /// The schedule step sending each route (by route index).
     pub step_of: Vec<u32>,
+    pub shared: &'a SharedPes,
 }
 
 impl RouteOrder<'_> {
@@ -361,7 +364,7 @@ impl RouteOrder<'_> {
         if a == b {
             self.step_of[r] != self.step_of[s]
         } else {
-            self.precedence.ordered(a, b)
+            self.precedence.ordered(a, b) || self.shared.share(a, b)
         }
     }
 }
@@ -710,7 +713,11 @@ mod tests {
             route(3, 2, pe(0, 2), pe(3, 2)),
         ];
         let precedence = module_precedence();
-        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let order = RouteOrder {
+            precedence: &precedence,
+            step_of: one_step_each(&routes),
+            shared: &SharedPes::new(&[], false),
+        };
         let (graph, _) = conflict_graph(&routes, &params, &order);
         let edges: Vec<(usize, usize)> = graph
             .edge_indices()
@@ -729,7 +736,11 @@ mod tests {
             || [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 2, pe(1, 0), pe(1, 3)), route(2, 1, pe(1, 1), pe(1, 0))];
         let mut routes = make();
         let precedence = module_precedence();
-        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let order = RouteOrder {
+            precedence: &precedence,
+            step_of: one_step_each(&routes),
+            shared: &SharedPes::new(&[], false),
+        };
         assert!(assign_colours(&mut routes, &params, &order).is_ok());
         let mut colours: Vec<u8> = routes.iter().map(|r| r.colour).collect();
         colours.sort_unstable();
@@ -738,7 +749,11 @@ mod tests {
         params.colours_per_pe = 2;
         let mut routes = make();
         let precedence = module_precedence();
-        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let order = RouteOrder {
+            precedence: &precedence,
+            step_of: one_step_each(&routes),
+            shared: &SharedPes::new(&[], false),
+        };
         let Err(clash) = assign_colours(&mut routes, &params, &order) else {
             panic!("three routes need three colours")
         };
@@ -753,7 +768,7 @@ mod tests {
             [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 1, pe(3, 0), pe(0, 0)), route(2, 1, pe(1, 0), pe(1, 3))];
         let precedence = module_precedence();
         // Routes 0 and 1 go in one step, route 2 in the next.
-        let order = RouteOrder { precedence: &precedence, step_of: vec![4, 4, 5] };
+        let order = RouteOrder { precedence: &precedence, step_of: vec![4, 4, 5], shared: &SharedPes::new(&[], false) };
         assert!(assign_colours(&mut routes, &params, &order).is_ok());
         assert_ne!(routes[0].colour, routes[1].colour);
         assert_eq!(routes[2].colour, 0);
@@ -766,10 +781,54 @@ mod tests {
         let mut routes =
             [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 3, pe(3, 0), pe(0, 0)), route(2, 5, pe(0, 0), pe(0, 3))];
         let precedence = module_precedence();
-        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let order = RouteOrder {
+            precedence: &precedence,
+            step_of: one_step_each(&routes),
+            shared: &SharedPes::new(&[], false),
+        };
         assert!(assign_colours(&mut routes, &params, &order).is_ok());
         assert!(routes.iter().all(|r| r.colour == 0));
     }
+    /// A placement of instruction `instr` as expert `expert` computing on `pe` alone.
+    fn expert_on(instr: u32, expert: Option<u32>, pe: Pe) -> waferc_ir::wafer::InstrPlacement {
+        use waferc_ir::wafer::{InstrPlacement, ResultLayout, Segment, VectorLayout, Work};
+        InstrPlacement {
+            instr,
+            op: "matvec".into(),
+            layer: Some(0),
+            expert,
+            result: ResultLayout::Vector(VectorLayout { segments: vec![Segment { pe, elements: 0..32 }] }),
+            operand_routes: Vec::new(),
+            deliveries: Vec::new(),
+            work: Work::Elementwise,
+        }
+    }
+
+    #[test]
+    fn experts_sharing_a_pe_share_a_colour() {
+        let params = waferc_targets::Target::grid(4, 4).params();
+        let pe = |x, y| Pe::new(0, x, y);
+        // %1 and %2 read %0 side by side (unordered); both routes pass (1, 0).
+        let make = || [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 2, pe(1, 0), pe(1, 3))];
+        let precedence = module_precedence();
+        let colours = |placements: &[waferc_ir::wafer::InstrPlacement], copies: bool| {
+            let mut routes = make();
+            let shared = SharedPes::new(placements, copies);
+            let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes), shared: &shared };
+            assert!(assign_colours(&mut routes, &params, &order).is_ok());
+            (routes[0].colour, routes[1].colour)
+        };
+        let lane = |e1, e2| [expert_on(0, None, pe(0, 0)), expert_on(1, e1, pe(2, 2)), expert_on(2, e2, pe(2, 2))];
+        // Two experts on one PE run one after the other: one colour will do.
+        assert_eq!(colours(&lane(Some(0), Some(1)), false), (0, 0));
+        // Not when the program holds expert copies, nor when one is not an expert, nor when
+        // the experts compute on different PEs.
+        assert_eq!(colours(&lane(Some(0), Some(1)), true), (0, 1));
+        assert_eq!(colours(&lane(None, Some(1)), false), (0, 1));
+        let apart = [expert_on(0, None, pe(0, 0)), expert_on(1, Some(0), pe(2, 2)), expert_on(2, Some(1), pe(3, 3))];
+        assert_eq!(colours(&apart, false), (0, 1));
+    }
+
     #[test]
     fn a_multicast_left_without_a_colour_detours_round_the_saturated_pe() {
         let mut params = waferc_targets::Target::grid(4, 4).params();
@@ -781,7 +840,11 @@ mod tests {
         delivery.kind = RouteKind::Operand { value: 1, elements: 0..32 };
         let mut routes = [route(0, 2, pe(3, 0), pe(1, 1)), route(1, 2, pe(3, 0), pe(1, 1)), delivery];
         let precedence = module_precedence();
-        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let order = RouteOrder {
+            precedence: &precedence,
+            step_of: one_step_each(&routes),
+            shared: &SharedPes::new(&[], false),
+        };
         assert!(assign_colours(&mut routes, &params, &order).is_ok());
         let detour = &routes[2];
         assert!(detour.colour < 2);
@@ -799,7 +862,11 @@ mod tests {
         assert_eq!(visited.len(), 5, "the shortest way round: {visited:?}");
         // The colours are legal on the new path: no PE has two unordered routes of one colour.
         let precedence = module_precedence();
-        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let order = RouteOrder {
+            precedence: &precedence,
+            step_of: one_step_each(&routes),
+            shared: &SharedPes::new(&[], false),
+        };
         let (graph, _) = conflict_graph(&routes, &params, &order);
         for e in graph.edge_indices() {
             let (a, b) = graph.edge_endpoints(e).expect("an edge has endpoints");
@@ -815,7 +882,11 @@ mod tests {
         let mut routes =
             [route(0, 2, pe(3, 0), pe(1, 1)), route(1, 2, pe(3, 0), pe(1, 1)), route(2, 1, pe(0, 1), pe(2, 1))];
         let precedence = module_precedence();
-        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes) };
+        let order = RouteOrder {
+            precedence: &precedence,
+            step_of: one_step_each(&routes),
+            shared: &SharedPes::new(&[], false),
+        };
         assert!(assign_colours(&mut routes, &params, &order).is_err());
     }
 
