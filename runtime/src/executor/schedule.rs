@@ -21,6 +21,9 @@ pub(crate) struct StepWork {
     /// Collect routes whose senders are only some of their sources (an MoE combine gathering
     /// the chosen experts): the latency from the farthest sender that did send.
     pub(crate) reach: Vec<(RouteId, u64)>,
+    /// Those routes' senders, in send order: the links their messages cross are the ones
+    /// the route holds.
+    pub(crate) senders: Vec<(RouteId, Pe)>,
 }
 
 /// One instruction's consecutive steps while it executes: which phase is current, what each
@@ -133,14 +136,15 @@ impl InstrRun {
         }
     }
 
-    /// Records that a sender `latency` cycles away sent on `route` in the current step.
-    pub(super) fn reached(&mut self, route: RouteId, latency: u64) {
+    /// Records that `sender`, `latency` cycles away, sent on `route` in the current step.
+    pub(super) fn reached(&mut self, route: RouteId, sender: Pe, latency: u64) {
         if let Some(c) = self.current {
-            let reach = &mut self.work[c].reach;
-            match reach.iter_mut().find(|(id, _)| *id == route) {
+            let work = &mut self.work[c];
+            match work.reach.iter_mut().find(|(id, _)| *id == route) {
                 Some((_, farthest)) => *farthest = (*farthest).max(latency),
-                None => reach.push((route, latency)),
+                None => work.reach.push((route, latency)),
             }
+            work.senders.push((route, sender));
         }
     }
 

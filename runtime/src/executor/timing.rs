@@ -61,7 +61,9 @@
 //! the busy-until of **every** link it uses; it then holds each of its links for its own bytes on
 //! that link over the link's bandwidth, from its start: the link's busy-until becomes the route's
 //! start plus that serialisation (a reduction's or a gather's runs over one link add up; a
-//! multicast's message counts once). So two routes sharing a link, in one step or in two steps
+//! multicast's message counts once; a collect only some of whose sources send, an MoE
+//! combine gathering the chosen experts, holds the links its senders' messages cross, each for
+//! the messages crossing it). So two routes sharing a link, in one step or in two steps
 //! that overlap in time, serialise on it; routes on disjoint links do not wait. A link is granted
 //! first come first served in that order, with no back-filling of an earlier gap (a
 //! conservative rule: it never makes a step faster). A reduction with skipped edges (empty
@@ -498,6 +500,45 @@ impl CostModel {
         })
     }
 
+    /// The links a collect's messages from `senders` cross, each with their bytes there, into
+    /// `out`: an in-tree's PE forwards along the first run leaving it (as [`gather_latency`]
+    /// times it), so each message follows one path to the destination and crosses a link once.
+    fn sender_links(&self, route: &Route, senders: impl Iterator<Item = Pe>, out: &mut Vec<(usize, u64)>) {
+        let mut next: HashMap<Pe, (Pe, usize)> = HashMap::default();
+        for run in &route.path {
+            if run.is_inter_wafer() {
+                if let Some(link) = self.links.inter_wafer(run.from.wafer, run.to.wafer) {
+                    next.entry(run.from).or_insert((run.to, link));
+                }
+                continue;
+            }
+            let mut links = Vec::new();
+            self.links.for_each(run, |l| links.push(l));
+            for ((from, to), link) in run.hops().into_iter().zip(links) {
+                next.entry(from).or_insert((to, link));
+            }
+        }
+        let mut crossed: Vec<usize> = Vec::new();
+        for sender in senders {
+            let mut at = sender;
+            // A path never visits more PEs than the tree has.
+            for _ in 0..next.len() {
+                let Some(&(to, link)) = next.get(&at) else { break };
+                crossed.push(link);
+                at = to;
+            }
+        }
+        crossed.sort_unstable();
+        out.clear();
+        let bytes = route.message_bytes as u64;
+        for link in crossed {
+            match out.last_mut() {
+                Some((last, held)) if *last == link => *held += bytes,
+                _ => out.push((link, bytes)),
+            }
+        }
+    }
+
     /// Cycles to push `bytes` over link `index`.
     fn serialise_link(&self, index: usize, bytes: u64) -> u64 {
         if self.links.is_inter_wafer(index) {
@@ -811,6 +852,7 @@ impl Timeline {
         costs: &CostModel,
         routes: &[(RouteId, u32)],
         reach: &[(RouteId, u64)],
+        senders: &[(RouteId, Pe)],
         comm_start: u64,
     ) -> (u64, u64) {
         // Per destination PE of the reductions and broadcasts so far, the latest end with
@@ -837,7 +879,13 @@ impl Timeline {
                     }
                 }
             }
-            self.gather_links(costs, route, messages);
+            match farthest {
+                Some(_) => {
+                    let of_route = senders.iter().filter(|(r, _)| *r == id).map(|&(_, pe)| pe);
+                    costs.sender_links(route, of_route, &mut self.route_links);
+                }
+                None => self.gather_links(costs, route, messages),
+            }
             let start = self.occupy(costs, route.kind.is_multicast(), after);
             if collective {
                 for &pe in &route.destinations {
@@ -895,7 +943,7 @@ impl Timeline {
             let (compute, routes) = (&work.compute, &work.routes);
             let compute_cycles = if worked { compute.values().copied().max().unwrap_or(0) } else { 0 };
             let (comm_cycles, wait_cycles) = match worked && !routes.is_empty() {
-                true => self.communicate(program, costs, routes, &work.reach, at + compute_cycles),
+                true => self.communicate(program, costs, routes, &work.reach, &work.senders, at + compute_cycles),
                 false => (0, 0),
             };
             let duration = compute_cycles + comm_cycles + wait_cycles;
@@ -1169,4 +1217,60 @@ pub(crate) fn report(
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use waferc_ir::wafer::RouteKind;
+
+    /// A collect's in-tree on a 6 x 6 grid into (5, 0): sources (0, 0) and (0, 2) go east along
+    /// their rows to column 5, (0, 2)'s message then north to the destination, and (0, 4)'s
+    /// joins it at (5, 2).
+    fn in_tree() -> Route {
+        let pe = |x, y| Pe::new(0, x, y);
+        let run = |from, to, messages| Run { from, to, messages };
+        Route {
+            id: 0,
+            instr: 0,
+            kind: RouteKind::Collect { elements: 0..32 },
+            colour: 0,
+            sources: vec![pe(0, 0), pe(0, 2), pe(0, 4)],
+            destinations: vec![pe(5, 0)],
+            path: vec![
+                run(pe(0, 0), pe(5, 0), 1),
+                run(pe(0, 2), pe(5, 2), 1),
+                run(pe(0, 4), pe(5, 4), 1),
+                run(pe(5, 4), pe(5, 2), 1),
+                run(pe(5, 2), pe(5, 0), 2),
+            ],
+            message_bytes: 128,
+        }
+    }
+
+    fn costs() -> CostModel {
+        let params = waferc_targets::Target::grid(6, 6).params();
+        CostModel { links: LinkIndex::new(&params), params, routes: Vec::new(), reduce_edges: Vec::new() }
+    }
+
+    #[test]
+    fn a_partial_collect_holds_only_the_links_its_senders_cross() {
+        let (costs, route) = (costs(), in_tree());
+        let pe = |x, y| Pe::new(0, x, y);
+        let mut links = Vec::new();
+        // (0, 4) alone: 5 hops east, then 4 north; nothing on row 0 or row 2's eastward run.
+        costs.sender_links(&route, [pe(0, 4)].into_iter(), &mut links);
+        assert_eq!(links.len(), 9);
+        assert!(links.iter().all(|&(_, bytes)| bytes == 128));
+        let ends: Vec<(Pe, Pe)> = links.iter().map(|&(l, _)| costs.links.endpoints(l)).collect();
+        assert!(ends.contains(&(pe(5, 1), pe(5, 0))) && !ends.iter().any(|(from, _)| from.y == 0));
+        // With (0, 2) too, the links north of (5, 2) carry both messages.
+        costs.sender_links(&route, [pe(0, 4), pe(0, 2)].into_iter(), &mut links);
+        let shared: Vec<u64> = (links.iter())
+            .filter(|&&(l, _)| matches!(costs.links.endpoints(l), (from, _) if from.x == 5 && from.y <= 2))
+            .map(|&(_, bytes)| bytes)
+            .collect();
+        assert_eq!(shared, [256, 256]);
+        assert_eq!(links.len(), 14);
+    }
 }
