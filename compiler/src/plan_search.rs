@@ -49,8 +49,8 @@ const REFINED_PLANS: usize = 3;
 /// not tried; `--plan` pins one.
 const MAX_STACKED_TILES: u64 = 48_000_000;
 /// [`MAX_STACKED_TILES`] for a dense model, whose lowering holds less per tile (no lanes, no
-/// expert copies): llama3.1-70b `stacked:4` on wse3x4 (about 60 million tiles) peaks at 12.9 GB
-/// pinned.
+/// expert copies): llama3.1-70b `stacked:4` on wse3x4 (about 60 million tiles) peaks at 8.4 GB
+/// in the search (1fc34e0).
 const MAX_DENSE_STACKED_TILES: u64 = 64_000_000;
 
 /// The most experts the search puts in one MoE lane (`Plan::Stacked::experts_per_lane`).
