@@ -1894,6 +1894,25 @@ impl Stacked<'_> {
         Ok(PlacedTiles { area, grid: g, aligned, halves, blocks, tiles })
     }
 
+    /// A PE for segment `j` of `count` of an expert's result, spread over its lane's width: in
+    /// column `(2j + 1) w / 2count` of `area`, as near its tile's row (`tile`) as has room for
+    /// `bytes`. `None`: that column has no room.
+    #[allow(clippy::too_many_arguments)]
+    fn spread_pe(
+        &mut self,
+        i: usize,
+        unit: usize,
+        area: Rect,
+        (j, count): (u64, u64),
+        tile: Pe,
+        bytes: u64,
+        taken: &HashSet<Pe>,
+    ) -> Option<Pe> {
+        let dx = (2 * j + 1) * area.w as u64 / (2 * count.max(1));
+        let dy = (tile.y - area.y) as u64;
+        self.column_pe(i, unit, dx, dy, bytes, taken).ok()
+    }
+
     fn place_instr(&mut self, i: usize, unit: usize) -> Result<InstrPlacement, WaferError> {
         let module = self.placer.module;
         let ir = &module.body[waferc_ir::Handle::new(i)];
@@ -1956,11 +1975,15 @@ impl Stacked<'_> {
                         // down that column. Those segments spread over the lane's width instead,
                         // one column each (Qwen3-30B-A3B's down projection, three column blocks
                         // for 16 segments: the gather waited 2.0k of its 3.6k cycles a layer).
-                        let spread = g.col_blocks < count
-                            && self.placer.analysis.expert[i].is_some()
+                        // So do the segments whose tile has no room left: the next free PEs
+                        // of the region's walk run down one column, and the expert's collects
+                        // queued there (Qwen3-30B-A3B `share4`, whose lanes hold four experts'
+                        // tiles: 1.4k cycles a collect).
+                        let combined = self.placer.analysis.expert[i].is_some()
                             && self.placer.analysis.readers[i].iter().any(|&r| {
                                 matches!(module.body[waferc_ir::Handle::new(r as usize)].op, Op::ExpertCombine { .. })
                             });
+                        let spread = g.col_blocks < count && combined;
                         for (j, seg) in segments.into_iter().enumerate() {
                             let middle = (seg.start + seg.end - 1) / 2;
                             let r = blocks.partition_point(|(rows, _)| rows.end <= middle) as u64;
@@ -2001,13 +2024,11 @@ impl Stacked<'_> {
                                     pe
                                 }
                                 (None, None, Some(tile)) if spread => {
-                                    let dx = (2 * j as u64 + 1) * area.w as u64 / (2 * count.max(1));
-                                    let dy = (tile.pe.y - area.y) as u64;
-                                    match self.column_pe(i, unit, dx, dy, bytes, &taken) {
-                                        Ok(pe) => pe,
+                                    match self.spread_pe(i, unit, area, (j as u64, count), tile.pe, bytes, &taken) {
+                                        Some(pe) => pe,
                                         // A column without room (a lane of few rows): its tile's.
-                                        Err(_) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
-                                        Err(_) => self.fresh_pe(i, unit, bytes, &taken)?,
+                                        None if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
+                                        None => self.fresh_pe(i, unit, bytes, &taken)?,
                                     }
                                 }
                                 (None, None, _) if feeds_experts => {
@@ -2015,6 +2036,12 @@ impl Stacked<'_> {
                                     self.column_pe(i, unit, dx, dy, bytes, &taken)?
                                 }
                                 (None, None, Some(tile)) if self.claim_vector(tile.pe, bytes, &taken) => tile.pe,
+                                (None, None, Some(tile)) if combined => {
+                                    match self.spread_pe(i, unit, area, (j as u64, count), tile.pe, bytes, &taken) {
+                                        Some(pe) => pe,
+                                        None => self.fresh_pe(i, unit, bytes, &taken)?,
+                                    }
+                                }
                                 _ => self.fresh_pe(i, unit, bytes, &taken)?,
                             };
                             taken.insert(pe);
