@@ -44,9 +44,10 @@ const REFINED_PLANS: usize = 3;
 /// layers' matvecs. Measured pinned peaks at 5f3b451: llama3.1-8b `stacked:4,100,kv2` on wse3
 /// (about 15 million tiles) 1.85 GB; mixtral-8x7b `stacked:2,100,kv4` on wse3x4 (about 32
 /// million) 4.3 GB; qwen3-30b-a3b `stacked:2,100,kv8,share2` (about 46 million, its experts'
-/// tiles twice `stacked:2`'s) 5.8 GB, and `share4` (about 74 million) 8.7 GB, slower (942
-/// tok/s against 1,436: its combine's gathers queue on shared links). Larger candidates are
-/// not tried; `--plan` pins one.
+/// tiles twice `stacked:2`'s) 5.8 GB, and `share4` (about 74 million) 8.7 GB (1,517 tok/s
+/// against `share2`'s 1,436). The bound was set when a tile took twice the memory; raising it
+/// also brings Qwen3's and Mixtral's `stacked:4` into the search, whose time and peak are not
+/// measured yet. Larger candidates are not tried; `--plan` pins one.
 const MAX_STACKED_TILES: u64 = 48_000_000;
 /// [`MAX_STACKED_TILES`] for a dense model, whose lowering holds less per tile (no lanes, no
 /// expert copies): llama3.1-70b `stacked:4` on wse3x4 (about 60 million tiles) peaks at 8.4 GB
