@@ -132,10 +132,7 @@ impl<'v, 'a> Document<'v, 'a> {
         let colours = (0..view.program.target.wafers)
             .map(|w| if view.wafers().contains(&w) { view.colours_in_use(w) } else { Vec::new() })
             .collect();
-        let mut blob_starts = vec![u64::MAX; view.program.pes.len()];
-        for (at, _, range) in view.program.blob_ranges() {
-            blob_starts[at] = blob_starts[at].min(range.start);
-        }
+        let blob_starts = view.program.blob_starts().collect();
         Document { view, colours, blob_starts }
     }
 }
@@ -660,8 +657,8 @@ struct RegionJson {
 }
 
 impl RegionJson {
-    /// `blob`: where a weight region's bytes start in the tile blob.
-    fn of(region: &Region, blob: u64) -> Self {
+    /// `blob`: a weight region's bytes' range in the tile blob.
+    fn of(region: &Region, blob: Option<Range<u64>>) -> Self {
         let mut json = RegionJson {
             blob: None,
             bytes: region.bytes,
@@ -682,7 +679,7 @@ impl RegionJson {
                 json.weight = Some(*weight);
                 json.rows = Some(range(&wide(rows)));
                 json.cols = Some(range(&wide(cols)));
-                json.blob = Some([blob, blob + region.bytes as u64]);
+                json.blob = blob.as_ref().map(range);
                 "weight"
             }
             RegionKind::KvCache { kv_head, positions } => {
@@ -737,16 +734,11 @@ impl Document<'_, '_> {
             pe: pe(image.pe),
             regions: {
                 let at = self.view.program.pes.binary_search_by_key(&image.pe, |i| i.pe).ok();
-                let mut blob = at.map_or(0, |at| self.blob_starts[at]);
-                (image.regions.iter())
-                    .map(|region| {
-                        let json = RegionJson::of(region, blob);
-                        if matches!(region.kind, RegionKind::Weight { .. }) {
-                            blob += region.bytes as u64;
-                        }
-                        json
-                    })
-                    .collect()
+                let mut blob = vec![None; image.regions.len()];
+                for (index, range) in image.blob_ranges(at.map_or(0, |at| self.blob_starts[at])) {
+                    blob[index] = Some(range);
+                }
+                image.regions.iter().zip(blob).map(|(region, blob)| RegionJson::of(region, blob)).collect()
             },
             used_bytes: image.used_bytes(),
         }

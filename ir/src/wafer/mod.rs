@@ -294,23 +294,23 @@ impl WaferProgram {
     /// regions' `bytes` end to end in `pes` order, so the ranges are derived rather than stored
     /// (16 bytes a region: a quarter of a full-size lowering's regions).
     pub fn blob_ranges(&self) -> impl Iterator<Item = (usize, usize, Range<u64>)> + '_ {
-        let mut end = 0u64;
-        self.pes
-            .iter()
-            .enumerate()
-            .flat_map(|(at, image)| {
-                image
-                    .regions
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, r)| matches!(r.kind, RegionKind::Weight { .. }))
-                    .map(move |(index, r)| (at, index, r))
-            })
-            .map(move |(at, index, r)| {
-                let start = end;
-                end += r.bytes as u64;
-                (at, index, start..end)
-            })
+        self.blob_starts()
+            .zip(self.pes.iter().enumerate())
+            .flat_map(|(start, (at, image))| image.blob_ranges(start).map(move |(index, range)| (at, index, range)))
+    }
+
+    /// Where each image's weight bytes start in the tile blob, in `pes` order.
+    pub fn blob_starts(&self) -> impl Iterator<Item = u64> + '_ {
+        self.pes.iter().scan(0u64, |end, image| {
+            let start = *end;
+            *end += image
+                .regions
+                .iter()
+                .filter(|r| matches!(r.kind, RegionKind::Weight { .. }))
+                .map(|r| r.bytes as u64)
+                .sum::<u64>();
+            Some(start)
+        })
     }
 
     /// The image of `pe`, if it holds anything.
@@ -357,6 +357,17 @@ impl PeImage {
     /// The regions instruction `instr` owns on this PE.
     pub fn regions_of(&self, instr: InstrIndex) -> impl Iterator<Item = &Region> {
         self.regions.iter().filter(move |r| r.instr == Some(instr))
+    }
+
+    /// This image's weight regions (by position) with their ranges in the tile blob, end to end
+    /// from `start` (see [`WaferProgram::blob_ranges`]).
+    pub fn blob_ranges(&self, start: u64) -> impl Iterator<Item = (usize, Range<u64>)> + '_ {
+        let weights = self.regions.iter().enumerate().filter(|(_, r)| matches!(r.kind, RegionKind::Weight { .. }));
+        weights.scan(start, |end, (index, r)| {
+            let range = *end..*end + r.bytes as u64;
+            *end = range.end;
+            Some((index, range))
+        })
     }
 }
 

@@ -19,11 +19,9 @@ pub(crate) struct StepWork {
     pub(crate) compute: HashMap<Pe, u64>,
     pub(crate) routes: Vec<(RouteId, u32)>,
     /// Collect routes whose senders are only some of their sources (an MoE combine gathering
-    /// the chosen experts): the latency from the farthest sender that did send.
-    pub(crate) reach: Vec<(RouteId, u64)>,
-    /// Those routes' senders, in send order: the links their messages cross are the ones
-    /// the route holds.
-    pub(crate) senders: Vec<(RouteId, Pe)>,
+    /// the chosen experts): each sender that did send, with its latency to the destination, in
+    /// send order. The route waits for the farthest and holds the links their messages cross.
+    pub(crate) senders: Vec<(RouteId, Pe, u64)>,
 }
 
 /// One instruction's consecutive steps while it executes: which phase is current, what each
@@ -139,12 +137,7 @@ impl InstrRun {
     /// Records that `sender`, `latency` cycles away, sent on `route` in the current step.
     pub(super) fn reached(&mut self, route: RouteId, sender: Pe, latency: u64) {
         if let Some(c) = self.current {
-            let work = &mut self.work[c];
-            match work.reach.iter_mut().find(|(id, _)| *id == route) {
-                Some((_, farthest)) => *farthest = (*farthest).max(latency),
-                None => work.reach.push((route, latency)),
-            }
-            work.senders.push((route, sender));
+            self.work[c].senders.push((route, sender, latency));
         }
     }
 

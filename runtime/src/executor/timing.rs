@@ -297,6 +297,22 @@ impl LinkIndex {
         (f < self.wafers && t < self.wafers).then(|| self.wafers * self.rows * self.cols * 4 + f * self.wafers + t)
     }
 
+    /// The link of the one-hop step `from -> to` on a wafer (`None` off the target or for
+    /// PEs that are not neighbours).
+    fn hop(&self, from: Pe, to: Pe) -> Option<usize> {
+        let direction = match (to.x as i32 - from.x as i32, to.y as i32 - from.y as i32) {
+            (1, 0) => 0,
+            (-1, 0) => 1,
+            (0, 1) => 2,
+            (0, -1) => 3,
+            _ => return None,
+        };
+        if from.wafer != to.wafer {
+            return None;
+        }
+        Some(self.pe_base(from)? + direction)
+    }
+
     /// Calls `visit` with the index of every link of `run` (none for a malformed run or a PE off
     /// the target, which the checker rejects).
     fn for_each(&self, run: &Run, mut visit: impl FnMut(usize)) {
@@ -504,20 +520,12 @@ impl CostModel {
     /// `out`: an in-tree's PE forwards along the first run leaving it (as [`gather_latency`]
     /// times it), so each message follows one path to the destination and crosses a link once.
     fn sender_links(&self, route: &Route, senders: impl Iterator<Item = Pe>, out: &mut Vec<(usize, u64)>) {
-        let mut next: HashMap<Pe, (Pe, usize)> = HashMap::default();
-        for run in &route.path {
-            if run.is_inter_wafer() {
-                if let Some(link) = self.links.inter_wafer(run.from.wafer, run.to.wafer) {
-                    next.entry(run.from).or_insert((run.to, link));
-                }
-                continue;
-            }
-            let mut links = Vec::new();
-            self.links.for_each(run, |l| links.push(l));
-            for ((from, to), link) in run.hops().into_iter().zip(links) {
-                next.entry(from).or_insert((to, link));
-            }
-        }
+        let next: HashMap<Pe, (Pe, usize)> = in_tree_hops(route)
+            .filter_map(|(from, (to, across))| {
+                let link = if across { self.links.inter_wafer(from.wafer, to.wafer) } else { self.links.hop(from, to) };
+                Some((from, (to, link?)))
+            })
+            .collect();
         let mut crossed: Vec<usize> = Vec::new();
         for sender in senders {
             let mut at = sender;
@@ -685,19 +693,31 @@ fn route_cost(
     Ok((RouteCost { latency, serial, bytes_per_cycle }, ReduceShape::default()))
 }
 
-/// A gather's (an in-tree's) latency: the longest path from a source along the runs to the
-/// destination (each PE forwards along the first run leaving it), memoised per PE.
-fn gather_latency(params: &TargetParams, route: &Route) -> u64 {
-    let mut next: HashMap<Pe, (Pe, u64)> = HashMap::default();
+/// An in-tree's hop out of each PE on it: the first run leaving the PE (every message there
+/// forwards along it), as (next PE, whether the hop crosses wafers).
+fn in_tree_hops(route: &Route) -> impl Iterator<Item = (Pe, (Pe, bool))> {
+    let mut next: HashMap<Pe, (Pe, bool)> = HashMap::default();
     for run in &route.path {
         if run.is_inter_wafer() {
-            next.entry(run.from).or_insert((run.to, params.inter_wafer_latency_cycles));
+            next.entry(run.from).or_insert((run.to, true));
         } else {
             for (from, to) in run.hops() {
-                next.entry(from).or_insert((to, params.hop_latency_cycles as u64));
+                next.entry(from).or_insert((to, false));
             }
         }
     }
+    next.into_iter()
+}
+
+/// A gather's (an in-tree's) latency: the longest path from a source along the runs to the
+/// destination (each PE forwards along the first run leaving it), memoised per PE.
+fn gather_latency(params: &TargetParams, route: &Route) -> u64 {
+    let next: HashMap<Pe, (Pe, u64)> = in_tree_hops(route)
+        .map(|(pe, (to, across))| {
+            let cycles = if across { params.inter_wafer_latency_cycles } else { params.hop_latency_cycles as u64 };
+            (pe, (to, cycles))
+        })
+        .collect();
     let mut to_end: HashMap<Pe, u64> = route.destinations.iter().map(|&pe| (pe, 0)).collect();
     let mut longest = 0;
     for &source in &route.sources {
@@ -851,18 +871,18 @@ impl Timeline {
         program: &WaferProgram,
         costs: &CostModel,
         routes: &[(RouteId, u32)],
-        reach: &[(RouteId, u64)],
-        senders: &[(RouteId, Pe)],
+        senders: &[(RouteId, Pe, u64)],
         comm_start: u64,
     ) -> (u64, u64) {
         // Per destination PE of the reductions and broadcasts so far, the latest end with
         // contention and without: later ones starting there wait on them. (Kept as the latest
         // per PE, not a list scanned per route: a large matvec has thousands of reductions.)
         let mut collective_ends: HashMap<Pe, (u64, u64)> = HashMap::default();
-        // The first reach listed for each route.
+        // Per route with senders listed: the latency from its farthest sender.
         let mut reach_of: HashMap<RouteId, u64> = HashMap::default();
-        for &(r, latency) in reach {
-            reach_of.entry(r).or_insert(latency);
+        for &(r, _, latency) in senders {
+            let farthest = reach_of.entry(r).or_insert(latency);
+            *farthest = (*farthest).max(latency);
         }
         let (mut end, mut free_end) = (comm_start, comm_start);
         for &(id, messages) in routes {
@@ -881,7 +901,7 @@ impl Timeline {
             }
             match farthest {
                 Some(_) => {
-                    let of_route = senders.iter().filter(|(r, _)| *r == id).map(|&(_, pe)| pe);
+                    let of_route = senders.iter().filter(|s| s.0 == id).map(|s| s.1);
                     costs.sender_links(route, of_route, &mut self.route_links);
                 }
                 None => self.gather_links(costs, route, messages),
@@ -943,7 +963,7 @@ impl Timeline {
             let (compute, routes) = (&work.compute, &work.routes);
             let compute_cycles = if worked { compute.values().copied().max().unwrap_or(0) } else { 0 };
             let (comm_cycles, wait_cycles) = match worked && !routes.is_empty() {
-                true => self.communicate(program, costs, routes, &work.reach, &work.senders, at + compute_cycles),
+                true => self.communicate(program, costs, routes, &work.senders, at + compute_cycles),
                 false => (0, 0),
             };
             let duration = compute_cycles + comm_cycles + wait_cycles;
