@@ -344,6 +344,32 @@ fn stacked_experts_sharing_lanes_match_the_reference() {
                 "{experts_per_lane} a lane: {pe} holds layer {layer}'s experts {experts:?}"
             );
         }
+        // The lane-mates' tiles fill the PEs, so an expert's result segments find no room on
+        // their tiles' PEs; each still takes a column of its own in the lane (the combine's
+        // gathers come up columns of their own) rather than the next free PEs of the region,
+        // which run down one column.
+        let mut moved = 0;
+        for (_, instr) in module.body.iter() {
+            let Op::ExpertCombine { experts, .. } = &instr.op else { continue };
+            for expert in experts {
+                let placement = &program.instrs[expert.index()];
+                let (ResultLayout::Vector(layout), waferc_ir::wafer::Work::MatVec(mv)) =
+                    (&placement.result, &placement.work)
+                else {
+                    panic!("expert output %{} is a matvec's vector", expert.index())
+                };
+                let columns: std::collections::BTreeSet<u16> = layout.segments.iter().map(|s| s.pe.x).collect();
+                assert_eq!(
+                    columns.len(),
+                    layout.segments.len(),
+                    "{experts_per_lane} a lane: expert output %{} shares columns: {:?}",
+                    expert.index(),
+                    layout.segments
+                );
+                moved += layout.segments.iter().filter(|s| !mv.tiles.iter().any(|t| t.pe == s.pe)).count();
+            }
+        }
+        assert!(moved > 0, "{experts_per_lane} a lane: some expert result segment has no room on its tile");
         let blob = pack_tile_blob(&program, &module);
         validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5))
             .unwrap_or_else(|e| panic!("{experts_per_lane} a lane: {e}"));

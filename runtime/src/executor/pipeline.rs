@@ -332,6 +332,7 @@ mod tests {
             pe_cycles: Default::default(),
             pe_attention_cycles: Default::default(),
             active_routes: Vec::new(),
+            active_senders: Vec::new(),
         }
     }
 

@@ -119,7 +119,7 @@
 
 use std::collections::BTreeMap;
 
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::ops::Range;
 
 use serde::Serialize;
@@ -206,6 +206,10 @@ pub struct StepTiming {
     /// Routes that carried messages in the step, and how many messages each.
     #[serde(skip)]
     pub(crate) active_routes: Vec<(RouteId, u32)>,
+    /// The collects among `active_routes` whose senders were only some of their sources (an MoE
+    /// combine's chosen experts), each with a sender, in route order.
+    #[serde(skip)]
+    pub(crate) active_senders: Vec<(RouteId, Pe)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -556,14 +560,30 @@ impl CostModel {
         }
     }
 
-    /// Bytes each link carries per token for `active` routes (`all_leaves`: every reduction
-    /// counted over all its sources, as for a prompt's later tokens), dense by link index.
-    fn link_loads(&self, program: &WaferProgram, active: &[(RouteId, u32)], all_leaves: bool) -> Vec<u64> {
+    /// Bytes each link carries per token for the routes `step` used (`all_leaves`: every
+    /// reduction counted over all its sources, as for a prompt's later tokens), dense by link
+    /// index. A collect with senders listed carries their messages over the links they cross
+    /// (as the step's link claims take them), not every run of its tree.
+    fn link_loads(&self, routes: &[Route], step: &StepTiming, all_leaves: bool) -> Vec<u64> {
         let mut load = vec![0u64; self.links.len()];
         // Which route last touched a link, so a multicast counts its message once per link.
         let mut stamp = vec![u32::MAX; self.links.len()];
-        for (n, &(id, sent)) in active.iter().enumerate() {
-            let route = &program.routes[id as usize];
+        let (mut crossed, mut counted) = (Vec::new(), HashSet::default());
+        for (n, &(id, sent)) in step.active_routes.iter().enumerate() {
+            let route = &routes[id as usize];
+            let senders = &step.active_senders;
+            let first = senders.partition_point(|&(r, _)| r < id);
+            let of_route = &senders[first..first + senders[first..].partition_point(|&(r, _)| r == id)];
+            if !of_route.is_empty() {
+                // Every run of the route (one per sequence in flight) is in its senders.
+                if counted.insert(id) {
+                    self.sender_links(route, of_route.iter().map(|&(_, pe)| pe), &mut crossed);
+                    for &(l, bytes) in &crossed {
+                        load[l] += bytes;
+                    }
+                }
+                continue;
+            }
             let messages = match (route.kind.clone(), all_leaves) {
                 (RouteKind::Reduce { .. }, true) => u32::MAX,
                 _ => sent,
@@ -812,6 +832,7 @@ pub(crate) struct Timeline {
     pe_cycles: HashMap<Pe, u64>,
     pe_attention_cycles: HashMap<Pe, u64>,
     active_routes: Vec<(RouteId, u32)>,
+    active_senders: Vec<(RouteId, Pe)>,
 }
 
 impl Timeline {
@@ -826,6 +847,7 @@ impl Timeline {
             pe_cycles: HashMap::default(),
             pe_attention_cycles: HashMap::default(),
             active_routes: Vec::new(),
+            active_senders: Vec::new(),
         }
     }
 
@@ -995,6 +1017,7 @@ impl Timeline {
                     }
                 }
                 self.active_routes.extend_from_slice(routes);
+                self.active_senders.extend(work.senders.iter().map(|&(route, pe, _)| (route, pe)));
             }
         }
         self.instrs[run.instr as usize] =
@@ -1007,7 +1030,7 @@ impl Timeline {
         }
     }
 
-    pub(crate) fn into_step_timing(self, position: u32) -> StepTiming {
+    pub(crate) fn into_step_timing(mut self, position: u32) -> StepTiming {
         let cycles = self.spans.iter().map(|s| s.start_cycle + s.duration_cycles).max().unwrap_or(0);
         // The critical path: from the instruction placed last among those ending last.
         let mut layers: BTreeMap<Option<u32>, LayerTime> = BTreeMap::new();
@@ -1045,6 +1068,10 @@ impl Timeline {
             pe_cycles: self.pe_cycles,
             pe_attention_cycles: self.pe_attention_cycles,
             active_routes: self.active_routes,
+            active_senders: {
+                self.active_senders.sort_unstable();
+                self.active_senders
+            },
         }
     }
 }
@@ -1087,7 +1114,7 @@ impl<'a> Prefill<'a> {
         first_cycles: u64,
         last: &'a StepTiming,
     ) -> Self {
-        let loads = costs.link_loads(program, &last.active_routes, true);
+        let loads = costs.link_loads(&program.routes, last, true);
         let link_cycles = loads
             .iter()
             .enumerate()
@@ -1195,7 +1222,7 @@ pub(crate) fn report(
     busiest_pes.sort_by(|a, b| b.cycles.cmp(&a.cycles).then(a.pe.cmp(&b.pe)));
     busiest_pes.truncate(BUSIEST);
 
-    let loads = costs.link_loads(program, &last.active_routes, false);
+    let loads = costs.link_loads(&program.routes, last, false);
     let mut loaded: Vec<(u64, (Pe, Pe), usize)> =
         loads.iter().enumerate().filter(|(_, &b)| b > 0).map(|(l, &b)| (b, costs.links.endpoints(l), l)).collect();
     loaded.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -1292,5 +1319,33 @@ mod tests {
             .collect();
         assert_eq!(shared, [256, 256]);
         assert_eq!(links.len(), 14);
+    }
+
+    /// The per-token link loads (the report's busiest links, the prefill's busiest link) count
+    /// a partial collect's messages where its senders' paths go, as its link claims do.
+    #[test]
+    fn link_loads_follow_a_partial_collects_senders() {
+        let (costs, route) = (costs(), in_tree());
+        let pe = |x, y| Pe::new(0, x, y);
+        let step = StepTiming {
+            position: 0,
+            cycles: 0,
+            spans: Vec::new(),
+            layers: Vec::new(),
+            pe_cycles: HashMap::default(),
+            pe_attention_cycles: HashMap::default(),
+            active_routes: vec![(0, 2)],
+            active_senders: vec![(0, pe(0, 2)), (0, pe(0, 4))],
+        };
+        for all_leaves in [false, true] {
+            let loads = costs.link_loads(std::slice::from_ref(&route), &step, all_leaves);
+            let mut crossed = Vec::new();
+            costs.sender_links(&route, [pe(0, 2), pe(0, 4)].into_iter(), &mut crossed);
+            let loaded: Vec<(usize, u64)> =
+                loads.iter().enumerate().filter(|(_, &b)| b > 0).map(|(l, &b)| (l, b)).collect();
+            assert_eq!(loaded, crossed);
+            // Row 0 sent nothing; its run, which the tree lists, carries nothing.
+            assert!(crossed.iter().all(|&(l, _)| costs.links.endpoints(l).0.y != 0));
+        }
     }
 }
