@@ -11,8 +11,10 @@
 //! the caller's `keep` (the compile command writes its artifact then), so no lowered program is
 //! held while the next candidate lowers: memory holds one program at a time.
 //!
-//! In an MoE model the fastest stacked plan is then tried with its experts' lanes shared by two,
-//! four, ... experts while each doubling is faster.
+//! The stacked plans close to the fastest are then tried with each KV head's cache in copies.
+//! In an MoE model (where "close" is wider) the fastest plan of each group size among them is
+//! then tried with its experts' lanes shared by two, four, ... experts while each doubling is
+//! faster.
 //!
 //! Each candidate is lowered from the module for its plan kind ([`Modules`]): the compile
 //! driver runs a plan-dependent pipeline (the default one, whose `rewrite` fuses matvecs only
@@ -37,6 +39,11 @@ const WAFER_PERCENTS: [u8; 3] = [100, 35, 12];
 /// with KV heads held in copies, at most [`REFINED_PLANS`] of them.
 const REFINE_WITHIN: f64 = 1.03;
 const REFINED_PLANS: usize = 3;
+/// [`REFINE_WITHIN`] in an MoE model, whose plans are then also tried with their experts'
+/// lanes shared, which gains a group size far more than KV copies do: qwen3-30b-a3b on wse3x4,
+/// `stacked:2` 1,135 tok/s against `stacked:4`'s 1,231, but 1,517 with `kv8,share4` against
+/// `stacked:4,100,kv8,share2`'s 1,452.
+const MOE_REFINE_WITHIN: f64 = 1.25;
 
 /// The most matvec tiles (`stacked_tiles_estimate`) of a stacked candidate the search lowers.
 /// A stacked lowering holds a hundred-odd bytes per tile (tile, SRAM regions, routes), and the
@@ -44,11 +51,11 @@ const REFINED_PLANS: usize = 3;
 /// layers' matvecs. Measured pinned peaks at 5f3b451: llama3.1-8b `stacked:4,100,kv2` on wse3
 /// (about 15 million tiles) 1.85 GB; mixtral-8x7b `stacked:2,100,kv4` on wse3x4 (about 32
 /// million) 4.3 GB; qwen3-30b-a3b `stacked:2,100,kv8,share2` (about 46 million, its experts'
-/// tiles twice `stacked:2`'s) 5.8 GB, and `share4` (about 74 million) 8.7 GB (1,517 tok/s
-/// against `share2`'s 1,436). The bound was set when a tile took twice the memory; raising it
-/// also brings Qwen3's and Mixtral's `stacked:4` into the search, whose time and peak are not
-/// measured yet. Larger candidates are not tried; `--plan` pins one.
-const MAX_STACKED_TILES: u64 = 48_000_000;
+/// tiles twice `stacked:2`'s) 5.8 GB, and `share4` (about 74 million) 8.7 GB. The searches
+/// under this bound peak at 9.9 GB (Qwen3, 26 minutes, `share4` chosen) and 12.5 GB (Mixtral,
+/// 28 minutes, `stacked:4,100,kv4,share2` chosen). Larger candidates
+/// (Qwen3's `stacked:2,100,kv8,share8`, about 131 million) are not tried; `--plan` pins one.
+const MAX_STACKED_TILES: u64 = 96_000_000;
 /// [`MAX_STACKED_TILES`] for a dense model, whose lowering holds less per tile (no lanes, no
 /// expert copies): llama3.1-70b `stacked:4` on wse3x4 (about 60 million tiles) peaks at 8.4 GB
 /// in the search (1fc34e0).
@@ -243,16 +250,22 @@ pub fn search_keeping<T>(
     for (index, &plan) in plans.iter().enumerate().rev() {
         run(index, plan, &mut records, &mut best)?;
     }
-    // Then the stacked plans within `REFINE_WITHIN` of the fastest, with each KV head's cache
-    // in copies (more SRAM for KV, less attention work per block): each copy count is a
-    // lowering as large as its plan's, so only the few best plans are refined.
+    // Then the stacked plans within `REFINE_WITHIN` (`MOE_REFINE_WITHIN`) of the fastest, with
+    // each KV head's cache in copies (more SRAM for KV, less attention work per block): each
+    // copy count is a lowering as large as its plan's, so only the few best plans are refined.
+    let moe = modules.for_plan(&plans[0]).has_moe();
+    let within = if moe { MOE_REFINE_WITHIN } else { REFINE_WITHIN };
     let fastest = best.as_ref().map_or(0, |b| b.cycles);
-    let mut close: Vec<(u64, usize)> = records
-        .iter()
-        .enumerate()
-        .filter_map(|(i, r)| Some((r.as_ref()?.0.cycles_per_token?, i)))
-        .filter(|&(cycles, _)| cycles as f64 <= fastest as f64 * REFINE_WITHIN)
-        .collect();
+    // (cycles, index) of the candidates that lowered within `within` of `fastest`.
+    let close_to_fastest = |records: &[Option<Record>]| -> Vec<(u64, usize)> {
+        records
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| Some((r.as_ref()?.0.cycles_per_token?, i)))
+            .filter(|&(cycles, _)| cycles as f64 <= fastest as f64 * within)
+            .collect()
+    };
+    let mut close = close_to_fastest(&records);
     close.sort_unstable();
     for (_, index) in close.into_iter().take(REFINED_PLANS) {
         let Plan::Stacked { layers_per_region, wafer_percent, kv_copies: 1, experts_per_lane } = plans[index] else {
@@ -265,22 +278,39 @@ pub fn search_keeping<T>(
             run(plans.len() - 1, plan, &mut records, &mut best)?;
         }
     }
-    // Then, in an MoE model, the fastest plan with its experts' lanes shared by twice as many
-    // experts, for as long as that is faster: each expert computes on more PEs, while two
-    // chosen experts of one lane run one after the other (the timing model's picks decide how
-    // often). Each doubling is a lowering with twice the experts' tiles.
-    let moe = modules.for_plan(&plans[0]).has_moe();
-    while let Some(Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane }) =
-        best.as_ref().map(|b| plans[b.index]).filter(|_| moe)
-    {
-        let shared = experts_per_lane.saturating_mul(2);
-        let plan = Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: shared };
-        if shared > MAX_EXPERTS_PER_LANE || plans.contains(&plan) {
-            break;
+    // Then, in an MoE model, the fastest plan of each group size within `MOE_REFINE_WITHIN`
+    // (KV copies included), with its experts' lanes shared by twice as many experts, for as long
+    // as that is faster: each expert computes on more PEs, while two chosen experts of one lane
+    // run one after the other (the timing model's picks decide how often). Each doubling is a
+    // lowering with twice the experts' tiles. Every such group size gets its own doublings: a
+    // smaller group gives each expert fewer PEs, so sharing gains it more.
+    if moe {
+        let mut starts: Vec<(u64, usize)> = Vec::new();
+        for (cycles, index) in close_to_fastest(&records) {
+            let Plan::Stacked { layers_per_region, .. } = plans[index] else { continue };
+            let same_group = |&(_, j): &(u64, usize)| matches!(plans[j], Plan::Stacked { layers_per_region: k, .. } if k == layers_per_region);
+            match starts.iter_mut().find(|s| same_group(s)) {
+                Some(start) => *start = (*start).min((cycles, index)),
+                None => starts.push((cycles, index)),
+            }
         }
-        plans.push(plan);
-        records.push(None);
-        run(plans.len() - 1, plan, &mut records, &mut best)?;
+        starts.sort_unstable();
+        for (mut cycles, mut index) in starts {
+            while let Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane } = plans[index] {
+                let shared = experts_per_lane.saturating_mul(2);
+                let plan = Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: shared };
+                if shared > MAX_EXPERTS_PER_LANE || plans.contains(&plan) {
+                    break;
+                }
+                plans.push(plan);
+                records.push(None);
+                run(plans.len() - 1, plan, &mut records, &mut best)?;
+                match records[plans.len() - 1].as_ref().and_then(|r| r.0.cycles_per_token) {
+                    Some(faster) if faster < cycles => (cycles, index) = (faster, plans.len() - 1),
+                    _ => break,
+                }
+            }
+        }
     }
     let mut records: Vec<Record> = records.into_iter().map(|r| r.expect("every plan ran")).collect();
     let Some(best) = best else {

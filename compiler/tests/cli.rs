@@ -772,6 +772,65 @@ fn default_pipeline_dumps_one_file_per_pass_each_round_tripping() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// In an MoE model the search shares experts' lanes from the fastest plan of every group size
+/// it refined with KV copies, not only from the overall fastest, and a group's doublings stop
+/// at the first that is not faster.
+#[test]
+fn plan_search_shares_lanes_from_every_refined_group_size() {
+    use waferc_ir::wafer::Plan;
+    let dir = scratch("share-lanes");
+    let out = ok(&compile(&fixture("qwen3-moe-tiny"), "grid:64x48", &dir.join("q.wafer"), &["--json"]));
+    let json: Value = serde_json::from_str(&out).unwrap();
+    // (group size, KV copies, experts per lane, cycles) of each stacked candidate.
+    let stacked: Vec<(Plan, Option<u64>)> = json["plan_search"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["plan"].as_str().unwrap().parse::<Plan>().unwrap(), c["cycles_per_token"].as_u64()))
+        .filter(|(p, _)| matches!(p, Plan::Stacked { .. }))
+        .collect();
+    let cycles = |plan: Plan| stacked.iter().find(|(p, _)| *p == plan).and_then(|(_, c)| *c);
+    let with_lanes = |plan: Plan, e: u8| match plan {
+        Plan::Stacked { layers_per_region, wafer_percent, kv_copies, .. } => {
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: e }
+        }
+        other => other,
+    };
+    let refined: std::collections::BTreeSet<u16> = stacked
+        .iter()
+        .filter_map(|(p, _)| match *p {
+            Plan::Stacked { layers_per_region, kv_copies, experts_per_lane: 1, .. } if kv_copies > 1 => {
+                Some(layers_per_region)
+            }
+            _ => None,
+        })
+        .collect();
+    assert!(refined.len() >= 2, "two group sizes are refined: {stacked:?}");
+    for k in refined {
+        let shared: Vec<Plan> = stacked
+            .iter()
+            .map(|(p, _)| *p)
+            .filter(|p| matches!(p, Plan::Stacked { layers_per_region, experts_per_lane, .. } if *layers_per_region == k && *experts_per_lane > 1))
+            .collect();
+        assert!(
+            shared.iter().any(|p| matches!(p, Plan::Stacked { experts_per_lane: 2, .. })),
+            "stacked:{k} is tried with lanes of two: {stacked:?}"
+        );
+        // A doubling past two follows one that was faster than the plan it doubled.
+        for plan in shared {
+            let Plan::Stacked { experts_per_lane: e, .. } = plan else { continue };
+            if e > 2 {
+                let (half, start) = (with_lanes(plan, e / 2), with_lanes(plan, e / 4));
+                assert!(
+                    cycles(half).zip(cycles(start)).is_some_and(|(h, s)| h < s),
+                    "{plan} follows {half}, which beat {start}: {stacked:?}"
+                );
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `--plan auto` with the default pipeline runs it once per plan kind: tiled candidates are
 /// lowered from the module whose `rewrite` was costed for the tiled plan (which fuses nothing),
 /// stacked ones from the stacked-costed module (which fuses q/k/v and gate/up). `--json` says
