@@ -20,6 +20,7 @@
 //! driver runs a plan-dependent pipeline (the default one, whose `rewrite` fuses matvecs only
 //! where the plan's cost says so) once per kind, so tiled candidates get the module costed for
 //! the tiled plan and stacked ones the module costed for the stacked plan.
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -285,15 +286,15 @@ pub fn search_keeping<T>(
     // lowering with twice the experts' tiles. Every such group size gets its own doublings: a
     // smaller group gives each expert fewer PEs, so sharing gains it more.
     if moe {
-        let mut starts: Vec<(u64, usize)> = Vec::new();
+        // Per group size, its fastest (cycles, index).
+        let mut fastest_of_group: BTreeMap<u16, (u64, usize)> = BTreeMap::new();
         for (cycles, index) in close_to_fastest(&records) {
-            let Plan::Stacked { layers_per_region, .. } = plans[index] else { continue };
-            let same_group = |&(_, j): &(u64, usize)| matches!(plans[j], Plan::Stacked { layers_per_region: k, .. } if k == layers_per_region);
-            match starts.iter_mut().find(|s| same_group(s)) {
-                Some(start) => *start = (*start).min((cycles, index)),
-                None => starts.push((cycles, index)),
+            if let Plan::Stacked { layers_per_region, .. } = plans[index] {
+                let start = fastest_of_group.entry(layers_per_region).or_insert((cycles, index));
+                *start = (*start).min((cycles, index));
             }
         }
+        let mut starts: Vec<(u64, usize)> = fastest_of_group.into_values().collect();
         starts.sort_unstable();
         for (mut cycles, mut index) in starts {
             while let Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane } = plans[index] {

@@ -713,11 +713,7 @@ mod tests {
             route(3, 2, pe(0, 2), pe(3, 2)),
         ];
         let precedence = module_precedence();
-        let order = RouteOrder {
-            precedence: &precedence,
-            step_of: one_step_each(&routes),
-            shared: &SharedPes::new(&[], false),
-        };
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes), shared: no_experts() };
         let (graph, _) = conflict_graph(&routes, &params, &order);
         let edges: Vec<(usize, usize)> = graph
             .edge_indices()
@@ -736,11 +732,7 @@ mod tests {
             || [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 2, pe(1, 0), pe(1, 3)), route(2, 1, pe(1, 1), pe(1, 0))];
         let mut routes = make();
         let precedence = module_precedence();
-        let order = RouteOrder {
-            precedence: &precedence,
-            step_of: one_step_each(&routes),
-            shared: &SharedPes::new(&[], false),
-        };
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes), shared: no_experts() };
         assert!(assign_colours(&mut routes, &params, &order).is_ok());
         let mut colours: Vec<u8> = routes.iter().map(|r| r.colour).collect();
         colours.sort_unstable();
@@ -749,11 +741,7 @@ mod tests {
         params.colours_per_pe = 2;
         let mut routes = make();
         let precedence = module_precedence();
-        let order = RouteOrder {
-            precedence: &precedence,
-            step_of: one_step_each(&routes),
-            shared: &SharedPes::new(&[], false),
-        };
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes), shared: no_experts() };
         let Err(clash) = assign_colours(&mut routes, &params, &order) else {
             panic!("three routes need three colours")
         };
@@ -768,7 +756,7 @@ mod tests {
             [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 1, pe(3, 0), pe(0, 0)), route(2, 1, pe(1, 0), pe(1, 3))];
         let precedence = module_precedence();
         // Routes 0 and 1 go in one step, route 2 in the next.
-        let order = RouteOrder { precedence: &precedence, step_of: vec![4, 4, 5], shared: &SharedPes::new(&[], false) };
+        let order = RouteOrder { precedence: &precedence, step_of: vec![4, 4, 5], shared: no_experts() };
         assert!(assign_colours(&mut routes, &params, &order).is_ok());
         assert_ne!(routes[0].colour, routes[1].colour);
         assert_eq!(routes[2].colour, 0);
@@ -781,14 +769,16 @@ mod tests {
         let mut routes =
             [route(0, 1, pe(0, 0), pe(3, 0)), route(1, 3, pe(3, 0), pe(0, 0)), route(2, 5, pe(0, 0), pe(0, 3))];
         let precedence = module_precedence();
-        let order = RouteOrder {
-            precedence: &precedence,
-            step_of: one_step_each(&routes),
-            shared: &SharedPes::new(&[], false),
-        };
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes), shared: no_experts() };
         assert!(assign_colours(&mut routes, &params, &order).is_ok());
         assert!(routes.iter().all(|r| r.colour == 0));
     }
+
+    /// No expert instructions: no two routes share a colour for sharing a PE.
+    fn no_experts() -> &'static SharedPes {
+        Box::leak(Box::new(SharedPes::new(&[], false)))
+    }
+
     /// A placement of instruction `instr` as expert `expert` computing on `pe` alone.
     fn expert_on(instr: u32, expert: Option<u32>, pe: Pe) -> waferc_ir::wafer::InstrPlacement {
         use waferc_ir::wafer::{InstrPlacement, ResultLayout, Segment, VectorLayout, Work};
@@ -840,11 +830,7 @@ mod tests {
         delivery.kind = RouteKind::Operand { value: 1, elements: 0..32 };
         let mut routes = [route(0, 2, pe(3, 0), pe(1, 1)), route(1, 2, pe(3, 0), pe(1, 1)), delivery];
         let precedence = module_precedence();
-        let order = RouteOrder {
-            precedence: &precedence,
-            step_of: one_step_each(&routes),
-            shared: &SharedPes::new(&[], false),
-        };
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes), shared: no_experts() };
         assert!(assign_colours(&mut routes, &params, &order).is_ok());
         let detour = &routes[2];
         assert!(detour.colour < 2);
@@ -862,11 +848,7 @@ mod tests {
         assert_eq!(visited.len(), 5, "the shortest way round: {visited:?}");
         // The colours are legal on the new path: no PE has two unordered routes of one colour.
         let precedence = module_precedence();
-        let order = RouteOrder {
-            precedence: &precedence,
-            step_of: one_step_each(&routes),
-            shared: &SharedPes::new(&[], false),
-        };
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes), shared: no_experts() };
         let (graph, _) = conflict_graph(&routes, &params, &order);
         for e in graph.edge_indices() {
             let (a, b) = graph.edge_endpoints(e).expect("an edge has endpoints");
@@ -882,11 +864,7 @@ mod tests {
         let mut routes =
             [route(0, 2, pe(3, 0), pe(1, 1)), route(1, 2, pe(3, 0), pe(1, 1)), route(2, 1, pe(0, 1), pe(2, 1))];
         let precedence = module_precedence();
-        let order = RouteOrder {
-            precedence: &precedence,
-            step_of: one_step_each(&routes),
-            shared: &SharedPes::new(&[], false),
-        };
+        let order = RouteOrder { precedence: &precedence, step_of: one_step_each(&routes), shared: no_experts() };
         assert!(assign_colours(&mut routes, &params, &order).is_err());
     }
 

@@ -455,6 +455,15 @@ impl CostModel {
         (messages as usize + 1).saturating_sub(forward as usize).clamp(1, route.sources.len().max(1))
     }
 
+    /// Reduction `route`'s kept edges and its leading leaves that sent, when `messages` came
+    /// from fewer than all its leaves; `None` when it is timed whole (all sent, or its edges are
+    /// not kept: see [`CostModel::reduce_edges`]).
+    fn partial_reduction(&self, route: &Route, messages: u32) -> Option<(&ReduceShape, usize)> {
+        let shape = &self.reduce_edges[route.id as usize];
+        let leaves = Self::reduce_leaves(route, shape, messages);
+        (leaves < route.sources.len() && !shape.edges.is_empty()).then_some((shape, leaves))
+    }
+
     /// Cycles of route `route` carrying `messages` messages: a collect whose sources do not all
     /// send (the embedding: one table block; an MoE combine: the chosen experts) serialises only
     /// the messages sent, and waits only for its farthest sender that did send (`reach`, an MoE
@@ -470,11 +479,7 @@ impl CostModel {
                 latency + cost.serial.min(sent.ceil() as u64)
             }
             RouteKind::Reduce { .. } => {
-                let shape = &self.reduce_edges[route.id as usize];
-                let leaves = Self::reduce_leaves(route, shape, messages);
-                if leaves >= route.sources.len() || shape.edges.is_empty() {
-                    return cost.latency;
-                }
+                let Some((shape, leaves)) = self.partial_reduction(route, messages) else { return cost.latency };
                 let mut ready = vec![0u64; leaves];
                 for edge in &shape.edges {
                     let (receiver, sender) = (edge.receiver as usize, edge.sender as usize);
@@ -495,18 +500,12 @@ impl CostModel {
         // A reduction whose leaves all send uses every run: its edges' runs, then the forward's,
         // are the path in order.
         let reduce_runs: Option<Vec<Range<usize>>> = match route.kind {
-            RouteKind::Reduce { .. } => {
-                let shape = &self.reduce_edges[route.id as usize];
-                let leaves = Self::reduce_leaves(route, shape, messages);
-                if leaves >= route.sources.len() || shape.edges.is_empty() {
-                    None
-                } else {
-                    let mut ranges: Vec<Range<usize>> =
-                        shape.edges.iter().filter(|e| (e.sender as usize) < leaves).map(ReduceEdge::runs).collect();
-                    ranges.push(shape.forward.1.clone());
-                    Some(ranges)
-                }
-            }
+            RouteKind::Reduce { .. } => self.partial_reduction(route, messages).map(|(shape, leaves)| {
+                let mut ranges: Vec<Range<usize>> =
+                    shape.edges.iter().filter(|e| (e.sender as usize) < leaves).map(ReduceEdge::runs).collect();
+                ranges.push(shape.forward.1.clone());
+                ranges
+            }),
             _ => None,
         };
         let collect = matches!(route.kind, RouteKind::Collect { .. });
@@ -569,9 +568,9 @@ impl CostModel {
         // Which route last touched a link, so a multicast counts its message once per link.
         let mut stamp = vec![u32::MAX; self.links.len()];
         let (mut crossed, mut counted) = (Vec::new(), HashSet::default());
+        let senders = &step.active_senders;
         for (n, &(id, sent)) in step.active_routes.iter().enumerate() {
             let route = &routes[id as usize];
-            let senders = &step.active_senders;
             let first = senders.partition_point(|&(r, _)| r < id);
             let of_route = &senders[first..first + senders[first..].partition_point(|&(r, _)| r == id)];
             if !of_route.is_empty() {
@@ -1345,7 +1344,7 @@ mod tests {
                 loads.iter().enumerate().filter(|(_, &b)| b > 0).map(|(l, &b)| (l, b)).collect();
             assert_eq!(loaded, crossed);
             // Row 0 sent nothing; its run, which the tree lists, carries nothing.
-            assert!(crossed.iter().all(|&(l, _)| costs.links.endpoints(l).0.y != 0));
+            assert!(loaded.iter().all(|&(l, _)| costs.links.endpoints(l).0.y != 0));
         }
     }
 }
