@@ -166,11 +166,10 @@ impl<'p> Executor<'p> {
         if let (Held::Segments(held), ResultLayout::Vector(layout)) =
             (&state.held[source as usize], &self.placement(source).result)
         {
-            for (segment, data) in layout.segments.iter().zip(held) {
-                if segment.pe == pe {
-                    if let Some(overlap) = intersect(&segment.elements, &elements) {
-                        pieces.push((overlap.clone(), data.slice(relative(&overlap, segment.elements.start))));
-                    }
+            for s in self.segments_on(source, pe) {
+                let (segment, Some(data)) = (&layout.segments[s], held.get(s)) else { continue };
+                if let Some(overlap) = intersect(&segment.elements, &elements) {
+                    pieces.push((overlap.clone(), data.slice(relative(&overlap, segment.elements.start))));
                 }
             }
         }

@@ -42,7 +42,7 @@ mod validate;
 use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
-use waferc_ir::wafer::{InstrIndex, InstrPlacement, Pe, RouteId, RouteKind, WaferProgram, Work};
+use waferc_ir::wafer::{InstrIndex, InstrPlacement, Pe, ResultLayout, RouteId, RouteKind, WaferProgram, Work};
 use waferc_ir::{Module, Op};
 
 use crate::kernels::{self, Routing};
@@ -156,6 +156,10 @@ pub struct Executor<'p> {
     /// The PEs that compute each instruction (tiles, segments, KV blocks, the router), per copy
     /// (one unless the instruction belongs to a replicated expert).
     instr_pes: Vec<Vec<Vec<Pe>>>,
+    /// Per instruction and copy (as `instr_pes`), its result segments by PE: `(pe, segment
+    /// index)` sorted, so a read finds the segments held on its PE without scanning the layout
+    /// (a matvec's every tile reads its input: a scan per tile is tiles x segments).
+    segments_by_pe: Vec<Vec<Vec<(Pe, u32)>>>,
     /// Per instruction of a replicated expert: `(replica, member)` (`waferc_ir::wafer::replicas`).
     replica_slots: Vec<Option<(u32, u32)>>,
     /// Routes into expert copies, by the instruction whose `Deliver` step sends them, with the
@@ -286,6 +290,9 @@ impl<'p> Executor<'p> {
         let instr_pes: Vec<Vec<Vec<Pe>>> = (0..program.instrs.len() as InstrIndex)
             .map(|i| program.placements_of(&replica_slots, i).map(|p| p.compute_pes()).collect())
             .collect();
+        let segments_by_pe = (0..program.instrs.len() as InstrIndex)
+            .map(|i| program.placements_of(&replica_slots, i).map(segments_by_pe).collect())
+            .collect();
         let copy_inputs = copy_inputs(program, &replica_slots);
         let reads_in_place = waferc_ir::wafer::arrival::in_place_readers(program, module);
         let dispatch_leads = waferc_ir::wafer::arrival::dispatch_leads(program, module);
@@ -319,6 +326,7 @@ impl<'p> Executor<'p> {
             gates,
             dispatch_leads,
             instr_pes,
+            segments_by_pe,
             replica_slots,
             copy_inputs,
             reads_in_place,
@@ -339,6 +347,14 @@ impl<'p> Executor<'p> {
 
     pub fn program(&self) -> &WaferProgram {
         self.program
+    }
+
+    /// The indices of `instr`'s result segments (in the copy the selected sequence runs) held on
+    /// `pe`, in segment order.
+    fn segments_on(&self, instr: InstrIndex, pe: Pe) -> impl Iterator<Item = usize> + '_ {
+        let by_pe = &self.segments_by_pe[instr as usize][self.copy_of(instr) as usize];
+        let start = by_pe.partition_point(|&(q, _)| q < pe);
+        by_pe[start..].iter().take_while(move |&&(q, _)| q == pe).map(|&(_, s)| s as usize)
     }
 
     /// The placement of `instr` the selected sequence runs: for an instruction of a replicated
@@ -644,6 +660,15 @@ fn copy_inputs(program: &WaferProgram, slots: &[Option<(u32, u32)>]) -> CopyInpu
         }
     }
     inputs
+}
+
+/// A placement's vector result segments as `(pe, segment index)`, sorted (empty for a routing
+/// decision).
+fn segments_by_pe(placement: &InstrPlacement) -> Vec<(Pe, u32)> {
+    let ResultLayout::Vector(layout) = &placement.result else { return Vec::new() };
+    let mut by_pe: Vec<(Pe, u32)> = layout.segments.iter().enumerate().map(|(s, seg)| (seg.pe, s as u32)).collect();
+    by_pe.sort_unstable();
+    by_pe
 }
 
 pub(crate) fn site_of(program: &WaferProgram, instr: InstrIndex) -> InstrSite {
