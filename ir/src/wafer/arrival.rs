@@ -8,7 +8,7 @@
 //! ([`super::distance_bound_cycles`]) take the leads from here, so the bound subtracts exactly
 //! what the model does.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use super::{InstrIndex, InstrPlacement, Pe, ResultLayout, Route, RouteId, TargetParams, WaferProgram, Work};
 use crate::module::Module;
@@ -26,13 +26,13 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
         });
     }
     // The PEs of each (layer, expert).
-    let mut expert_pes: HashMap<(Option<u32>, u32), Vec<Pe>> = HashMap::new();
+    let mut expert_pes: HashMap<(Option<u32>, u32), Vec<Pe>> = HashMap::default();
     for placement in &program.instrs {
         if let Some(expert) = placement.expert {
             expert_pes.entry((placement.layer, expert)).or_default().extend(placement.compute_pes());
         }
     }
-    let mut depths: HashMap<RouteId, Option<Depths>> = HashMap::new();
+    let mut depths: HashMap<RouteId, Option<Depths>> = HashMap::default();
     let mut lead = |id: RouteId, pes: &[Pe]| -> Option<u64> {
         let route = program.routes.get(id as usize)?;
         let (full, depth) =
@@ -40,7 +40,7 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
         let farthest = pes.iter().filter_map(|pe| depth.get(pe)).max()?;
         Some(full.saturating_sub(*farthest))
     };
-    let mut leads = HashMap::new();
+    let mut leads = HashMap::default();
     for placement in &program.instrs {
         let (Work::Dispatch { routing }, Some(expert)) = (&placement.work, placement.expert) else {
             continue;

@@ -20,7 +20,7 @@
 //! before the multicasts reach their farthest PE: its `expert_dispatch` ends its inputs' *leads*
 //! ([`super::arrival`]) before they do, the same leads the timing model subtracts.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 
 use super::arrival::{dispatch_leads, multicast_depths};
 use super::{InstrIndex, Pe, Phase, ResultLayout, Route, RouteId, RouteKind, WaferProgram, Work};
@@ -116,7 +116,7 @@ enum Senders {
 /// Attention's reductions over KV blocks at `position`: how many leading sources (blocks, in
 /// position order) hold a position and so send.
 fn active_attention_sources(program: &WaferProgram, position: u32) -> HashMap<RouteId, Senders> {
-    let mut active = HashMap::new();
+    let mut active = HashMap::default();
     for placement in &program.instrs {
         let Work::Attention(attention) = &placement.work else { continue };
         for head in &attention.kv_heads_placed {
@@ -136,7 +136,7 @@ fn chosen_expert_senders(
     module: &Module,
     expert_runs: &impl Fn(u32, u32) -> bool,
 ) -> HashMap<RouteId, Senders> {
-    let mut senders = HashMap::new();
+    let mut senders = HashMap::default();
     for (handle, instr) in module.body.iter() {
         let (Op::ExpertCombine { experts, .. }, Some(layer)) = (&instr.op, instr.layer) else { continue };
         let Some(Work::Combine { collects, .. }) = program.instrs.get(handle.index()).map(|p| &p.work) else {

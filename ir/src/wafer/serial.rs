@@ -12,8 +12,8 @@
 //! lane of eight experts of 128 in a layer). A program with expert copies is left out: a copy
 //! runs on PEs of its own, beside the original it was copied from, under the same instruction.
 
+use rustc_hash::FxHashMap as HashMap;
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 use super::{InstrPlacement, Pe};
 
@@ -71,7 +71,7 @@ impl SharedPes {
                 _ => None,
             })
             .collect();
-        SharedPes { sets, known: RefCell::new(HashMap::new()) }
+        SharedPes { sets, known: RefCell::new(HashMap::default()) }
     }
 
     /// Whether instructions `a` and `b` are experts computing on a common PE, so never run at

@@ -46,6 +46,36 @@ impl<'p> Executor<'p> {
         Ok(())
     }
 
+    /// A reduction edge's partial of `expected` values, sent by leaf PE `sender` and taken at
+    /// once by `receiver`; the route must be the current step's, as for [`Executor::send`]. The
+    /// tree names both ends and each leaf sends once, so the partial goes straight to its
+    /// receiver rather than through the step's message map (a message per tile, and a source
+    /// check scanning the route's leaves per edge).
+    fn send_partial(
+        &self,
+        run: &mut InstrRun,
+        id: RouteId,
+        (sender, receiver): (Pe, Pe),
+        partial: Data,
+        expected: usize,
+    ) -> Result<Data, ExecError> {
+        if !run.current_lists(id) {
+            return Err(ExecError::RouteNotInStep { site: run.site.clone(), route: id, phase: run.phase, pe: sender });
+        }
+        if partial.len() != expected {
+            return Err(ExecError::MessageLength {
+                site: run.site.clone(),
+                route: id,
+                sender,
+                pe: receiver,
+                expected,
+                found: partial.len(),
+            });
+        }
+        run.sent(id);
+        Ok(partial)
+    }
+
     /// The message `sender` sent on route `id`, as read by `receiver`, which must be one of the
     /// route's destinations.
     fn receive<'s>(
@@ -173,7 +203,7 @@ impl<'p> Executor<'p> {
                 }
             }
         }
-        for &id in run.operand_routes_to(self.program, self.placement(run.instr), pe) {
+        for &id in run.operand_routes_to(self.placement(run.instr), &self.destinations, pe) {
             let route = self.route(run, id)?;
             let (carried, carried_elements) = match &route.kind {
                 RouteKind::Operand { value, elements } => (*value, elements),
@@ -332,8 +362,8 @@ impl<'p> Executor<'p> {
                 continue;
             }
             let (from, to) = (route.sources[sender], route.sources[receiver]);
-            self.send(state, run, id, from, Payload::Data(leaves[sender].clone()))?;
-            let sent = data_of(run, id, from, to, &self.take_message(state, run, id, from, to)?, elements as usize)?;
+            let partial = std::mem::replace(&mut leaves[sender], Data::Shape(0));
+            let sent = self.send_partial(run, id, (from, to), partial, elements as usize)?;
             run.compute(to, self.costs.flops(elements as u64));
             leaves[receiver] = match sender < receiver {
                 true => self.combine(op, &sent, &leaves[receiver]),

@@ -152,7 +152,7 @@ pub struct Executor<'p> {
     gates: Vec<Option<Gate>>,
     /// Per `expert_dispatch`: how early its expert receives the input and the routing, before
     /// their multicasts end (`waferc_ir::wafer::arrival`).
-    dispatch_leads: std::collections::HashMap<InstrIndex, (u64, u64)>,
+    dispatch_leads: HashMap<InstrIndex, (u64, u64)>,
     /// The PEs that compute each instruction (tiles, segments, KV blocks, the router), per copy
     /// (one unless the instruction belongs to a replicated expert).
     instr_pes: Vec<Vec<Vec<Pe>>>,

@@ -10,7 +10,8 @@
 //! at a layer's end) the segments keep their column, so they cross to the next region on
 //! parallel paths instead of queueing on one link.
 
-use std::collections::{HashSet, VecDeque};
+use rustc_hash::FxHashSet as HashSet;
+use std::collections::VecDeque;
 use std::ops::Range;
 
 use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, Segment, VectorLayout};
@@ -79,7 +80,7 @@ impl Stacked<'_> {
         let mut found = Vec::new();
         // (value, where its element 0 lies in `i`'s result)
         let mut frontier = VecDeque::from([(i, 0u64)]);
-        let mut seen = HashSet::new();
+        let mut seen = HashSet::default();
         let mut through_norm = false;
         while let Some((value, base)) = frontier.pop_front() {
             if !seen.insert((value, base)) {
@@ -147,7 +148,7 @@ impl Stacked<'_> {
     pub(super) fn feeds_experts(&self, i: usize) -> bool {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
         let mut stack = vec![i];
-        let mut seen = HashSet::new();
+        let mut seen = HashSet::default();
         while let Some(value) = stack.pop() {
             if !seen.insert(value) || seen.len() > SEARCH_LIMIT {
                 continue;
@@ -190,7 +191,7 @@ impl Stacked<'_> {
         let analysis = self.placer.analysis;
         let unit = self.unit_of[i];
         let mut stack = vec![i];
-        let mut seen = HashSet::new();
+        let mut seen = HashSet::default();
         while let Some(value) = stack.pop() {
             if !seen.insert(value) {
                 continue;
@@ -291,7 +292,7 @@ impl Stacked<'_> {
     ) -> Result<VectorLayout, WaferError> {
         let area = self.area_of(i, unit).0;
         let mut layout = VectorLayout::default();
-        let mut taken = HashSet::new();
+        let mut taken = HashSet::default();
         for (seg, dx) in cut {
             let arrival = match middle_row {
                 true => None,

@@ -45,7 +45,7 @@
 mod columns;
 mod lanes;
 
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::ops::Range;
 use std::rc::Rc;
 
@@ -928,19 +928,19 @@ pub(super) fn place(
         unit_weight_bytes,
         unit_slack: Vec::new(),
         unit_led_tiles: Vec::new(),
-        expert_pes: HashMap::new(),
-        lane_cursors: HashMap::new(),
-        lane_columns: HashMap::new(),
+        expert_pes: HashMap::default(),
+        lane_cursors: HashMap::default(),
+        lane_columns: HashMap::default(),
         layers_per_region: layers_per_region.max(1) as u64,
         experts_per_lane: match options.plan {
             Plan::Stacked { experts_per_lane, .. } => experts_per_lane.max(1) as u64,
             _ => 1,
         },
-        vector_bytes: HashMap::new(),
+        vector_bytes: HashMap::default(),
         unit_of: units.iter().enumerate().flat_map(|(u, unit)| unit.instrs.clone().map(move |_| u)).collect(),
-        input_leaders: HashMap::new(),
-        placed_tiles: HashMap::new(),
-        grid_columns: HashMap::new(),
+        input_leaders: HashMap::default(),
+        placed_tiles: HashMap::default(),
+        grid_columns: HashMap::default(),
     };
     let limit = (TILE_SHARE * usable as f64) as u64;
     for (u, unit) in units.iter().enumerate() {
@@ -1260,7 +1260,7 @@ impl Stacked<'_> {
         let half = halves.filter(|&half| seg.start >= half)?;
         let twin = seg.start - half..seg.end - half;
         let pe = layout.segments.iter().find(|s| s.elements == twin)?.pe;
-        self.claim_vector(pe, bytes, &HashSet::new()).then_some(pe)
+        self.claim_vector(pe, bytes, &HashSet::default()).then_some(pe)
     }
 
     /// Matvec `i` and the ops that run in place on its result (rope and a per-head norm, Qwen3's q
@@ -1429,7 +1429,7 @@ impl Stacked<'_> {
         pick: &mut SegmentPicker<'_, Self>,
     ) -> Result<VectorLayout, WaferError> {
         let mut layout = VectorLayout::default();
-        let mut taken = HashSet::new();
+        let mut taken = HashSet::default();
         for seg in segments {
             let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
             requests.extend(extra(seg));
@@ -1967,7 +1967,7 @@ impl Stacked<'_> {
                             None => (1, 0),
                         };
                         // Per KV head band, the segments placed in it so far.
-                        let mut in_band: HashMap<u64, u64> = HashMap::new();
+                        let mut in_band: HashMap<u64, u64> = HashMap::default();
                         let feeds_experts = self.feeds_experts(i);
                         // An expert's output whose column blocks are fewer than its segments
                         // would put several segments in one column, and the combine takes each
@@ -2113,9 +2113,9 @@ impl Stacked<'_> {
                     ResultLayout::Routing { .. } => Vec::new(),
                 };
                 on_logits.sort_by_key(|pe| (pe.x as i64 - centre.0).abs() + (pe.y as i64 - centre.1).abs());
-                let pe = match on_logits.into_iter().find(|&pe| self.claim_vector(pe, bytes, &HashSet::new())) {
+                let pe = match on_logits.into_iter().find(|&pe| self.claim_vector(pe, bytes, &HashSet::default())) {
                     Some(pe) => pe,
-                    None => self.fresh_pe(i, unit, bytes, &HashSet::new())?,
+                    None => self.fresh_pe(i, unit, bytes, &HashSet::default())?,
                 };
                 self.placer.fill(pe, instr, requests)?;
                 (ResultLayout::Routing { pe }, Work::Router { routing: 0 })
@@ -2240,8 +2240,8 @@ impl Stacked<'_> {
         if let Some(cut) = cut {
             let area = self.region(unit).area;
             let mut layout = VectorLayout::default();
-            let mut taken = HashSet::new();
-            let mut in_band: HashMap<u64, u64> = HashMap::new();
+            let mut taken = HashSet::default();
+            let mut in_band: HashMap<u64, u64> = HashMap::default();
             for (seg, column) in cut {
                 let h = seg.start / piece;
                 let band = area.band(h, kv.kv_heads);
@@ -2260,7 +2260,7 @@ impl Stacked<'_> {
         // Else one result segment per KV head (its query heads' outputs), in the head's band
         // beside the strip: the collect from the head's root is a short run inside the band.
         let mut layout = VectorLayout::default();
-        let mut taken = HashSet::new();
+        let mut taken = HashSet::default();
         for h in 0..kv.kv_heads {
             let elements = h * piece..((h + 1) * piece).min(len);
             let bytes = (elements.end - elements.start) * F32;
