@@ -748,34 +748,29 @@ impl Run {
     }
 
     /// The directed neighbour hops of the run (one hop for an inter-wafer run; none if `from`
-    /// and `to` are neither aligned nor on different wafers, which the checker rejects).
-    pub fn hops(&self) -> Vec<(Pe, Pe)> {
-        if self.is_inter_wafer() {
-            return vec![(self.from, self.to)];
-        }
+    /// and `to` are neither aligned nor on different wafers, which the checker rejects). An
+    /// iterator: link loads, waves and contention walk every hop of every route.
+    pub fn hops(&self) -> impl ExactSizeIterator<Item = (Pe, Pe)> + use<> {
         let (a, b) = (self.from, self.to);
+        let inter_wafer = self.is_inter_wafer();
         let step = |from: u16, to: u16| -> i32 { (to as i32 - from as i32).signum() };
-        if a.x != b.x && a.y != b.y {
-            return Vec::new();
-        }
         let (dx, dy) = (step(a.x, b.x), step(a.y, b.y));
-        let n = a.distance(b).unwrap_or(0);
-        (0..n)
-            .map(|i| {
-                let i = i as i32;
-                let at = |d: i32, base: u16, k: i32| (base as i32 + d * k) as u16;
-                (
-                    Pe::new(a.wafer, at(dx, a.x, i), at(dy, a.y, i)),
-                    Pe::new(a.wafer, at(dx, a.x, i + 1), at(dy, a.y, i + 1)),
-                )
-            })
-            .collect()
+        let n = match (inter_wafer, a.x == b.x || a.y == b.y) {
+            (true, _) => 1,
+            (false, true) => a.distance(b).unwrap_or(0) as usize,
+            (false, false) => 0,
+        };
+        let at = move |i: usize| {
+            let k = i as i32;
+            Pe::new(a.wafer, (a.x as i32 + dx * k) as u16, (a.y as i32 + dy * k) as u16)
+        };
+        (0..n).map(move |i| if inter_wafer { (a, b) } else { (at(i), at(i + 1)) })
     }
 
     /// The PEs the run visits, `from` and `to` included.
     pub fn pes(&self) -> Vec<Pe> {
         let mut pes = vec![self.from];
-        pes.extend(self.hops().into_iter().map(|(_, to)| to));
+        pes.extend(self.hops().map(|(_, to)| to));
         pes
     }
 }
@@ -1054,12 +1049,15 @@ mod tests {
     #[test]
     fn runs_list_their_hops() {
         let run = Run { from: Pe::new(0, 3, 2), to: Pe::new(0, 1, 2), messages: 1 };
-        assert_eq!(run.hops(), [(Pe::new(0, 3, 2), Pe::new(0, 2, 2)), (Pe::new(0, 2, 2), Pe::new(0, 1, 2))]);
+        assert_eq!(
+            run.hops().collect::<Vec<_>>(),
+            [(Pe::new(0, 3, 2), Pe::new(0, 2, 2)), (Pe::new(0, 2, 2), Pe::new(0, 1, 2))]
+        );
         assert_eq!(run.pes().len(), 3);
         let hop = Run { from: Pe::new(0, 0, 0), to: Pe::new(1, 0, 0), messages: 1 };
         assert!(hop.is_inter_wafer());
         assert_eq!(hop.hops().len(), 1);
         let bent = Run { from: Pe::new(0, 0, 0), to: Pe::new(0, 1, 1), messages: 1 };
-        assert!(bent.hops().is_empty());
+        assert_eq!(bent.hops().len(), 0);
     }
 }

@@ -109,7 +109,13 @@ fn make_room(regions: &mut Vec<Region>, extra: usize) {
 /// [`PeImage`]): a resident one at the resident regions' end, below every working one; a working
 /// one (an operand buffer) as high below the SRAM's `top` as it fits without overlapping a working
 /// region it may not share bytes with ([`Region::may_share`]). `None` when it does not fit.
-fn region_offset(regions: &[Region], new: &Region, top: u64, completion: &Completion) -> Option<u64> {
+fn region_offset(
+    regions: &[Region],
+    new: &Region,
+    top: u64,
+    completion: &Completion,
+    clashes: &mut Vec<(u64, u64)>,
+) -> Option<u64> {
     let end = |r: &Region| r.offset as u64 + r.bytes as u64;
     let bytes = new.bytes as u64;
     let resident_end = regions.iter().filter(|r| !r.kind.is_working()).map(end).max().unwrap_or(0);
@@ -117,15 +123,19 @@ fn region_offset(regions: &[Region], new: &Region, top: u64, completion: &Comple
         let floor = regions.iter().filter(|r| r.kind.is_working()).map(|r| r.offset as u64).min().unwrap_or(top);
         return (resident_end + bytes <= floor).then_some(resident_end);
     }
-    let clashes: Vec<(u64, u64)> = regions
-        .iter()
-        .filter(|r| r.kind.is_working() && !r.may_share(new, completion))
-        .map(|r| (r.offset as u64, end(r)))
-        .collect();
-    // Highest first: right below the top, or right below a clashing buffer.
-    let mut tops: Vec<u64> = clashes.iter().map(|&(start, _)| start).chain([top]).collect();
-    tops.sort_unstable_by(|a, b| b.cmp(a));
-    tops.into_iter().find_map(|t| {
+    // `clashes` is the caller's scratch list (a call per region placed; allocating it each time
+    // was a tenth of placement).
+    clashes.clear();
+    clashes.extend(
+        regions
+            .iter()
+            .filter(|r| r.kind.is_working() && !r.may_share(new, completion))
+            .map(|r| (r.offset as u64, end(r))),
+    );
+    clashes.sort_unstable_by(|a, b| b.cmp(a));
+    // Highest first: right below the top (above every working region), or right below a
+    // clashing buffer.
+    std::iter::once(top).chain(clashes.iter().map(|&(start, _)| start)).find_map(|t| {
         let start = t.checked_sub(bytes)?;
         (start >= resident_end && clashes.iter().all(|&(s, e)| e <= start || s >= t)).then_some(start)
     })
@@ -224,6 +234,8 @@ pub(super) struct Placer<'a> {
     routing_copy: bool,
     /// Routes into copies (`route_copy_inputs`), with the instruction whose `Deliver` step sends them.
     copy_inputs: Vec<(usize, RouteId)>,
+    /// [`region_offset`]'s scratch list.
+    clashes: Vec<(u64, u64)>,
 }
 
 /// PEs each instruction takes when the whole module is laid out on one unbounded wafer, alignment
@@ -398,6 +410,7 @@ impl<'a> Placer<'a> {
             replicas: Vec::new(),
             routing_copy: false,
             copy_inputs: Vec::new(),
+            clashes: Vec::new(),
         }
     }
 
@@ -586,7 +599,7 @@ impl<'a> Placer<'a> {
         let mut unplaced = 0;
         for (kind, bytes) in requests {
             let mut region = Region { offset: 0, bytes: bytes as u32, instr: Some(instr), kind };
-            match region_offset(regions, &region, top, completion) {
+            match region_offset(regions, &region, top, completion, &mut self.clashes) {
                 Some(offset) if unplaced == 0 => {
                     region.offset = offset as u32;
                     regions.push(region);
@@ -684,9 +697,10 @@ impl<'a> Placer<'a> {
                         let image = &self.images[self.image_of.get(pe).expect("a host segment's PE has an image")];
                         let mut regions = image.regions.clone();
                         let first = regions.len();
+                        let mut clashes = Vec::new();
                         for (kind, bytes) in wanted {
                             let mut region = Region { offset: 0, bytes: bytes as u32, instr: Some(i as u32), kind };
-                            region.offset = region_offset(&regions, &region, top, completion)? as u32;
+                            region.offset = region_offset(&regions, &region, top, completion, &mut clashes)? as u32;
                             regions.push(region);
                         }
                         Some((pe, elements, regions.split_off(first)))

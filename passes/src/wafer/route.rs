@@ -298,12 +298,14 @@ pub(super) fn order_in_waves(routes: &[Route], ids: &mut [RouteId]) {
     // Per directed link, the waves holding a route on it.
     let mut waves_on: FxHashMap<(Pe, Pe), u64> = FxHashMap::default();
     let mut wave_of = Vec::with_capacity(ids.len());
+    let mut links: Vec<(Pe, Pe)> = Vec::new();
     for &id in ids.iter() {
-        let links: Vec<(Pe, Pe)> = routes[id as usize].path.iter().flat_map(|run| run.hops()).collect();
+        links.clear();
+        links.extend(routes[id as usize].path.iter().flat_map(|run| run.hops()));
         let taken = links.iter().fold(0u64, |taken, link| taken | waves_on.get(link).copied().unwrap_or(0));
         let wave = (!taken).trailing_zeros() as usize;
         if wave < MAX_WAVES {
-            for link in links {
+            for &link in &links {
                 *waves_on.entry(link).or_default() |= 1 << wave;
             }
         }
@@ -406,7 +408,10 @@ pub(super) fn conflict_graph(
     // `seen_by[s] == r`: the pair (s, r) was already considered.
     let mut seen_by = vec![NONE; routes.len()];
     let mut pe_counts = vec![0u32; routes.len()];
-    let mut pes = Vec::new();
+    // `visited_by[p] == r`: route `r` already listed PE `p` (each route's PEs once, in path
+    // order: sorting them instead was a third of the graph's time).
+    let mut visited_by = vec![NONE; pe_count];
+    let mut pes: Vec<u32> = Vec::new();
     let mut current = NONE;
     for &r in &visit {
         let (r_instr, r_epoch) = (instr[r as usize] as usize, epoch[r as usize]);
@@ -414,7 +419,14 @@ pub(super) fn conflict_graph(
             current = r_epoch;
             met.clear();
         }
-        route_pes_into(&routes[r as usize], params, &mut pes);
+        pes.clear();
+        for_each_pe(&routes[r as usize], |pe| {
+            let p = pe_index(params, pe);
+            if visited_by[p] != r {
+                visited_by[p] = r;
+                pes.push(p as u32);
+            }
+        });
         pe_counts[r as usize] = pes.len() as u32;
         for &p in &pes {
             let p = p as usize;

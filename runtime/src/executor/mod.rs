@@ -178,7 +178,7 @@ pub struct Executor<'p> {
     /// own list when it is sorted already (the compiler sorts them), else a sorted copy.
     destinations: Vec<std::borrow::Cow<'p, [Pe]>>,
     /// The most messages a step holds at once: one per source of a route other than a
-    /// reduction (a reduction's partials are taken as they arrive). A step's message map is
+    /// reduction (a reduction's partials never enter the map). A step's message map is
     /// made this large at once, so it never rehashes.
     most_messages: usize,
     costs: timing::CostModel,
