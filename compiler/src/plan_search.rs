@@ -53,7 +53,7 @@ const MOE_REFINE_WITHIN: f64 = 1.25;
 /// (about 15 million tiles) 1.85 GB; mixtral-8x7b `stacked:2,100,kv4` on wse3x4 (about 32
 /// million) 4.3 GB; qwen3-30b-a3b `stacked:2,100,kv8,share2` (about 46 million, its experts'
 /// tiles twice `stacked:2`'s) 5.8 GB, and `share4` (about 74 million) 8.7 GB. The searches
-/// under this bound peak at 9.9 GB (Qwen3, 26 minutes at 4a2ffe4, `share4` chosen) and 12.5 GB
+/// under this bound peak at 9.9 GB (Qwen3, 16 minutes at f2db40e, `share4` chosen) and 12.5 GB
 /// (Mixtral, 21 minutes at aba4932, `stacked:4,100,kv4,share2` chosen). Larger candidates
 /// (Qwen3's `stacked:2,100,kv8,share8`, about 131 million) are not tried; `--plan` pins one.
 const MAX_STACKED_TILES: u64 = 96_000_000;

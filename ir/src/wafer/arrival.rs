@@ -118,7 +118,10 @@ pub type Depths = (u64, HashMap<Pe, u64>);
 /// timing model's route latency. `Err(index)`: run `index` starts at a PE that no source or
 /// earlier run reaches.
 pub fn multicast_depths(params: &TargetParams, route: &Route) -> Result<Depths, usize> {
-    let mut depth: HashMap<Pe, u64> = route.sources.iter().map(|&pe| (pe, 0)).collect();
+    // Sized at once for every PE the path visits (it grows to about that), so it never rehashes.
+    let visits = route.sources.len() + route.path.iter().map(|run| run.hops().len()).sum::<usize>();
+    let mut depth: HashMap<Pe, u64> = HashMap::with_capacity_and_hasher(visits, Default::default());
+    depth.extend(route.sources.iter().map(|&pe| (pe, 0)));
     let mut full = 0;
     for (index, run) in route.path.iter().enumerate() {
         let Some(&start) = depth.get(&run.from) else { return Err(index) };

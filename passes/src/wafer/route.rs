@@ -379,8 +379,8 @@ impl RouteOrder<'_> {
 /// neighbour sets, so the order of the edges does not matter to it).
 /// Only routes of one epoch can be active together, so routes are taken epoch by epoch (then by
 /// index), and each is compared with the routes of its epoch taken before it at each of its
-/// PEs. Those lists live only for the epoch (a linked list per PE, reset when the epoch first
-/// touches the PE), so the working set is one epoch's region of the wafer rather than every
+/// PEs. Those lists live only for the epoch (a linked list of [`MetChunk`]s per PE, reset when
+/// the epoch first touches the PE), so the working set is one epoch's region of the wafer rather than every
 /// route of every PE (the 8B's 95 million route-PE pairs: reading per-PE lists of the whole
 /// program, in route order, was most of the colouring's time in cache misses). Also returns
 /// each route's PE count.
@@ -401,10 +401,10 @@ pub(super) fn conflict_graph(
     for _ in routes {
         graph.add_node(());
     }
-    // Per PE: the epoch its list belongs to, and the list's head in `met` (route, next).
+    // Per PE: the epoch its list belongs to, and the list's newest chunk in `met`.
     let mut list_epoch = vec![NONE; pe_count];
     let mut head = vec![NONE; pe_count];
-    let mut met: Vec<(u32, u32)> = Vec::new();
+    let mut met: Vec<MetChunk> = Vec::new();
     // `seen_by[s] == r`: the pair (s, r) was already considered.
     let mut seen_by = vec![NONE; routes.len()];
     let mut pe_counts = vec![0u32; routes.len()];
@@ -436,20 +436,45 @@ pub(super) fn conflict_graph(
             }
             let mut at = head[p];
             while at != NONE {
-                let (s, next) = met[at as usize];
-                if seen_by[s as usize] != r {
-                    seen_by[s as usize] = r;
-                    if !order.instrs_apart((s as usize, instr[s as usize] as usize), (r as usize, r_instr)) {
-                        graph.add_edge(NodeIndex::new(s as usize), NodeIndex::new(r as usize), ());
+                let chunk = &met[at as usize];
+                for &s in &chunk.routes[..chunk.len as usize] {
+                    if seen_by[s as usize] != r {
+                        seen_by[s as usize] = r;
+                        if !order.instrs_apart((s as usize, instr[s as usize] as usize), (r as usize, r_instr)) {
+                            graph.add_edge(NodeIndex::new(s as usize), NodeIndex::new(r as usize), ());
+                        }
                     }
                 }
-                at = next;
+                at = chunk.next;
             }
-            met.push((r, head[p]));
-            head[p] = (met.len() - 1) as u32;
+            match met.get_mut(head[p] as usize).filter(|chunk| (chunk.len as usize) < MetChunk::ROUTES) {
+                Some(chunk) => {
+                    chunk.routes[chunk.len as usize] = r;
+                    chunk.len += 1;
+                }
+                None => {
+                    let mut routes = [0; MetChunk::ROUTES];
+                    routes[0] = r;
+                    met.push(MetChunk { routes, len: 1, next: head[p] });
+                    head[p] = (met.len() - 1) as u32;
+                }
+            }
         }
     }
     (graph, pe_counts)
+}
+
+/// A piece of one PE's list of the routes met there in [`conflict_graph`]: up to
+/// [`MetChunk::ROUTES`] routes side by side (a walk reads a cache line per chunk, not per
+/// route), and the older chunk's index.
+struct MetChunk {
+    routes: [u32; MetChunk::ROUTES],
+    len: u32,
+    next: u32,
+}
+
+impl MetChunk {
+    const ROUTES: usize = 14;
 }
 
 /// Colours routes so that no two routes touching a PE share one while both can be active, by
