@@ -380,10 +380,10 @@ impl RouteOrder<'_> {
 /// Only routes of one epoch can be active together, so routes are taken epoch by epoch (then by
 /// index), and each is compared with the routes of its epoch taken before it at each of its
 /// PEs. Those lists live only for the epoch (a linked list of [`MetChunk`]s per PE, reset when
-/// the epoch first touches the PE), so the working set is one epoch's region of the wafer rather than every
-/// route of every PE (the 8B's 95 million route-PE pairs: reading per-PE lists of the whole
-/// program, in route order, was most of the colouring's time in cache misses). Also returns
-/// each route's PE count.
+/// the epoch first touches the PE), so the working set is one epoch's region of the wafer
+/// rather than every route of every PE (the 8B's 95 million route-PE pairs: reading per-PE
+/// lists of the whole program, in route order, was most of the colouring's time in cache
+/// misses). Also returns each route's PE count.
 pub(super) fn conflict_graph(
     routes: &[Route],
     params: &TargetParams,

@@ -196,8 +196,8 @@ impl<'p> Executor<'p> {
         if let (Held::Segments(held), ResultLayout::Vector(layout)) =
             (&state.held[source as usize], &self.placement(source).result)
         {
-            for s in self.segments_on(source, pe) {
-                let (segment, Some(data)) = (&layout.segments[s], held.get(s)) else { continue };
+            for &s in self.segments_on(source, pe) {
+                let (segment, Some(data)) = (&layout.segments[s as usize], held.get(s as usize)) else { continue };
                 if let Some(overlap) = intersect(&segment.elements, &elements) {
                     pieces.push((overlap.clone(), data.slice(relative(&overlap, segment.elements.start))));
                 }

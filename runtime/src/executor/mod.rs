@@ -23,12 +23,14 @@
 //! Layout: this module holds the [`Executor`] and its step loop; `fabric` moves messages along
 //! routes (send, receive, operands, reductions, collects, deliveries); `sram` loads the PE images
 //! and reads weight regions; `schedule` cuts the schedule into per-instruction runs; `ops` is
-//! each op's per-PE execution, one module per kind of work.
+//! each op's per-PE execution, one module per kind of work; `by_pe` groups what a tile looks up
+//! (segments, operand routes, tiles) by PE.
 //!
 //! [`PeImage`]: waferc_ir::wafer::PeImage
 //! [`Step`]: waferc_ir::wafer::Step
 //! [`reduce_tree`]: waferc_ir::wafer::reduce_tree
 
+mod by_pe;
 mod error;
 mod fabric;
 mod ops;
@@ -49,6 +51,7 @@ use crate::kernels::{self, Routing};
 use crate::reference::{Decoder, InstrValue};
 use crate::RuntimeError;
 
+use by_pe::ByPe;
 use fabric::{route_of, Payload};
 use schedule::{schedule_runs, InstrRun};
 use sram::load_sram;
@@ -156,10 +159,10 @@ pub struct Executor<'p> {
     /// The PEs that compute each instruction (tiles, segments, KV blocks, the router), per copy
     /// (one unless the instruction belongs to a replicated expert).
     instr_pes: Vec<Vec<Vec<Pe>>>,
-    /// Per instruction and copy (as `instr_pes`), its result segments by PE: `(pe, segment
-    /// index)` sorted, so a read finds the segments held on its PE without scanning the layout
-    /// (a matvec's every tile reads its input: a scan per tile is tiles x segments).
-    segments_by_pe: Vec<Vec<Vec<(Pe, u32)>>>,
+    /// Per instruction and copy (as `instr_pes`), the indices of its result segments by PE, so
+    /// a read finds the segments held on its PE without scanning the layout (a matvec's every
+    /// tile reads its input: a scan per tile is tiles x segments).
+    segments_by_pe: Vec<Vec<ByPe<u32>>>,
     /// Per instruction of a replicated expert: `(replica, member)` (`waferc_ir::wafer::replicas`).
     replica_slots: Vec<Option<(u32, u32)>>,
     /// Routes into expert copies, by the instruction whose `Deliver` step sends them, with the
@@ -351,10 +354,8 @@ impl<'p> Executor<'p> {
 
     /// The indices of `instr`'s result segments (in the copy the selected sequence runs) held on
     /// `pe`, in segment order.
-    fn segments_on(&self, instr: InstrIndex, pe: Pe) -> impl Iterator<Item = usize> + '_ {
-        let by_pe = &self.segments_by_pe[instr as usize][self.copy_of(instr) as usize];
-        let start = by_pe.partition_point(|&(q, _)| q < pe);
-        by_pe[start..].iter().take_while(move |&&(q, _)| q == pe).map(|&(_, s)| s as usize)
+    fn segments_on(&self, instr: InstrIndex, pe: Pe) -> &[u32] {
+        self.segments_by_pe[instr as usize][self.copy_of(instr) as usize].on(pe)
     }
 
     /// The placement of `instr` the selected sequence runs: for an instruction of a replicated
@@ -662,13 +663,13 @@ fn copy_inputs(program: &WaferProgram, slots: &[Option<(u32, u32)>]) -> CopyInpu
     inputs
 }
 
-/// A placement's vector result segments as `(pe, segment index)`, sorted (empty for a routing
-/// decision).
-fn segments_by_pe(placement: &InstrPlacement) -> Vec<(Pe, u32)> {
-    let ResultLayout::Vector(layout) = &placement.result else { return Vec::new() };
-    let mut by_pe: Vec<(Pe, u32)> = layout.segments.iter().enumerate().map(|(s, seg)| (seg.pe, s as u32)).collect();
-    by_pe.sort_unstable();
-    by_pe
+/// The indices of a placement's vector result segments by PE (none for a routing decision).
+fn segments_by_pe(placement: &InstrPlacement) -> ByPe<u32> {
+    let segments = match &placement.result {
+        ResultLayout::Vector(layout) => layout.segments.as_slice(),
+        ResultLayout::Routing { .. } => &[],
+    };
+    ByPe::new(segments.iter().enumerate().map(|(s, seg)| (seg.pe, s as u32)))
 }
 
 pub(crate) fn site_of(program: &WaferProgram, instr: InstrIndex) -> InstrSite {

@@ -10,6 +10,7 @@ use std::ops::Range;
 
 use waferc_ir::wafer::{InstrIndex, InstrPlacement, Pe, Phase, RouteId, Step, WaferProgram, Work};
 
+use super::by_pe::ByPe;
 use super::{site_of, ExecError, InstrSite};
 
 /// What one schedule step did: compute cycles per PE, and the routes it sent on (in first-send
@@ -39,7 +40,7 @@ pub(crate) struct InstrRun {
     orphan: HashMap<Pe, u64>,
     /// Per PE, the instruction's operand routes reaching it, in `operand_routes` order (built on
     /// first use: a scan of every operand route per operand read is quadratic on wide plans).
-    operand_routes_to: OnceLock<RoutesByPe>,
+    operand_routes_to: OnceLock<ByPe<RouteId>>,
     /// Per step, where each route it sent on sits in its `StepWork::routes`.
     route_slots: Vec<HashMap<RouteId, usize>>,
     /// Per step, the routes the schedule lists for it, each with its place in the list.
@@ -77,8 +78,14 @@ impl InstrRun {
         destinations: &[impl AsRef<[Pe]>],
         pe: Pe,
     ) -> &[RouteId] {
-        let index = self.operand_routes_to.get_or_init(|| RoutesByPe::new(placement, destinations));
-        index.runs.get(&pe).map_or(&[], |run| &index.routes[run.start as usize..run.end as usize])
+        let index = self.operand_routes_to.get_or_init(|| {
+            // Each (destination, route) pair; a destination a route names twice, once.
+            ByPe::new(placement.operand_routes.iter().flat_map(|&id| {
+                let to = destinations.get(id as usize).map_or(&[][..], |to| to.as_ref());
+                to.iter().enumerate().filter(|&(i, pe)| i == 0 || to[i - 1] != *pe).map(move |(_, &pe)| (pe, id))
+            }))
+        });
+        index.on(pe)
     }
 
     pub(super) fn begin(&mut self, phase: Phase) {
@@ -137,46 +144,6 @@ impl InstrRun {
     /// Compute charged to no step yet (a trailing phase without a step goes to the last step).
     pub(crate) fn take_orphan(&mut self) -> HashMap<Pe, u64> {
         std::mem::take(&mut self.orphan)
-    }
-}
-
-/// An instruction's operand routes by destination PE: each PE's run of `routes`, in the
-/// placement's order (one hash entry per PE rather than a list per PE: a wide matvec's input
-/// reaches hundreds of thousands of tiles).
-struct RoutesByPe {
-    runs: HashMap<Pe, Range<u32>>,
-    routes: Vec<RouteId>,
-}
-
-impl RoutesByPe {
-    fn new(placement: &InstrPlacement, destinations: &[impl AsRef<[Pe]>]) -> Self {
-        // Each (route, destination) pair, a destination a route names twice once.
-        let reached = || {
-            placement.operand_routes.iter().flat_map(|&id| {
-                let to = destinations.get(id as usize).map_or(&[][..], |to| to.as_ref());
-                to.iter().enumerate().filter(|&(i, pe)| i == 0 || to[i - 1] != *pe).map(move |(_, &pe)| (pe, id))
-            })
-        };
-        // Count each PE's routes, give each PE its run, then fill the runs in the placement's
-        // order (no sort of every pair).
-        let mut runs: HashMap<Pe, Range<u32>> = HashMap::default();
-        for (pe, _) in reached() {
-            runs.entry(pe).or_insert(0..0).end += 1;
-        }
-        let mut total = 0;
-        for run in runs.values_mut() {
-            let count = run.end;
-            *run = total..total;
-            total += count;
-        }
-        let mut routes = vec![0; total as usize];
-        for (pe, id) in reached() {
-            if let Some(run) = runs.get_mut(&pe) {
-                routes[run.end as usize] = id;
-                run.end += 1;
-            }
-        }
-        RoutesByPe { runs, routes }
     }
 }
 

@@ -2,11 +2,11 @@
 //! bias and the collect into result segments.
 
 use rustc_hash::FxHashMap as HashMap;
-use std::ops::Range;
 use waferc_ir::wafer::{wide, MatVecPlacement, Pe, Phase, Route, RouteKind, Segment};
 use waferc_ir::BLOCK;
 
 use super::check_count;
+use crate::executor::by_pe::ByPe;
 use crate::executor::fabric::{route_kind_error, single_source, Payload};
 use crate::executor::sram::{region_row, weight_name};
 use crate::executor::{intersect, relative, span, Data, ExecError, Executor, Held, InstrIndex, InstrRun, StepState};
@@ -154,44 +154,25 @@ impl Executor<'_> {
 }
 
 /// A matvec's tile indices by PE, in tile order per PE: the reductions look tiles up by PE for
-/// every leaf, and a scan of a row block (or of every row block) per leaf grows as the square of
-/// the grid on a large region.
-/// A matvec's tiles by PE: each PE's tiles in tile order, found by a hash of the PE (a
-/// reduction looks up each of its sources' tiles, and a binary search over every tile of a
-/// wide matvec costs a cache miss per probe).
-struct TilesByPe {
-    by_pe: Vec<(Pe, usize)>,
-    /// Per PE, its run in `by_pe`.
-    runs: HashMap<Pe, Range<usize>>,
-}
+/// every leaf.
+struct TilesByPe(ByPe<usize>);
 
 impl TilesByPe {
     fn new(p: &MatVecPlacement) -> Self {
-        let mut by_pe: Vec<(Pe, usize)> = p.tiles.iter().enumerate().map(|(t, tile)| (tile.pe, t)).collect();
-        by_pe.sort_unstable();
-        let mut runs: HashMap<Pe, Range<usize>> = HashMap::default();
-        for (i, &(pe, _)) in by_pe.iter().enumerate() {
-            runs.entry(pe).or_insert(i..i).end = i + 1;
-        }
-        TilesByPe { by_pe, runs }
-    }
-
-    /// `(pe, tile)` of the tiles on `pe`, in tile order.
-    fn run(&self, pe: Pe) -> &[(Pe, usize)] {
-        self.runs.get(&pe).map_or(&[], |run| &self.by_pe[run.clone()])
+        TilesByPe(ByPe::new(p.tiles.iter().enumerate().map(|(t, tile)| (tile.pe, t))))
     }
 
     /// The tiles on `pe`, in tile order.
     fn on(&self, pe: Pe) -> impl Iterator<Item = usize> + '_ {
-        self.run(pe).iter().map(|&(_, t)| t)
+        self.0.on(pe).iter().copied()
     }
 
     /// The first tile of row block `row_block` on `pe`.
     fn in_row_block(&self, p: &MatVecPlacement, row_block: usize, pe: Pe) -> Option<usize> {
         let cols = p.col_blocks as usize;
-        let run = self.run(pe);
-        let at = run.partition_point(|&(_, t)| t < row_block * cols);
-        run.get(at).map(|&(_, t)| t).filter(|&t| t < (row_block + 1) * cols)
+        let tiles = self.0.on(pe);
+        let at = tiles.partition_point(|&t| t < row_block * cols);
+        tiles.get(at).copied().filter(|&t| t < (row_block + 1) * cols)
     }
 }
 
