@@ -180,6 +180,12 @@ fn trace_is_chrome_trace_events_with_every_layer() {
     for span in events.iter().filter(|e| e["cat"] == "compute" || e["cat"] == "collective") {
         assert!(span["args"]["wait_cycles"].is_u64(), "{span}");
     }
+    // Each wait names the instruction whose message held the link it waited for.
+    let waits: Vec<&Value> = events.iter().filter(|e| e["cat"] == "wait").collect();
+    assert!(!waits.is_empty(), "this grid's reductions queue on shared links");
+    for wait in waits {
+        assert!(wait["args"]["held_by"].is_u64(), "{wait}");
+    }
 
     // `run --json`: the critical path by layer, the costliest steps, the prefill estimates.
     let json =

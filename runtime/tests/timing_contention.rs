@@ -175,6 +175,7 @@ fn reduce_span(timing: &StepTiming, instr: u32) -> &StepSpan {
 
 #[test]
 fn overlapping_reductions_on_shared_links_wait_and_disjoint_ones_do_not() {
+    // (`waited_on` names the instruction whose message held the link a step waited for.)
     let (shared, disjoint) = (timing(&program(0)), timing(&program(1)));
     // Disjoint rows: the two matvecs overlap in time, and nothing waits.
     let (a, b) = (reduce_span(&disjoint, 1), reduce_span(&disjoint, 2));
@@ -184,6 +185,8 @@ fn overlapping_reductions_on_shared_links_wait_and_disjoint_ones_do_not() {
     let (a_shared, b_shared) = (reduce_span(&shared, 1), reduce_span(&shared, 2));
     assert_eq!(a_shared, a, "the first to claim the links does not wait");
     assert!(b_shared.wait_cycles > 0, "{b_shared:?}");
+    assert_eq!(b_shared.waited_on, Some(1), "b waited for a's reduction: {b_shared:?}");
+    assert_eq!(a_shared.waited_on, None);
     assert_eq!(b_shared.comm_cycles, b.comm_cycles, "the route itself costs the same");
     assert!(shared.cycles > disjoint.cycles, "{} > {}", shared.cycles, disjoint.cycles);
     // 64 bytes at the grid's link rate: b waits exactly a's serialisation on the shared links.

@@ -113,8 +113,13 @@ fn modeled_speed(compiled: &artifact::Artifact) -> anyhow::Result<String> {
     text += "\n  the ten most expensive steps:";
     for span in &report.costliest_steps {
         let layer = span.layer.map_or("-".to_string(), |l| l.to_string());
+        let held_by = match span.waited_on {
+            Some(i) if i == span.instr => " (its routes queue on one another)".to_string(),
+            Some(i) => format!(" (links held by %{i})"),
+            None => String::new(),
+        };
         text += &format!(
-            "\n    step {} {} %{} {:?} (layer {layer}): {} cycles = {} + {} + {}",
+            "\n    step {} {} %{} {:?} (layer {layer}): {} cycles = {} + {} + {}{held_by}",
             span.step,
             span.op,
             span.instr,

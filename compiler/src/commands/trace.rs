@@ -3,7 +3,8 @@
 //! (plus one for the embedding and head, and one for whole tokens), a complete event ("X") per
 //! schedule step, named by op and phase, categorised as compute or collective, with its compute,
 //! communication and waiting cycles as args; a nested "waiting for links" slice (category `wait`)
-//! at the end of a step shows how much later link contention made it end; each token's slice
+//! at the end of a step shows how much later link contention made it end, and whose message held
+//! the link its longest-waiting route waited for (`held_by`); each token's slice
 //! carries its critical path by layer (compute, communication, waiting).
 
 use std::collections::BTreeSet;
@@ -79,15 +80,24 @@ pub fn chrome_trace(program: &WaferProgram, steps: &[StepTiming]) -> Value {
             // Waiting for busy links, nested at the end of the step it delays.
             if span.wait_cycles > 0 {
                 let start = span.start_cycle + span.duration_cycles - span.wait_cycles;
+                let mut args = json!({ "cycles": span.wait_cycles, "step": span.step });
+                let held_by = span.waited_on.map(|i| {
+                    args["held_by"] = json!(i);
+                    match program.instrs.get(i as usize) {
+                        _ if i == span.instr => " its own routes hold".to_string(),
+                        Some(p) => format!(" held by {} %{i}", p.op),
+                        None => format!(" held by %{i}"),
+                    }
+                });
                 events.push(json!({
-                    "name": format!("{} %{} {:?} waiting for links", span.op, span.instr, span.phase),
+                    "name": format!("{} %{} {:?} waiting for links{}", span.op, span.instr, span.phase, held_by.unwrap_or_default()),
                     "cat": "wait",
                     "ph": "X",
                     "pid": 0,
                     "tid": track_of(span.layer),
                     "ts": micros(offset + start),
                     "dur": micros(span.wait_cycles),
-                    "args": { "cycles": span.wait_cycles, "step": span.step },
+                    "args": args,
                 }));
             }
         }

@@ -320,6 +320,7 @@ mod tests {
                 compute_cycles: 100,
                 comm_cycles: 0,
                 wait_cycles: 0,
+                waited_on: None,
                 pes: 1,
                 routes: 0,
             })

@@ -168,6 +168,9 @@ pub struct StepSpan {
     pub comm_cycles: u64,
     /// How much later the step ends because its routes waited for busy links.
     pub wait_cycles: u64,
+    /// When the step waited: the instruction whose message held the link its longest-waiting
+    /// route waited for (the step's own instruction when its routes queue on one another).
+    pub waited_on: Option<InstrIndex>,
     /// PEs that computed in the step.
     pub pes: usize,
     /// Routes the step sent on.
@@ -825,6 +828,8 @@ pub(crate) struct Timeline {
     pe_free: PeFree,
     /// Per link (dense [`LinkIndex`]), the cycle it is free from.
     link_busy: Vec<u64>,
+    /// Per link, the instruction whose message last took it (for [`StepSpan::waited_on`]).
+    link_holder: Vec<InstrIndex>,
     /// Scratch: the links one route uses, with their bytes.
     route_links: Vec<(usize, u64)>,
     spans: Vec<StepSpan>,
@@ -841,6 +846,7 @@ impl Timeline {
             placed: 0,
             pe_free: PeFree::new(program),
             link_busy: vec![0; costs.links.len()],
+            link_holder: vec![0; costs.links.len()],
             route_links: Vec::new(),
             spans: Vec::with_capacity(program.schedule.len()),
             pe_cycles: HashMap::default(),
@@ -872,29 +878,42 @@ impl Timeline {
         }
     }
 
-    /// The gathered route may start at `earliest`: it starts when all its links are free too,
-    /// and holds each for its bytes there (module documentation, "Link contention"). Returns its
-    /// start.
-    fn occupy(&mut self, costs: &CostModel, multicast: bool, earliest: u64) -> u64 {
-        let start = self.route_links.iter().map(|&(l, _)| self.link_busy[l]).fold(earliest, u64::max);
+    /// The gathered route of instruction `instr` may start at `earliest`: it starts when all its
+    /// links are free too, and holds each for its bytes there (module documentation, "Link
+    /// contention"). Returns its start and, when it waited, the instruction holding the link
+    /// that freed last.
+    fn occupy(
+        &mut self,
+        costs: &CostModel,
+        instr: InstrIndex,
+        multicast: bool,
+        earliest: u64,
+    ) -> (u64, Option<InstrIndex>) {
+        let latest =
+            self.route_links.iter().map(|&(l, _)| l).max_by_key(|&l| (self.link_busy[l], std::cmp::Reverse(l)));
+        let start = latest.map_or(earliest, |l| self.link_busy[l].max(earliest));
+        let holder = latest.filter(|_| start > earliest).map(|l| self.link_holder[l]);
         for &(l, bytes) in &self.route_links {
+            self.link_holder[l] = instr;
             let cycles = costs.serialise_link(l, bytes);
             let busy = &mut self.link_busy[l];
             // A multicast's runs may share a link: its message crosses it once.
             *busy = if multicast { start + cycles } else { (*busy).max(start) + cycles };
         }
-        start
+        (start, holder)
     }
 
-    /// Communication of one step starting at `comm_start`: `(comm_cycles, wait_cycles)`.
+    /// Communication of one step of instruction `instr` starting at `comm_start`:
+    /// `(comm_cycles, wait_cycles, waited_on)` ([`StepSpan::waited_on`]).
     fn communicate(
         &mut self,
         program: &WaferProgram,
         costs: &CostModel,
+        instr: InstrIndex,
         routes: &[(RouteId, u32)],
         senders: &[(RouteId, Pe, u64)],
         comm_start: u64,
-    ) -> (u64, u64) {
+    ) -> (u64, u64, Option<InstrIndex>) {
         // Per destination PE of the reductions and broadcasts so far, the latest end with
         // contention and without: later ones starting there wait on them. (Kept as the latest
         // per PE, not a list scanned per route: a large matvec has thousands of reductions.)
@@ -906,6 +925,8 @@ impl Timeline {
             *farthest = (*farthest).max(latency);
         }
         let (mut end, mut free_end) = (comm_start, comm_start);
+        // The longest wait of a route for a busy link, and who held that link.
+        let mut longest: Option<(u64, InstrIndex)> = None;
         for &(id, messages) in routes {
             let route = &program.routes[id as usize];
             let farthest = reach_of.get(&id).copied();
@@ -927,7 +948,12 @@ impl Timeline {
                 }
                 None => self.gather_links(costs, route, messages),
             }
-            let start = self.occupy(costs, route.kind.is_multicast(), after);
+            let (start, holder) = self.occupy(costs, instr, route.kind.is_multicast(), after);
+            if let Some(holder) = holder {
+                if longest.is_none_or(|(wait, _)| start - after > wait) {
+                    longest = Some((start - after, holder));
+                }
+            }
             if collective {
                 for &pe in &route.destinations {
                     let latest = collective_ends.entry(pe).or_insert((0, 0));
@@ -938,7 +964,8 @@ impl Timeline {
             end = end.max(start + cycles);
             free_end = free_end.max(after_free + cycles);
         }
-        (free_end - comm_start, end - free_end)
+        let wait = end - free_end;
+        (free_end - comm_start, wait, longest.filter(|_| wait > 0).map(|(_, holder)| holder))
     }
 
     /// Places an executed instruction's steps on the timeline: it starts at `ready` (its
@@ -983,9 +1010,9 @@ impl Timeline {
         for ((index, step), work) in run.steps.iter().zip(&run.work) {
             let (compute, routes) = (&work.compute, &work.routes);
             let compute_cycles = if worked { compute.values().copied().max().unwrap_or(0) } else { 0 };
-            let (comm_cycles, wait_cycles) = match worked && !routes.is_empty() {
-                true => self.communicate(program, costs, routes, &work.senders, at + compute_cycles),
-                false => (0, 0),
+            let (comm_cycles, wait_cycles, waited_on) = match worked && !routes.is_empty() {
+                true => self.communicate(program, costs, run.instr, routes, &work.senders, at + compute_cycles),
+                false => (0, 0, None),
             };
             let duration = compute_cycles + comm_cycles + wait_cycles;
             self.spans.push(StepSpan {
@@ -1001,6 +1028,7 @@ impl Timeline {
                 compute_cycles,
                 comm_cycles,
                 wait_cycles,
+                waited_on,
                 pes: compute.len(),
                 routes: routes.len(),
             });
