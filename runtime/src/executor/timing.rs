@@ -72,6 +72,8 @@
 //! A step's time splits in three: `compute_cycles` (its busiest PE's compute), `comm_cycles`
 //! (its routes from the end of the compute to the last route's end as if every link were free)
 //! and `wait_cycles` (how much later the last route ends because routes waited for busy links).
+//! A step that waited also names whose message held the link its longest-waiting route waited
+//! for (`waited_on`, the last route to take that link), so a trace shows what to move apart.
 //!
 //! # The decode step's critical path, and the overlap modeled
 //!
