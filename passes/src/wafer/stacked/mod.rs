@@ -35,7 +35,8 @@
 //!   one row and deliver half the height (`columns`); other vectors take PEs from a walk over
 //!   the area.
 //! * **KV blocks sit in a strip at the area's east side** (a block of 32 positions of one KV head
-//!   is tens of KiB, more than a tile share), one block per PE.
+//!   is tens of KiB, more than a tile share), one block per PE, a band of rows per KV head and
+//!   each copy of a head's cache in rows of its own in the band (`KvShape::row_copies`).
 //!
 //! Grouping trades arithmetic for distance: a larger group has more PEs per layer (less
 //! arithmetic per PE) but longer collectives. The plan search (`super::search`) picks the group
@@ -278,11 +279,40 @@ impl KvShape {
     }
 
     /// Columns of a KV strip `height` rows high holding every head's blocks (of every sequence
-    /// and copy) in a band of its own.
+    /// and copy) in a band of its own, each copy in rows of its own where the band has a row
+    /// for each ([`KvShape::row_copies`]).
     fn columns(&self, height: u64) -> Option<u64> {
         let band = height / self.kv_heads.max(1);
-        (band > 0).then(|| (self.sequences * self.copies * self.blocks_per_head()).div_ceil(band))
+        let rows = band / self.row_copies(band);
+        (rows > 0)
+            .then(|| (self.sequences * self.copies / self.row_copies(band) * self.blocks_per_head()).div_ceil(rows))
     }
+
+    /// The copies of a head's cache that get rows of their own in its `band`-row band: all of
+    /// them where the band has a row for each, else one (the copies then follow one another in
+    /// the band's walk). Each copy's query heads then enter its own rows, at their top and
+    /// bottom, and reach only its blocks. With the copies one after another in the band's
+    /// columns, the query heads entering at one edge went down the same columns one after
+    /// another, and the key behind them: the 8B's `stacked:4,100,kv2` delivered its queries
+    /// with 128 cycles waiting and its keys with 256, in rows of their own with none and 128
+    /// (351,057 -> 346,241 cycles a token; SmolLM2 `stacked:1,35,kv3` 109,810 -> 107,398;
+    /// Qwen3-30B-A3B `stacked:2,100,kv8,share4` 725,150 -> 716,174).
+    fn row_copies(&self, band: u64) -> u64 {
+        match band >= self.copies {
+            true => self.copies,
+            false => 1,
+        }
+    }
+}
+
+/// Rows of a matvec's result that an attention reads ([`Stacked::attention_head`]).
+struct HeadRows {
+    attention: usize,
+    kv_heads: u64,
+    /// The KV head they belong to.
+    head: u64,
+    /// For rows within one query head, its index in its KV head's group.
+    query: Option<u64>,
 }
 
 /// A unit's rectangle, split into the tile area (west) and the KV strip (east).
@@ -1203,7 +1233,7 @@ impl Stacked<'_> {
         let mut placed: Vec<u64> = Vec::new();
         let mut blocks = Vec::with_capacity(g.row_blocks as usize);
         for head_rows in super::size::segments(rows, self.segment_cut(i, rows, g.rows_per_tile)) {
-            let (kv_heads, head) = self.attention_head(i, &head_rows)?;
+            let HeadRows { kv_heads, head, .. } = self.attention_head(i, &head_rows)?;
             if placed.is_empty() {
                 placed = vec![0; kv_heads as usize];
             }
@@ -1305,7 +1335,7 @@ impl Stacked<'_> {
     /// The attention that reads rows `rows` of matvec `i`'s result as queries, keys or values
     /// (directly, or through slices and the ops of [`Stacked::in_place_chain`]), with its KV
     /// head count and the KV head those rows belong to.
-    fn attention_head(&self, i: usize, rows: &Range<u64>) -> Option<(u64, u64)> {
+    fn attention_head(&self, i: usize, rows: &Range<u64>) -> Option<HeadRows> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
         for (value, base) in self.in_place_chain(i) {
             for &reader in &analysis.readers[value] {
@@ -1327,7 +1357,10 @@ impl Stacked<'_> {
                     if start <= rows.start && rows.end <= end {
                         let head = (rows.start - start) / head_len;
                         if (rows.end - 1 - start) / head_len == head {
-                            return Some((kv_heads, head));
+                            let within = (rows.start - start) % head_len / hd;
+                            let query =
+                                (role == 0 && (rows.end - 1 - start) % head_len / hd == within).then_some(within);
+                            return Some(HeadRows { attention: reader as usize, kv_heads, head, query });
                         }
                     }
                 }
@@ -1996,19 +2029,30 @@ impl Stacked<'_> {
                             let tile = tiles.get((r * g.col_blocks + c) as usize);
                             let pe = match (partner, self.attention_head(i, &seg), tile) {
                                 (Some(pe), _, _) => pe,
-                                (None, Some((kv_heads, head)), _) => {
+                                (None, Some(HeadRows { attention, kv_heads, head, query }), _) => {
                                     // Slots interleave the bands, so no two segments share a column.
                                     let slot = in_band.entry(head).or_default();
                                     *slot += 1;
-                                    // Alternately the band's top and bottom row: every PE of
-                                    // the head's KV blocks receives each of these segments, and
+                                    // Alternately the top and bottom row of the band (or, for a
+                                    // query, of its copy's rows in the band: `KvShape::row_copies`):
+                                    // every PE of the blocks it goes to receives the segment, and
                                     // one from the top row reaches them down the columns while
-                                    // one from the bottom row comes up, so the two halves
-                                    // share no link.
+                                    // one from the bottom row comes up, so the two share no link.
                                     let whole = self.region(unit).area;
-                                    let band = whole.band(head, kv_heads);
+                                    let mut band = whole.band(head, kv_heads);
+                                    let mut nth = *slot - 1;
+                                    let usable = self.placer.params.usable_bytes_per_pe() as u64;
+                                    let kv = KvShape::of(module, attention, self.placer.options, usable);
+                                    if let (Some(kv), Some(q)) = (kv, query) {
+                                        let row_copies = kv.row_copies(band.h as u64);
+                                        if row_copies > 1 {
+                                            let per_copy = kv.queries_per_copy().max(1);
+                                            band = band.band(q / per_copy % row_copies, row_copies);
+                                            nth = q % per_copy;
+                                        }
+                                    }
                                     let top = (band.y - whole.y) as u64;
-                                    let row = if *slot % 2 == 1 { top } else { top + band.h as u64 - 1 };
+                                    let row = if nth.is_multiple_of(2) { top } else { top + band.h as u64 - 1 };
                                     // With room for the rope and norm that run in place on it.
                                     let room = bytes + self.in_place_bytes(i, &seg);
                                     let pe = self.band_pe(
@@ -2201,21 +2245,25 @@ impl Stacked<'_> {
         region.kv_column += columns;
         let mut placed = Vec::with_capacity((kv.sequences * kv.kv_heads) as usize);
         // Each sequence in flight, and each copy, gets blocks of its own, in its head's band:
-        // the copies' blocks side by side in its columns.
+        // each copy in rows of its own where the band has enough (`KvShape::row_copies`), else
+        // the copies' blocks one after another in its columns.
         let queries = kv.queries_per_copy() as u32;
         for sequence in 0..kv.sequences {
             for h in 0..kv.kv_heads {
                 let band = strip.band(h, kv.kv_heads);
+                let row_copies = kv.row_copies(band.h as u64);
                 for copy in 0..kv.copies {
                     let query_heads = copy as u32 * queries..(copy as u32 + 1) * queries;
+                    let rows = band.band(copy % row_copies, row_copies);
+                    let (in_rows, of_rows) = (copy / row_copies, kv.copies / row_copies);
                     let mut blocks = Vec::new();
                     for b in 0..kv.blocks_per_head() {
                         let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
-                        // The band walked column by column from its middle row: the first
-                        // copy's first block (where its reductions end and its output leaves)
-                        // has rows both ways; the other copies' blocks follow on in the walk.
-                        let cell = (sequence * kv.copies + copy) * kv.blocks_per_head() + b;
-                        let pe = band.walk_from_middle(cell);
+                        // The copy's rows walked column by column from their middle row: its
+                        // first block (where its reductions end and its output leaves) has rows
+                        // both ways; other sequences' (and copies') blocks follow on in the walk.
+                        let cell = ((sequence * of_rows + in_rows) * kv.blocks_per_head()) + b;
+                        let pe = rows.walk_from_middle(cell);
                         let requests = kv_block_requests(module, i, h, query_heads.clone(), positions.clone());
                         let index = self.placer.fill(pe, i as u32, requests)?[0];
                         blocks.push(KvBlock { pe, positions, region: index });
