@@ -311,8 +311,16 @@ struct HeadRows {
     kv_heads: u64,
     /// The KV head they belong to.
     head: u64,
-    /// For rows within one query head, its index in its KV head's group.
-    query: Option<u64>,
+    /// Queries (with, for rows within one query head, its index in its KV head's group), keys
+    /// or values.
+    role: HeadRole,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HeadRole {
+    Query(Option<u64>),
+    Key,
+    Value,
 }
 
 /// A unit's rectangle, split into the tile area (west) and the KV strip (east).
@@ -1358,9 +1366,14 @@ impl Stacked<'_> {
                         let head = (rows.start - start) / head_len;
                         if (rows.end - 1 - start) / head_len == head {
                             let within = (rows.start - start) % head_len / hd;
-                            let query =
-                                (role == 0 && (rows.end - 1 - start) % head_len / hd == within).then_some(within);
-                            return Some(HeadRows { attention: reader as usize, kv_heads, head, query });
+                            let role = match role {
+                                0 => HeadRole::Query(
+                                    ((rows.end - 1 - start) % head_len / hd == within).then_some(within),
+                                ),
+                                1 => HeadRole::Key,
+                                _ => HeadRole::Value,
+                            };
+                            return Some(HeadRows { attention: reader as usize, kv_heads, head, role });
                         }
                     }
                 }
@@ -2029,7 +2042,7 @@ impl Stacked<'_> {
                             let tile = tiles.get((r * g.col_blocks + c) as usize);
                             let pe = match (partner, self.attention_head(i, &seg), tile) {
                                 (Some(pe), _, _) => pe,
-                                (None, Some(HeadRows { attention, kv_heads, head, query }), _) => {
+                                (None, Some(HeadRows { attention, kv_heads, head, role }), _) => {
                                     // Slots interleave the bands, so no two segments share a column.
                                     let slot = in_band.entry(head).or_default();
                                     *slot += 1;
@@ -2043,13 +2056,23 @@ impl Stacked<'_> {
                                     let mut nth = *slot - 1;
                                     let usable = self.placer.params.usable_bytes_per_pe() as u64;
                                     let kv = KvShape::of(module, attention, self.placer.options, usable);
-                                    if let (Some(kv), Some(q)) = (kv, query) {
-                                        let row_copies = kv.row_copies(band.h as u64);
-                                        if row_copies > 1 {
-                                            let per_copy = kv.queries_per_copy().max(1);
-                                            band = band.band(q / per_copy % row_copies, row_copies);
-                                            nth = q % per_copy;
-                                        }
+                                    if let Some(kv) = kv.filter(|kv| kv.row_copies(band.h as u64) > 1) {
+                                        // Copies in rows of their own: a copy's queries alternate
+                                        // from its rows' top; the key (which goes to every copy)
+                                        // comes from the side fewer queries leave from, the band's
+                                        // bottom when each copy has one, so it meets none
+                                        // (Qwen3-30B-A3B `stacked:2,100,kv8,share4`: its delivery
+                                        // waited 128 cycles; 716,174 -> 708,794 cycles a token).
+                                        let per_copy = kv.queries_per_copy().max(1);
+                                        nth = match role {
+                                            HeadRole::Query(Some(q)) => {
+                                                band = band.band(q / per_copy % kv.copies, kv.copies);
+                                                q % per_copy
+                                            }
+                                            HeadRole::Query(None) => nth,
+                                            HeadRole::Key => per_copy % 2,
+                                            HeadRole::Value => (per_copy + 1) % 2,
+                                        };
                                     }
                                     let top = (band.y - whole.y) as u64;
                                     let row = if nth.is_multiple_of(2) { top } else { top + band.h as u64 - 1 };
