@@ -316,6 +316,7 @@ struct HeadRows {
     role: HeadRole,
 }
 
+/// Which of an attention's operands rows are.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum HeadRole {
     Query(Option<u64>),
