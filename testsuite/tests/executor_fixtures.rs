@@ -216,5 +216,7 @@ fn fixtures_compile_bit_exact_with_three_colours_on_32x32() {
             .expect_err("2 colours are too few for these fixtures on 32x32");
         let text = err.to_string();
         assert!(text.contains("needs a colour") && text.contains("PE(w0"), "{name}: {text}");
+        // It names the routes along the failed route's path that hold the colours.
+        assert!(text.contains("its path meets routes") && text.contains(" of %"), "{name}: {text}");
     }
 }

@@ -100,8 +100,9 @@ pub enum WaferError {
     #[error("%{instr} = {op}{}: {message}", layer_suffix(*layer))]
     Unsupported { instr: u32, op: &'static str, layer: Option<u32>, message: String },
     #[error(
-        "{pe}: route {route} of %{instr} = {op}{} needs a colour, but all {limit} colours of the PE's router \
-         are taken by routes through it that may run alongside ({holders})",
+        "{pe}: route {route} of %{instr} = {op}{} needs a colour, but its path meets routes that may run \
+         alongside it holding all {limit} colours of a router ({holders}); {pe} is where the path meets the \
+         most colours",
         layer_suffix(*layer)
     )]
     Colours { pe: Pe, route: u32, instr: u32, op: &'static str, layer: Option<u32>, limit: u8, holders: String },

@@ -22,6 +22,8 @@ use super::{CompileOptions, WaferError};
 
 const CHUNK: u64 = BLOCK as u64;
 const F32: u64 = 4;
+/// The most instructions a colour clash names as holding the colours (the rest are counted).
+const MAX_HOLDERS_NAMED: usize = 8;
 
 /// PEs are handed out in shelves: bands of `shelf` rows across a wafer, each filled column by
 /// column (down a column, then the next column to the right), so consecutive allocations are
@@ -335,23 +337,36 @@ impl<'a> Placer<'a> {
         if let Err(clash) = assign_colours(&mut self.routes, params, &order) {
             let route = &self.routes[clash.route];
             let instr = &module.body[waferc_ir::Handle::new(route.instr as usize)];
-            // Name the routes that took the colours: those through the clashing PE that may be
-            // active alongside the failed one.
+            // Name the routes that took the colours: the failed route's colour must differ from
+            // every route that meets it anywhere on its path and may be active alongside it, so
+            // those are counted, not only the ones through the PE reported.
+            let mut path: Vec<Pe> = Vec::new();
+            route::for_each_pe(route, |pe| path.push(pe));
+            path.sort_unstable();
+            path.dedup();
             let mut holders: BTreeMap<(u32, &'static str), u32> = BTreeMap::new();
             for (j, r) in self.routes.iter().enumerate() {
-                let mut touches = false;
-                route::for_each_pe(r, |pe| touches |= pe == clash.pe);
-                if touches && j != clash.route && !order.apart(&self.routes, clash.route, j) {
+                let mut meets = false;
+                route::for_each_pe(r, |pe| meets |= path.binary_search(&pe).is_ok());
+                if meets && j != clash.route && !order.apart(&self.routes, clash.route, j) {
                     *holders.entry((r.instr, kind_name(&r.kind))).or_default() += 1;
                 }
             }
-            let holders = holders
-                .into_iter()
-                .map(|((instr, kind), n)| {
+            // The instructions with the most such routes first.
+            let mut holders: Vec<((u32, &'static str), u32)> = holders.into_iter().collect();
+            holders.sort_by_key(|&(key, n)| (std::cmp::Reverse(n), key));
+            let named: Vec<String> = holders
+                .iter()
+                .take(MAX_HOLDERS_NAMED)
+                .map(|&((instr, kind), n)| {
                     format!("{n} {kind} of %{instr} {}", module.body[waferc_ir::Handle::new(instr as usize)].op.name())
                 })
-                .collect::<Vec<_>>()
-                .join(", ");
+                .collect();
+            let rest: u32 = holders.iter().skip(MAX_HOLDERS_NAMED).map(|&(_, n)| n).sum();
+            let holders = match rest {
+                0 => named.join(", "),
+                _ => format!("{}, and {rest} more", named.join(", ")),
+            };
             return Err(WaferError::Colours {
                 pe: clash.pe,
                 route: clash.route as u32,
