@@ -283,9 +283,9 @@ impl KvShape {
     /// for each ([`KvShape::row_copies`]).
     fn columns(&self, height: u64) -> Option<u64> {
         let band = height / self.kv_heads.max(1);
-        let rows = band / self.row_copies(band);
-        (rows > 0)
-            .then(|| (self.sequences * self.copies / self.row_copies(band) * self.blocks_per_head()).div_ceil(rows))
+        let row_copies = self.row_copies(band);
+        let rows = band / row_copies;
+        (rows > 0).then(|| (self.sequences * self.copies / row_copies * self.blocks_per_head()).div_ceil(rows))
     }
 
     /// The copies of a head's cache that get rows of their own in its `band`-row band: all of
@@ -302,6 +302,17 @@ impl KvShape {
             true => self.copies,
             false => 1,
         }
+    }
+
+    /// The rows of a head's `band` that hold copy `copy`'s blocks ([`KvShape::row_copies`]).
+    fn copy_rows(&self, band: Rect, copy: u64) -> Rect {
+        let row_copies = self.row_copies(band.h as u64);
+        band.band(copy % row_copies, row_copies)
+    }
+
+    /// The copy whose blocks serve query head `query` of a KV head's group.
+    fn copy_serving(&self, query: u64) -> u64 {
+        query / self.queries_per_copy().max(1)
     }
 }
 
@@ -2067,7 +2078,7 @@ impl Stacked<'_> {
                                         let per_copy = kv.queries_per_copy().max(1);
                                         nth = match role {
                                             HeadRole::Query(Some(q)) => {
-                                                band = band.band(q / per_copy % kv.copies, kv.copies);
+                                                band = kv.copy_rows(band, kv.copy_serving(q));
                                                 q % per_copy
                                             }
                                             HeadRole::Query(None) => nth,
@@ -2278,7 +2289,7 @@ impl Stacked<'_> {
                 let row_copies = kv.row_copies(band.h as u64);
                 for copy in 0..kv.copies {
                     let query_heads = copy as u32 * queries..(copy as u32 + 1) * queries;
-                    let rows = band.band(copy % row_copies, row_copies);
+                    let rows = kv.copy_rows(band, copy);
                     let (in_rows, of_rows) = (copy / row_copies, kv.copies / row_copies);
                     let mut blocks = Vec::new();
                     for b in 0..kv.blocks_per_head() {
@@ -2316,15 +2327,13 @@ impl Stacked<'_> {
             let mut in_band: HashMap<(u64, u64), u64> = HashMap::default();
             for (seg, column) in cut {
                 let h = seg.start / piece;
-                let mut band = area.band(h, kv.kv_heads);
                 // With copies in rows of their own, a segment goes to the rows of the copy
                 // serving its (first) query head, nearest their middle (that copy's root): near
                 // the band's middle, the copies' collects converged on it and queued
                 // (Qwen3-30B-A3B `kv8`: 332 cycles waiting; 708,794 -> 692,726 cycles a token).
-                let row_copies = kv.row_copies(band.h as u64);
-                let copy = (seg.start % piece / kv.head_dim / kv.queries_per_copy().max(1)) % row_copies;
-                band = band.band(copy, row_copies);
-                let slot = in_band.entry((h, copy)).or_default();
+                let whole = area.band(h, kv.kv_heads);
+                let band = kv.copy_rows(whole, kv.copy_serving(seg.start % piece / kv.head_dim));
+                let slot = in_band.entry((h, band.y as u64)).or_default();
                 let middle = nearest_first(band.h as u64 / 2, band.h as u64).nth((*slot % band.h as u64) as usize);
                 let row = (band.y - area.y) as u64 + middle.unwrap_or(0);
                 *slot += 1;
