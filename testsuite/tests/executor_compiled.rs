@@ -734,6 +734,28 @@ fn a_stacked_residual_crosses_wafers_in_few_segments() {
     validate(&program, &module, Some(&blob), &[2, 8], &greedy(2)).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// Each multicast of a value crossing to the next wafer crosses on a row of its own: through one
+/// gateway PE, the 70B's residual queued 7,680 cycles on its links at each crossing.
+#[test]
+fn a_value_crosses_wafers_on_rows_of_its_own() {
+    use waferc_ir::wafer::RouteKind;
+    let shape = Shape { hidden: 1024, heads: 8, kv_heads: 2, head_dim: 128, ffn: 2048, ..Shape::dense() };
+    let (_, program) = stacked_on_two_wafers(96, &shape, 15);
+    let mut gateways: std::collections::BTreeMap<u32, Vec<waferc_ir::wafer::Pe>> = Default::default();
+    for route in program.routes.iter().filter(|r| matches!(r.kind, RouteKind::Operand { .. })) {
+        if let Some(hop) = route.path.iter().find(|run| run.is_inter_wafer()) {
+            gateways.entry(route.instr).or_default().push(hop.from);
+        }
+    }
+    assert!(gateways.values().any(|g| g.len() > 1), "no value crosses in several multicasts: {gateways:?}");
+    for (instr, pes) in &gateways {
+        let mut distinct = pes.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), pes.len(), "%{instr} crosses through {pes:?}");
+    }
+}
+
 /// A vector cut coarser than its operand takes the operand's segments on one gather per landing
 /// segment, not one multicast each: the residual crossing to the next wafer in 16 segments of
 /// 128 elements reads its down projection's and its residual's 32-element segments, four each

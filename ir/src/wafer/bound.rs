@@ -184,17 +184,16 @@ fn route_span(program: &WaferProgram, route: &Route, senders: Option<&Senders>) 
 }
 
 /// Cycles between two PEs by distance alone: Manhattan hops on one wafer; across wafers, to the
-/// gateway (0, 0), the inter-wafer hops, and from the next wafer's gateway.
+/// west edge (where traffic leaves a wafer, on any row), the inter-wafer hops, and from the
+/// next wafer's west edge.
 fn pe_distance(program: &WaferProgram, from: Pe, to: Pe) -> u64 {
     let params = &program.target;
     let hop = params.hop_latency_cycles as u64;
     match from.distance(to) {
         Some(hops) => hops as u64 * hop,
         None => {
-            let gateway = |pe: Pe| Pe::new(pe.wafer, 0, 0);
             let wafers = (from.wafer as i64 - to.wafer as i64).unsigned_abs();
-            let local = from.distance(gateway(from)).unwrap_or(0) + to.distance(gateway(to)).unwrap_or(0);
-            local as u64 * hop + wafers * params.inter_wafer_latency_cycles
+            (from.x as u64 + to.x as u64) * hop + wafers * params.inter_wafer_latency_cycles
         }
     }
 }

@@ -90,6 +90,20 @@ impl Cells {
     }
 }
 
+/// The row on which each segment of `layout` crosses to another wafer (`route::multicast`):
+/// consecutive rows, one per segment, around the segments' middle row. Through the gateway of
+/// the segments' own row, a value whose segments sit along one row (the residual stream of a
+/// region: `stacked::columns`) queued on that row's links, one segment after another: the 70B's
+/// residual crossed to the next wafer in 11.3k cycles, 7.7k of them waiting.
+fn crossing_rows(layout: &VectorLayout, grid_rows: u16) -> Vec<u16> {
+    let n = layout.segments.len() as u64;
+    let mut rows: Vec<u64> = layout.segments.iter().map(|s| s.pe.y as u64).collect();
+    rows.sort_unstable();
+    let middle = rows.get(rows.len() / 2).copied().unwrap_or(0);
+    let first = middle.saturating_sub(n / 2).min((grid_rows as u64).saturating_sub(n));
+    (0..n).map(|k| ((first + k) as u16).min(grid_rows.saturating_sub(1))).collect()
+}
+
 /// Rows per shelf: the largest divisor of the grid's rows up to 8 (so shelves tile the wafer;
 /// short shelves waste fewer PEs in the last, partly filled stripe of each matvec).
 pub(super) fn shelf_height(grid_rows: u64) -> u64 {
@@ -513,7 +527,7 @@ impl<'a> Placer<'a> {
             ValueType::Routing { top_k, .. } => top_k as u64,
             _ => 0,
         };
-        let path = route::multicast(router_pe, &pes, self.route_band);
+        let path = route::multicast(router_pe, &pes, self.route_band, None);
         let routing = self.add_route(router, RouteKind::Routing, vec![router_pe], pes, vec![path], top_k * 8);
         self.copy_inputs.push((router, routing));
         // Values read from outside the expert, by which copy members.
@@ -550,7 +564,7 @@ impl<'a> Placer<'a> {
                         readers.push((r, c, m));
                     }
                 }
-                let Some(id) = self.operand_multicast(value, seg, destinations) else { continue };
+                let Some(id) = self.operand_multicast(value, seg, destinations, None) else { continue };
                 self.copy_inputs.push((value, id));
                 for (r, c, m) in readers {
                     push_unique(&mut self.replicas[r].copies[c][m].operand_routes, id);
@@ -1027,7 +1041,7 @@ impl<'a> Placer<'a> {
     }
 
     fn statistic_route(&mut self, instr: usize, elements: u64, source: Pe, destinations: Vec<Pe>) -> RouteId {
-        let path = route::multicast(source, &destinations, self.route_band);
+        let path = route::multicast(source, &destinations, self.route_band, None);
         self.add_route(
             instr,
             RouteKind::Statistic { elements: elements as u32 },
@@ -1152,7 +1166,7 @@ impl<'a> Placer<'a> {
                     ValueType::Routing { top_k, .. } => top_k as u64,
                     _ => 0,
                 };
-                let path = route::multicast(pe, &destinations, self.route_band);
+                let path = route::multicast(pe, &destinations, self.route_band, None);
                 *routing = self.add_route(i, RouteKind::Routing, vec![pe], destinations, vec![path], top_k * 8);
             }
             Work::Dispatch { routing } | Work::Combine { routing, .. } => {
@@ -1249,15 +1263,22 @@ impl<'a> Placer<'a> {
     }
 
     /// One multicast of `seg` of value `value` to `destinations` (sorted, deduplicated, the
-    /// segment's own PE left out); `None` when no destination is left.
-    fn operand_multicast(&mut self, value: usize, seg: &Segment, mut destinations: Vec<Pe>) -> Option<RouteId> {
+    /// segment's own PE left out), crossing to other wafers on row `crossing` when given
+    /// (`route::multicast`); `None` when no destination is left.
+    fn operand_multicast(
+        &mut self,
+        value: usize,
+        seg: &Segment,
+        mut destinations: Vec<Pe>,
+        crossing: Option<u16>,
+    ) -> Option<RouteId> {
         destinations.sort_unstable();
         destinations.dedup();
         destinations.retain(|d| *d != seg.pe);
         if destinations.is_empty() {
             return None;
         }
-        let path = route::multicast(seg.pe, &destinations, self.route_band);
+        let path = route::multicast(seg.pe, &destinations, self.route_band, crossing);
         Some(self.add_route(
             value,
             RouteKind::Operand { value: value as u32, elements: seg.elements.clone() },
@@ -1297,6 +1318,7 @@ impl<'a> Placer<'a> {
         let gathers = self.gathers(&layout, &reads);
         let gathered: HashSet<(usize, Pe)> =
             gathers.iter().flat_map(|(d, run)| run.clone().map(move |k| (k, *d))).collect();
+        let crossing = crossing_rows(&layout, self.params.grid_rows);
         for (k, seg) in layout.segments.iter().enumerate() {
             let mut destinations = Vec::new();
             let mut reached: Vec<(usize, Option<(usize, usize)>)> = Vec::new();
@@ -1309,7 +1331,7 @@ impl<'a> Placer<'a> {
                 }
                 reached.extend(heads);
             }
-            let Some(id) = self.operand_multicast(i, seg, destinations) else { continue };
+            let Some(id) = self.operand_multicast(i, seg, destinations, Some(crossing[k])) else { continue };
             self.placements[i].deliveries.push(id);
             for (reader, head_role) in reached {
                 match head_role {

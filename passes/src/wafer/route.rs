@@ -1,7 +1,9 @@
 //! Paths and colours. Paths are dimension-ordered: a multicast runs along the source's row to
 //! every destination column, then down each column (matvec tile columns are PE columns); a
 //! gather runs along each source column to the destination's row, then along that row; a
-//! point-to-point message goes along the row, then the column. Traffic between wafers goes through each wafer's gateway PE `(0, 0)`.
+//! point-to-point message goes along the row, then the column. Traffic between wafers leaves and
+//! enters a wafer at the west end of a row ([`gateway`]): along the sender's row to its west
+//! edge, across, and along the receiver's row from its west edge.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -15,9 +17,15 @@ use waferc_ir::wafer::{reduce_root, reduce_tree, Pe, Route, RouteId, RouteKind, 
 use super::detour::{paths_for_legs, MeshView};
 use super::precedence::Precedence;
 
-/// The PE through which a wafer talks to its neighbours in the pipeline.
-pub(super) fn gateway(wafer: u16) -> Pe {
-    Pe::new(wafer, 0, 0)
+/// The PE through which traffic on `row` leaves or enters `wafer`: the row's west end, beside
+/// the host-I/O border west of the user rectangle, through which the SDK streams data into and
+/// out of every row (wafer-facts.md). Which rows carry traffic between wafers is not public:
+/// each row having its own way out is assumed. The bandwidth between two wafers stays the
+/// system's one link (`inter_wafer_bytes_per_cycle`), which all rows share; before, every
+/// route between wafers went through PE (0, 0), and the 70B's residual crossing to the next
+/// wafer queued 7,680 cycles on that PE's one link.
+pub(super) fn gateway(wafer: u16, row: u16) -> Pe {
+    Pe::new(wafer, 0, row)
 }
 
 fn run(from: Pe, to: Pe, messages: u16) -> Run {
@@ -35,13 +43,13 @@ fn xy(from: Pe, to: Pe, messages: u16, runs: &mut Vec<Run>) {
     }
 }
 
-/// Inter-wafer hops from gateway to gateway.
-fn wafer_hops(from: u16, to: u16, messages: u16, runs: &mut Vec<Run>) {
-    let mut w = from;
-    while w != to {
-        let next = if to > w { w + 1 } else { w - 1 };
-        runs.push(run(gateway(w), gateway(next), messages));
-        w = next;
+/// Inter-wafer hops from gateway `from` to gateway `to`, through the wafers between on `to`'s row.
+fn wafer_hops(from: Pe, to: Pe, messages: u16, runs: &mut Vec<Run>) {
+    let mut at = from;
+    while at.wafer != to.wafer {
+        let next = gateway(if to.wafer > at.wafer { at.wafer + 1 } else { at.wafer - 1 }, to.y);
+        runs.push(run(at, next, messages));
+        at = next;
     }
 }
 
@@ -50,48 +58,74 @@ pub(super) fn unicast(from: Pe, to: Pe, runs: &mut Vec<Run>) {
     if from.wafer == to.wafer {
         xy(from, to, 1, runs);
     } else {
-        xy(from, gateway(from.wafer), 1, runs);
-        wafer_hops(from.wafer, to.wafer, 1, runs);
-        xy(gateway(to.wafer), to, 1, runs);
+        let (exit, entry) = (gateway(from.wafer, from.y), gateway(to.wafer, to.y));
+        xy(from, exit, 1, runs);
+        wafer_hops(exit, entry, 1, runs);
+        xy(entry, to, 1, runs);
     }
+}
+
+/// The gateway by which traffic for (or from) `pes` on another wafer enters (or leaves) it: on
+/// the row of the one nearest the west edge.
+fn gateway_of(pes: &[Pe]) -> Pe {
+    let westmost = pes.iter().min_by_key(|p| (p.x, p.y)).expect("groups are non-empty");
+    gateway(westmost.wafer, westmost.y)
 }
 
 /// A multicast tree from `source` to `destinations`: for each shelf (band of `shelf` rows) of
 /// each wafer holding destinations, a path to the destination there nearest the source (through
 /// the gateways for another wafer), then along that PE's row and down the destination columns.
 /// Keeping each tree inside its shelf keeps long rows out of other instructions' regions.
-pub(super) fn multicast(source: Pe, destinations: &[Pe], shelf: u16) -> Vec<Run> {
+///
+/// Traffic for other wafers crosses on row `crossing` when given (down the source's column to
+/// it, then west; on the wafers reached, from the gateway on that row), so that the multicasts
+/// of one value's segments cross side by side; else it leaves along the source's row and enters
+/// each wafer on the row of its destination nearest the west edge.
+pub(super) fn multicast(source: Pe, destinations: &[Pe], shelf: u16, crossing: Option<u16>) -> Vec<Run> {
     let mut groups: BTreeMap<(u16, u16), Vec<Pe>> = BTreeMap::new();
     for d in destinations {
         groups.entry((d.wafer, d.y / shelf)).or_default().push(*d);
     }
     let mut runs = Vec::new();
-    let mut left_home = false;
-    let (mut east, mut west) = (source.wafer, source.wafer);
+    let exit = gateway(source.wafer, crossing.unwrap_or(source.y));
+    // The gateway by which the message reached each wafer, and the farthest reached each way.
+    let mut reached: BTreeMap<u16, Pe> = BTreeMap::new();
+    let (mut east, mut west) = (exit, exit);
     for ((wafer, band), dests) in &groups {
         let from = if *wafer == source.wafer {
             source
+        } else if let Some(&gateway) = reached.get(wafer) {
+            gateway
         } else {
-            if !left_home {
-                xy(source, gateway(source.wafer), 1, &mut runs);
-                left_home = true;
+            if reached.is_empty() {
+                let turn = Pe::new(source.wafer, source.x, exit.y);
+                for (a, b) in [(source, turn), (turn, exit)] {
+                    if a != b {
+                        runs.push(run(a, b, 1));
+                    }
+                }
             }
-            if *wafer > east {
-                wafer_hops(east, *wafer, 1, &mut runs);
-                east = *wafer;
-            } else if *wafer < west {
-                wafer_hops(west, *wafer, 1, &mut runs);
-                west = *wafer;
-            }
-            gateway(*wafer)
+            let entry = crossing.map_or_else(|| gateway_of(dests), |row| gateway(*wafer, row));
+            let last = if *wafer > source.wafer { &mut east } else { &mut west };
+            let start = runs.len();
+            wafer_hops(*last, entry, 1, &mut runs);
+            reached.extend(runs[start..].iter().map(|r| (r.to.wafer, r.to)));
+            *last = entry;
+            entry
         };
         let entry = if from.y / shelf == *band {
             from
         } else {
             let nearest = dests.iter().min_by_key(|d| (d.distance(from), **d)).copied().expect("groups are non-empty");
-            // Down the column first: the trunk crosses other shelves along one column only.
-            let corner = Pe::new(from.wafer, from.x, nearest.y);
-            runs.push(run(from, corner, 1));
+            // From a gateway, along its row first (the crossing row is the route's own); else
+            // down the column first: the trunk crosses other shelves along one column only.
+            let corner = match *wafer != source.wafer {
+                true => Pe::new(from.wafer, nearest.x, from.y),
+                false => Pe::new(from.wafer, from.x, nearest.y),
+            };
+            if corner != from {
+                runs.push(run(from, corner, 1));
+            }
             if corner != nearest {
                 runs.push(run(corner, nearest, 1));
             }
@@ -140,9 +174,10 @@ pub(super) fn gather(sources: &[Pe], destination: Pe, shelf: u16) -> Vec<Run> {
         groups.entry((s.wafer, s.y / shelf)).or_default().push(*s);
     }
     let mut runs = Vec::new();
+    let entry = gateway(destination.wafer, destination.y);
     for ((wafer, band), srcs) in &groups {
         let count = messages(srcs.len());
-        let target = if *wafer == destination.wafer { destination } else { gateway(*wafer) };
+        let target = if *wafer == destination.wafer { destination } else { gateway_of(srcs) };
         let exit = if target.y / shelf == *band {
             target
         } else {
@@ -154,8 +189,8 @@ pub(super) fn gather(sources: &[Pe], destination: Pe, shelf: u16) -> Vec<Run> {
         lines_then_cross(srcs, exit, one_column, &mut runs);
         xy(exit, target, count, &mut runs);
         if *wafer != destination.wafer {
-            wafer_hops(*wafer, destination.wafer, count, &mut runs);
-            xy(gateway(destination.wafer), destination, count, &mut runs);
+            wafer_hops(target, entry, count, &mut runs);
+            xy(entry, destination, count, &mut runs);
         }
     }
     runs
@@ -919,5 +954,27 @@ mod tests {
         order_in_waves(&routes, &mut ids);
         // Now each shares the link from x = 2k + 2 with the next: evens first, then odds.
         assert_eq!(ids, [0, 2, 4, 1, 3]);
+    }
+
+    /// Directed on-wafer links of `runs`.
+    fn links(runs: &[Run]) -> std::collections::BTreeSet<(Pe, Pe)> {
+        runs.iter().filter(|r| !r.is_inter_wafer()).flat_map(|r| r.hops()).collect()
+    }
+
+    #[test]
+    fn multicasts_crossing_wafers_on_rows_of_their_own_share_no_link() {
+        // Two segments beside each other on one row of wafer 0, read on one row of wafer 1.
+        let (a, b) = (Pe::new(0, 5, 10), Pe::new(0, 6, 10));
+        let (to_a, to_b) = ([Pe::new(1, 3, 20)], [Pe::new(1, 4, 20)]);
+        // Through the gateways of their own row, they share its links on wafer 0.
+        let (along_a, along_b) = (multicast(a, &to_a, 6, None), multicast(b, &to_b, 6, None));
+        assert!(!links(&along_a).is_disjoint(&links(&along_b)));
+        let (across_a, across_b) = (multicast(a, &to_a, 6, Some(9)), multicast(b, &to_b, 6, Some(10)));
+        assert!(links(&across_a).is_disjoint(&links(&across_b)), "{across_a:?}\n{across_b:?}");
+        for (path, row, to) in [(&across_a, 9, to_a[0]), (&across_b, 10, to_b[0])] {
+            let hop = path.iter().find(|r| r.is_inter_wafer()).expect("the path crosses");
+            assert_eq!((hop.from, hop.to), (gateway(0, row), gateway(1, row)));
+            assert_eq!(path.last().map(|r| r.to), Some(to));
+        }
     }
 }
