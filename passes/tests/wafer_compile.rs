@@ -230,3 +230,41 @@ fn stacked_qk_norms_run_on_one_head_a_segment() {
         assert_eq!(normed, 2 * shape.layers, "a q and a k norm a layer");
     }
 }
+
+/// The LM head's panels lie side by side, so the reductions of the row blocks in one PE row
+/// share no link (interleaved, they all ran over the same links), and its input sits in few
+/// segments on a diagonal: each in a row and a column of its own.
+#[test]
+fn stacked_lm_head_reductions_share_no_link() {
+    let shape = Shape { hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, ffn: 512, vocab: 32768, ..Shape::tiny() };
+    let module = build(&shape);
+    let target = Target::resolve("grid:64x64").unwrap();
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let program = compile(&module, &target, &CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
+        .unwrap_or_else(|e| panic!("{e}"));
+    check(&program, &module).unwrap();
+    let head = program.instrs.iter().rev().find(|p| p.op == "matvec").expect("an LM head");
+    let waferc_ir::wafer::Work::MatVec(mv) = &head.work else { unreachable!() };
+    let mut rows: std::collections::BTreeMap<u16, usize> = Default::default();
+    let mut held: std::collections::HashMap<(waferc_ir::wafer::Pe, waferc_ir::wafer::Pe), u32> = Default::default();
+    for &id in &mv.reductions {
+        let route = &program.routes[id as usize];
+        *rows.entry(route.sources[0].y).or_default() += 1;
+        for link in route.path.iter().flat_map(|run| run.hops()) {
+            if let Some(other) = held.insert(link, id).filter(|&other| other != id) {
+                panic!("reductions {other} and {id} share the link {link:?}");
+            }
+        }
+    }
+    assert!(rows.values().any(|&n| n > 1), "no PE row holds two row blocks: {rows:?}");
+    // The head's input: the final norm's segments, each in a row and a column of its own.
+    let norm = program.instrs.iter().rev().find(|p| p.op == "rms_norm").expect("a final norm");
+    let waferc_ir::wafer::ResultLayout::Vector(layout) = &norm.result else { unreachable!() };
+    let (mut xs, mut ys): (Vec<u16>, Vec<u16>) = layout.segments.iter().map(|s| (s.pe.x, s.pe.y)).unzip();
+    let count = xs.len();
+    xs.sort_unstable();
+    xs.dedup();
+    ys.sort_unstable();
+    ys.dedup();
+    assert!(count > 1 && xs.len() == count && ys.len() == count, "{:?}", layout.segments);
+}

@@ -1518,9 +1518,10 @@ impl Stacked<'_> {
                 && (whole.x..whole.x + whole.w).contains(&pe.x)
                 && (whole.y..whole.y + whole.h).contains(&pe.y)
         };
-        // A vector read in another region goes there one multicast per segment. Through another
-        // wafer's gateway PEs, or on a tight wafer down the columns of a region whose rows do
-        // not line up, the multicasts cross, each with a colour of its own: there it takes at
+        // A vector read in another region goes there one multicast per segment. To another
+        // wafer (each turning to a crossing row of its own and west along it, `route::multicast`),
+        // or on a tight wafer down the columns of a region whose rows do not line up, the
+        // multicasts cross one another, each with a colour of its own: there it takes at
         // most `MAX_SEGMENTS` segments where its usual layout would have more (the 70B's
         // residual at a region's last layer ran in place on its down projection's 256 segments,
         // and their routes ran out of the router's 24 colours both ways). Elsewhere the
@@ -1532,6 +1533,20 @@ impl Stacked<'_> {
                 Some(cut) => self.aligned_layout(i, unit, merge_pieces(cut, fewest), false, requests),
                 None => self.fresh_layout(i, unit, &super::size::segments(len, cut.max(fewest)), requests),
             };
+        }
+        // The LM head's input: few segments on a diagonal at the centre of its area, whose
+        // multicasts to the head's side-by-side panels ([`Stacked::panel_layout`]) cross but
+        // share no link (each crosses every other, so each takes a colour).
+        if self.feeds_logits_only(i) {
+            let segments = super::size::segments(len, vector_cut(len));
+            let count = segments.len() as u64;
+            let area = self.region(unit).area;
+            let mut j = 0;
+            return self.layout_on(i, &segments, requests, &mut |s, _, bytes, taken| {
+                let (dx, dy) = central_diagonal(area, j, count, (0, 1));
+                j += 1;
+                s.column_pe(i, unit, dx, dy, bytes, taken)
+            });
         }
         // An op reading the vector of the region beside sits in the rows that vector arrives
         // on, so its deliveries run straight along rows, side by side (`columns`).
@@ -1557,6 +1572,25 @@ impl Stacked<'_> {
             }
         }
         self.fresh_layout(i, unit, &super::size::segments(len, cut), requests)
+    }
+
+    /// Whether every reader of instruction `i` is an LM head laid side by side
+    /// ([`Stacked::lm_head_side_by_side`]).
+    fn feeds_logits_only(&self, i: usize) -> bool {
+        let readers = &self.placer.analysis.readers[i];
+        !readers.is_empty() && readers.iter().all(|&r| self.lm_head_side_by_side(r as usize))
+    }
+
+    /// Whether instruction `i` is a matvec whose result nothing reads (the LM head) with its
+    /// panels side by side: unless its region is on a tight wafer, where its input arrives down
+    /// columns that do not line up with the region before, and on a diagonal that input's 16
+    /// multicasts queued along the residual's row (the 70B's last residual add waited 7.6k
+    /// cycles, more than the interleaved head's reduction had: 3.3k).
+    fn lm_head_side_by_side(&self, i: usize) -> bool {
+        let module = self.placer.module;
+        matches!(module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. })
+            && self.placer.analysis.readers[i].is_empty()
+            && self.regions[self.unit_of[i]].as_ref().is_some_and(|r| !r.tight)
     }
 
     /// Whether vector op `i` (`len` elements), laid out as usual, would have more than
@@ -1635,11 +1669,16 @@ impl Stacked<'_> {
     }
 
     /// Side-by-side panels for a matvec reading an MoE layer's input (through its expert's
-    /// `expert_dispatch`), else interleaved ones (see [`PanelLayout`]).
+    /// `expert_dispatch`) and for the LM head off a tight wafer (its input then sits on a
+    /// diagonal, see `vector_layout`), else interleaved ones (see [`PanelLayout`]). Interleaved, the head's
+    /// panels reduced their long row blocks over the same links of each PE row: Mixtral-8x7B's
+    /// 493-row blocks in five panels waited 11.3k of the reduction's 22.3k cycles.
     fn panel_layout(&self, i: usize) -> PanelLayout {
         let module = self.placer.module;
         let operands = module.body[waferc_ir::Handle::new(i)].op.operands();
-        match operands.iter().any(|o| matches!(module.body[*o].op, Op::ExpertDispatch { .. })) {
+        match self.lm_head_side_by_side(i)
+            || operands.iter().any(|o| matches!(module.body[*o].op, Op::ExpertDispatch { .. }))
+        {
             true => PanelLayout::SideBySide,
             false => PanelLayout::Interleaved,
         }
