@@ -231,12 +231,21 @@ fn stacked_qk_norms_run_on_one_head_a_segment() {
     }
 }
 
-/// The LM head's panels lie side by side, so the reductions of the row blocks in one PE row
-/// share no link (interleaved, they all ran over the same links), and its input sits in few
-/// segments on a diagonal: each in a row and a column of its own.
+/// An MoE model's LM head lays its panels side by side, so the reductions of the row blocks in
+/// one PE row share no link (interleaved, they all ran over the same links), and its input sits
+/// in few segments on a diagonal: each in a row and a column of its own.
 #[test]
 fn stacked_lm_head_reductions_share_no_link() {
-    let shape = Shape { hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, ffn: 512, vocab: 32768, ..Shape::tiny() };
+    let shape = Shape {
+        hidden: 256,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        ffn: 512,
+        vocab: 32768,
+        moe: Some((4, 2)),
+        ..Shape::tiny()
+    };
     let module = build(&shape);
     let target = Target::resolve("grid:64x64").unwrap();
     let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };

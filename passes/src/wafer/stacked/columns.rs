@@ -100,6 +100,11 @@ impl Stacked<'_> {
                         .then(|| base + analysis.offset[operand.index()])
                 };
                 match op {
+                    // The LM head laid side by side takes its input on a diagonal, not by its
+                    // column blocks: a value aligned to them (the last residual add, through the
+                    // final norm) spread its segments over the head's width, and the deliveries
+                    // into it ran out of colours (the 8B's `stacked:4`).
+                    Op::MatVec { .. } if self.lm_head_side_by_side(r) => return None,
                     op if runs_in_place(op) => {
                         through_norm |= matches!(op, Op::RmsNorm { .. });
                         for operand in op.operands() {

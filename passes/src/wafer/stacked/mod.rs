@@ -1582,13 +1582,17 @@ impl Stacked<'_> {
     }
 
     /// Whether instruction `i` is a matvec whose result nothing reads (the LM head) with its
-    /// panels side by side: unless its region is on a tight wafer, where its input arrives down
-    /// columns that do not line up with the region before, and on a diagonal that input's 16
-    /// multicasts queued along the residual's row (the 70B's last residual add waited 7.6k
-    /// cycles, more than the interleaved head's reduction had: 3.3k).
+    /// panels side by side: in an MoE model (whose last residual add lies on its combine's few
+    /// segments) and off a tight wafer. In a dense model the last add runs in place on its down
+    /// projection's segments, cut for the head's column blocks through the final norm; off them
+    /// it cost more than the head's reduction gained (the 8B's search: `stacked:4,100,kv2`
+    /// 345,217 -> 349,861 cycles). On a tight wafer the input arrives down columns that do not
+    /// line up with the region before, and on a diagonal its multicasts queued along the
+    /// residual's row (the 70B's last add waited 7.6k cycles; its head's reduction had 3.3k).
     fn lm_head_side_by_side(&self, i: usize) -> bool {
         let module = self.placer.module;
-        matches!(module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. })
+        module.has_moe()
+            && matches!(module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. })
             && self.placer.analysis.readers[i].is_empty()
             && self.regions[self.unit_of[i]].as_ref().is_some_and(|r| !r.tight)
     }
@@ -1669,8 +1673,8 @@ impl Stacked<'_> {
     }
 
     /// Side-by-side panels for a matvec reading an MoE layer's input (through its expert's
-    /// `expert_dispatch`) and for the LM head off a tight wafer (its input then sits on a
-    /// diagonal, see `vector_layout`), else interleaved ones (see [`PanelLayout`]). Interleaved, the head's
+    /// `expert_dispatch`) and for an MoE model's LM head off a tight wafer (its input then sits
+    /// on a diagonal, see `vector_layout`), else interleaved ones (see [`PanelLayout`]). Interleaved, the head's
     /// panels reduced their long row blocks over the same links of each PE row: Mixtral-8x7B's
     /// 493-row blocks in five panels waited 11.3k of the reduction's 22.3k cycles.
     fn panel_layout(&self, i: usize) -> PanelLayout {
