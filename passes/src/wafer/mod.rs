@@ -24,7 +24,8 @@
 //! 3. **Routing** (`route`): dimension-ordered paths kept inside shelves where they can be (a
 //!    multicast goes down one column into each shelf holding destinations, then along a row and
 //!    down the destination columns; gathers the other way round), inter-wafer traffic leaving
-//!    and entering a wafer at the west end of its rows, and DSatur colouring under the target's colour limit.
+//!    and entering a wafer at the west end of its rows, and DSatur colouring under the target's
+//!    colour limit.
 //! 4. **Schedule**: the steps of one decode step, each naming the routes it uses.
 //!
 //! [`check`] re-verifies a program independently of the placer's bookkeeping.

@@ -98,12 +98,8 @@ pub(super) fn multicast(source: Pe, destinations: &[Pe], shelf: u16, crossing: O
             gateway
         } else {
             if reached.is_empty() {
-                let turn = Pe::new(source.wafer, source.x, exit.y);
-                for (a, b) in [(source, turn), (turn, exit)] {
-                    if a != b {
-                        runs.push(run(a, b, 1));
-                    }
-                }
+                // Down the source's column to the crossing row, then west along it.
+                runs.extend(single_source(source, exit, false));
             }
             let entry = crossing.map_or_else(|| gateway_of(dests), |row| gateway(*wafer, row));
             let last = if *wafer > source.wafer { &mut east } else { &mut west };

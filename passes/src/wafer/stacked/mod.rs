@@ -1538,13 +1538,12 @@ impl Stacked<'_> {
         // multicasts to the head's side-by-side panels ([`Stacked::panel_layout`]) cross but
         // share no link (each crosses every other, so each takes a colour).
         if self.feeds_logits_only(i) {
-            let segments = super::size::segments(len, vector_cut(len));
+            let cut = vector_cut(len);
+            let segments = super::size::segments(len, cut);
             let count = segments.len() as u64;
             let area = self.region(unit).area;
-            let mut j = 0;
-            return self.layout_on(i, &segments, requests, &mut |s, _, bytes, taken| {
-                let (dx, dy) = central_diagonal(area, j, count, (0, 1));
-                j += 1;
+            return self.layout_on(i, &segments, requests, &mut |s, seg, bytes, taken| {
+                let (dx, dy) = central_diagonal(area, seg.start / cut, count, (0, 1));
                 s.column_pe(i, unit, dx, dy, bytes, taken)
             });
         }
@@ -1674,9 +1673,10 @@ impl Stacked<'_> {
 
     /// Side-by-side panels for a matvec reading an MoE layer's input (through its expert's
     /// `expert_dispatch`) and for an MoE model's LM head off a tight wafer (its input then sits
-    /// on a diagonal, see `vector_layout`), else interleaved ones (see [`PanelLayout`]). Interleaved, the head's
-    /// panels reduced their long row blocks over the same links of each PE row: Mixtral-8x7B's
-    /// 493-row blocks in five panels waited 11.3k of the reduction's 22.3k cycles.
+    /// on a diagonal, see `vector_layout`), else interleaved ones (see [`PanelLayout`]).
+    /// Interleaved, the head's panels reduced their long row blocks over the same links of each
+    /// PE row: Mixtral-8x7B's 493-row blocks in five panels waited 11.3k of the reduction's
+    /// 22.3k cycles.
     fn panel_layout(&self, i: usize) -> PanelLayout {
         let module = self.placer.module;
         let operands = module.body[waferc_ir::Handle::new(i)].op.operands();
