@@ -18,6 +18,13 @@
 //!   top-k) it is the `whole` of its operands; for the others (elementwise ops, rope, per-head
 //!   norms, attention, which works per head, and the views) the union of the operands' `first`.
 //!
+//! A result is dead once every instruction that reads it (through slices) is done, so a PE's
+//! result regions share SRAM by the same relation ([`Completion::dead_before`]). Only a result
+//! read within its own layer is ever dead: a layer's values live in one region of the wafer, and
+//! with several sequences in flight a region may start the next sequence while the next region
+//! still reads this one's last value (the residual stream crossing). The step's output (read
+//! by no instruction) is never dead.
+//!
 //! An expert's values may be absent (an unchosen expert does no work and receives nothing), so
 //! only instructions computed without an `expert_dispatch` are tracked ([`Completion::done_before`]
 //! is false for the others), and an `expert_combine` keeps what every expert's value has in
@@ -37,6 +44,9 @@ pub struct Completion {
     words: usize,
     /// `first(v)` of instruction `v`: `words` words from `v * words`.
     first: Vec<u64>,
+    /// Per instruction, the instructions that read its result (through slices), when they are
+    /// all in its layer; `None` when its result lives to the end of the step.
+    readers: Vec<Option<Box<[u32]>>>,
 }
 
 /// `whole(v)`: the instructions wholly done, and sliced sources partly covered.
@@ -130,7 +140,7 @@ impl Completion {
             first[i * words..(i + 1) * words].copy_from_slice(&first_own);
             whole.push(own);
         }
-        Completion { slot, words, first }
+        Completion { slot, words, first, readers: same_layer_readers(module) }
     }
 
     /// Whether instruction `a` has finished all its work before value `v`'s first element exists
@@ -141,6 +151,49 @@ impl Completion {
             _ => false,
         }
     }
+
+    /// Whether value `a` is dead before value `v`'s first element exists: every instruction that
+    /// reads `a` (through slices), all in `a`'s layer, is done by then (false when `a` is read
+    /// outside its layer or by nothing, or either names no instruction).
+    pub fn dead_before(&self, a: usize, v: usize) -> bool {
+        match self.readers.get(a) {
+            Some(Some(readers)) => readers.iter().all(|&r| self.done_before(r as usize, v)),
+            _ => false,
+        }
+    }
+}
+
+/// Per instruction, its readers (a slice's readers count as its source's) when there are some
+/// and all share its layer.
+fn same_layer_readers(module: &Module) -> Vec<Option<Box<[u32]>>> {
+    let n = module.body.len();
+    // Each value's source: itself, or what a chain of slices views.
+    let mut source: Vec<usize> = (0..n).collect();
+    let mut readers: Vec<Vec<u32>> = vec![Vec::new(); n];
+    for (handle, instr) in module.body.iter() {
+        let i = handle.index();
+        if let Op::Slice { x, .. } = &instr.op {
+            if x.index() < i {
+                source[i] = source[x.index()];
+                continue;
+            }
+        }
+        for o in instr.op.operands().iter().map(|o| o.index()).filter(|&o| o < i) {
+            let list = &mut readers[source[o]];
+            if list.last() != Some(&(i as u32)) {
+                list.push(i as u32);
+            }
+        }
+    }
+    let layer = |i: usize| module.body[crate::Handle::new(i)].layer;
+    readers
+        .into_iter()
+        .enumerate()
+        .map(|(i, list)| {
+            let local = !list.is_empty() && list.iter().all(|&r| layer(r as usize) == layer(i));
+            local.then(|| list.into_boxed_slice())
+        })
+        .collect()
 }
 
 impl Whole {
@@ -267,6 +320,24 @@ output %20
         assert_eq!(done[16], (0..=11).collect::<Vec<_>>());
         // The next layer's norm waits for everything before it.
         assert_eq!(done[19], (0..=18).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_result_is_dead_once_its_readers_in_its_layer_are_done() {
+        let module = crate::text::parse(LAYER).expect("test module parses");
+        let completion = Completion::new(&module);
+        let dead =
+            |a: usize| -> Vec<usize> { (0..module.body.len()).filter(|&v| completion.dead_before(a, v)).collect() };
+        // o's result is read by the residual add alone, which the norm after it waits for.
+        assert_eq!(dead(9), (11..=20).collect::<Vec<_>>());
+        // gate/up is read through its slices, by SiLU and the product: dead once the down
+        // projection (which reads every element of the product) has its first element.
+        assert_eq!(dead(12), (17..=20).collect::<Vec<_>>());
+        // The residual after attention is read twice in its layer, last by the layer's last add.
+        assert_eq!(dead(10), (19..=20).collect::<Vec<_>>());
+        // A value read in the next layer (the residual stream crossing), from outside any layer
+        // (the embedding) or by nothing (the step's output) lives to the end of the step.
+        assert!(dead(18).is_empty() && dead(0).is_empty() && dead(20).is_empty());
     }
 
     #[test]

@@ -379,3 +379,43 @@ fn operand_buffers_overlap_only_where_one_instruction_is_done_before_the_other_r
     let err = problems(&program, &module);
     assert!(err.problems.iter().any(|p| p.pe == Some(pe) && p.message.contains("overlap, but neither")), "{err}");
 }
+
+#[test]
+fn results_share_bytes_only_once_their_readers_are_done() {
+    let (module, mut program) = compiled_stacked(1);
+    let completion = Completion::new(&module);
+    let is_result = |r: &Region| matches!(r.kind, RegionKind::Output { .. });
+    let overlaps = |a: &Region, b: &Region| a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
+    // The placer shares: on some PE a result takes bytes another working region (a later
+    // layer's result or buffer) takes too, and the checker accepted that.
+    assert!(
+        program.pes.iter().any(|image| image.regions.iter().enumerate().any(|(a, r)| is_result(r)
+            && image.regions.iter().enumerate().any(|(b, o)| a != b && o.kind.is_working() && overlaps(r, o)))),
+        "no result shares bytes"
+    );
+    // Move a result onto a working region that is live at the same time (neither is dead before
+    // the other is written): the checker names the pair.
+    let (pe, moved, onto) = program
+        .pes
+        .iter()
+        .find_map(|image| {
+            let regions = &image.regions;
+            regions.iter().enumerate().filter(|(_, r)| is_result(r)).find_map(|(a, r)| {
+                regions
+                    .iter()
+                    .enumerate()
+                    .find(|&(b, o)| b != a && o.kind.is_working() && o.bytes >= r.bytes && !r.may_share(o, &completion))
+                    .map(|(b, _)| (image.pe, a, b))
+            })
+        })
+        .expect("a PE holds a result live beside another working region");
+    let image = program.pes.iter_mut().find(|image| image.pe == pe).unwrap();
+    image.regions[moved].offset = image.regions[onto].offset;
+    let err = problems(&program, &module);
+    assert!(
+        err.problems.iter().any(|p| p.pe == Some(pe)
+            && p.message.contains("'s result at offset")
+            && p.message.contains("overlap, but neither")),
+        "{err}"
+    );
+}

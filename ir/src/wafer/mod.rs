@@ -336,12 +336,11 @@ impl WaferProgram {
 }
 
 /// One PE's SRAM: regions at byte offsets within `sram_bytes_per_pe`, in the order they were
-/// placed. The first is the code reserve at offset 0. The *resident* regions (all but operand
-/// buffers: code, weights, results, KV, scratch) follow it in increasing offset without
-/// overlapping. The *working* ones ([`RegionKind::is_working`]) lie above every resident one and
-/// may overlap one another where one's instruction is done before the other's operand first
-/// exists ([`crate::completion::Completion::done_before`]): a buffer is written no earlier than
-/// its value's first element exists and is dead once its instruction is done.
+/// placed. The first is the code reserve at offset 0. The *resident* regions (code, weights, KV,
+/// partial sums, scratch) follow it in increasing offset without overlapping. The *working* ones
+/// ([`RegionKind::is_working`]: operand buffers and results) lie above every resident one and
+/// may overlap one another where one is dead before the other is first written
+/// ([`Region::may_share`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PeImage {
     pub pe: Pe,
@@ -424,20 +423,60 @@ impl RegionKind {
     /// of its image (see [`PeImage`]): an operand buffer, live from its value's first arrival
     /// until its instruction is done.
     pub fn is_working(&self) -> bool {
-        matches!(self, RegionKind::Operand { .. })
+        matches!(self, RegionKind::Operand { .. } | RegionKind::Output { .. })
     }
 }
 
 impl Region {
-    /// Whether this region and `other` may take the same bytes: both are operand buffers and one's
-    /// instruction is done before the other's operand (the value it buffers) first exists.
+    /// Whether this region and `other` may take the same bytes: both are working regions and one
+    /// is dead before the other is first written. An operand buffer is written no earlier than
+    /// its value's first element exists and is dead once its instruction is done
+    /// ([`Completion::done_before`]); a result is written no earlier than its own first element
+    /// exists and is dead once its readers are done ([`Completion::dead_before`]).
+    ///
+    /// [`Completion::done_before`]: crate::completion::Completion::done_before
+    /// [`Completion::dead_before`]: crate::completion::Completion::dead_before
     pub fn may_share(&self, other: &Region, completion: &crate::completion::Completion) -> bool {
-        match (&self.kind, self.instr, &other.kind, other.instr) {
-            (RegionKind::Operand { value: mine, .. }, Some(a), RegionKind::Operand { value: theirs, .. }, Some(b)) => {
-                completion.done_before(a as usize, *theirs as usize)
-                    || completion.done_before(b as usize, *mine as usize)
+        match (self.lifetime(), other.lifetime()) {
+            (Some(mine), Some(theirs)) => {
+                mine.dead_before(&theirs, completion) || theirs.dead_before(&mine, completion)
             }
             _ => false,
+        }
+    }
+
+    fn lifetime(&self) -> Option<Lifetime> {
+        match (&self.kind, self.instr) {
+            (RegionKind::Operand { value, .. }, Some(instr)) => {
+                Some(Lifetime { written_from: *value as usize, dead: Dead::InstrDone(instr as usize) })
+            }
+            (RegionKind::Output { .. }, Some(instr)) => {
+                Some(Lifetime { written_from: instr as usize, dead: Dead::ValueRead(instr as usize) })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// When a working region's bytes are in use: from the first element of value `written_from`
+/// until `dead`.
+struct Lifetime {
+    written_from: usize,
+    dead: Dead,
+}
+
+enum Dead {
+    /// Once this instruction is done (an operand buffer).
+    InstrDone(usize),
+    /// Once every reader of this value is done (a result).
+    ValueRead(usize),
+}
+
+impl Lifetime {
+    fn dead_before(&self, other: &Lifetime, completion: &crate::completion::Completion) -> bool {
+        match self.dead {
+            Dead::InstrDone(instr) => completion.done_before(instr, other.written_from),
+            Dead::ValueRead(value) => completion.dead_before(value, other.written_from),
         }
     }
 }

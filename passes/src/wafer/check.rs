@@ -3,9 +3,10 @@
 //! routes carry, not how the placer decided either.
 //!
 //! Checked: instruction placements match the IR; every PE's SRAM regions are within the budget,
-//! the code reserve first, the resident ones disjoint and the operand buffers above them,
-//! overlapping only where one's instruction is done before the other's operand exists (by the
-//! IR's dataflow, `waferc_ir::completion`, not by anything the placer decided); every matvec and embedding weight element is held exactly
+//! the code reserve first, the resident ones disjoint and the working ones (operand buffers and
+//! results) above them, overlapping only where one is dead before the other is first written (by
+//! the IR's dataflow, `waferc_ir::completion`, not by anything the placer decided); every matvec
+//! and embedding weight element is held exactly
 //! once, as a grid of row blocks x aligned power-of-two chunk runs, every norm weight and bias
 //! element at least once, and every tile the placement lists is such a region; a norm group
 //! split over several segments is cut in aligned power-of-two chunk runs; KV blocks cover
@@ -390,13 +391,15 @@ impl<'a> Checker<'a> {
                         None,
                         r.instr,
                         format!(
-                            "operand buffer at offset {} lies below the resident regions' end {resident_end}",
+                            "{} at offset {} lies below the resident regions' end {resident_end}",
+                            working_name(r),
                             r.offset
                         ),
                     );
                 }
-                // Overlapping buffers must not be live at once: one's instruction is done before
-                // the other's operand exists.
+                // Overlapping working regions must not be live at once: one is dead (an operand
+                // buffer's instruction done, a result's readers done) before the other is first
+                // written.
                 for other in working[at + 1..].iter().take_while(|o| (o.offset as u64) < end(r)) {
                     if !r.may_share(other, completion) {
                         self.report(
@@ -404,12 +407,12 @@ impl<'a> Checker<'a> {
                             None,
                             r.instr,
                             format!(
-                                "operand buffers at offsets {} and {} overlap, but neither %{} nor %{} is done before \
-                                 the other's operand exists",
+                                "{} at offset {} and {} at offset {} overlap, but neither is dead before the other \
+                                 is first written",
+                                working_name(r),
                                 r.offset,
+                                working_name(other),
                                 other.offset,
-                                r.instr.unwrap_or(u32::MAX),
-                                other.instr.unwrap_or(u32::MAX)
                             ),
                         );
                     }
@@ -1395,6 +1398,16 @@ impl<'a> Checker<'a> {
                 self.report(None, None, Some(p.instr), "no schedule step runs this instruction".into());
             }
         }
+    }
+}
+
+/// A working region as an overflow or overlap message names it: `%12's operand buffer of %9`,
+/// `%12's result`.
+fn working_name(region: &Region) -> String {
+    let instr = region.instr.map_or("code".to_string(), |i| format!("%{i}"));
+    match &region.kind {
+        RegionKind::Operand { value, .. } => format!("{instr}'s operand buffer of %{value}"),
+        _ => format!("{instr}'s result"),
     }
 }
 

@@ -123,8 +123,8 @@ fn make_room(regions: &mut Vec<Region>, extra: usize) {
 
 /// Where region `new` (its offset not yet set) goes in an image holding `regions` (see
 /// [`PeImage`]): a resident one at the resident regions' end, below every working one; a working
-/// one (an operand buffer) as high below the SRAM's `top` as it fits without overlapping a working
-/// region it may not share bytes with ([`Region::may_share`]). `None` when it does not fit.
+/// one (an operand buffer or a result) as high below the SRAM's `top` as it fits without
+/// overlapping a working region it may not share bytes with ([`Region::may_share`]). `None` when it does not fit.
 fn region_offset(
     regions: &[Region],
     new: &Region,
@@ -645,8 +645,8 @@ impl<'a> Placer<'a> {
                 op: op.op.name(),
                 layer: op.layer,
                 message: format!(
-                    "{pe} would need {needed} bytes of SRAM, more than {top} ({holders}; operand buffers share \
-                     bytes where their instructions run one after the other)"
+                    "{pe} would need {needed} bytes of SRAM, more than {top} ({holders}; operand buffers and \
+                     results share bytes where one is dead before the other is written)"
                 ),
             });
         }
