@@ -32,6 +32,7 @@
 
 use std::ops::Range;
 
+use crate::dependency::DataReaders;
 use crate::module::Module;
 use crate::op::Op;
 use crate::types::ValueType;
@@ -163,30 +164,12 @@ impl Completion {
     }
 }
 
-/// Per instruction, its readers (a slice's readers count as its source's) when there are some
-/// and all share its layer.
+/// Per instruction, its readers (a view's readers count as its source's, [`DataReaders`]) when
+/// there are some and all share its layer.
 fn same_layer_readers(module: &Module) -> Vec<Option<Box<[u32]>>> {
-    let n = module.body.len();
-    // Each value's source: itself, or what a chain of slices views.
-    let mut source: Vec<usize> = (0..n).collect();
-    let mut readers: Vec<Vec<u32>> = vec![Vec::new(); n];
-    for (handle, instr) in module.body.iter() {
-        let i = handle.index();
-        if let Op::Slice { x, .. } = &instr.op {
-            if x.index() < i {
-                source[i] = source[x.index()];
-                continue;
-            }
-        }
-        for o in instr.op.operands().iter().map(|o| o.index()).filter(|&o| o < i) {
-            let list = &mut readers[source[o]];
-            if list.last() != Some(&(i as u32)) {
-                list.push(i as u32);
-            }
-        }
-    }
     let layer = |i: usize| module.body[crate::Handle::new(i)].layer;
-    readers
+    DataReaders::new(module)
+        .readers
         .into_iter()
         .enumerate()
         .map(|(i, list)| {

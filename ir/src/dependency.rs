@@ -15,6 +15,7 @@ use petgraph::visit::{Dfs, NodeFiltered, Reversed};
 use petgraph::Direction;
 
 use crate::module::Module;
+use crate::op::Op;
 
 /// Operands to readers over a module's instructions (see the module documentation).
 pub struct DependencyGraph {
@@ -131,6 +132,45 @@ impl Reads<'_> {
             NodeIndex::new(source),
             Some(&mut self.space),
         )
+    }
+}
+
+/// Which values' data each instruction reads, looking through the views that move no data
+/// (`slice`, `expert_dispatch`).
+pub struct DataReaders {
+    /// The value whose data an instruction's result is: itself, or for a view its `x`'s source.
+    pub source: Vec<u32>,
+    /// Per value (by source): the instructions other than views reading it, in program order,
+    /// each once.
+    pub readers: Vec<Vec<u32>>,
+}
+
+impl DataReaders {
+    /// Over `module`'s body; an operand that names no earlier instruction is left out (the
+    /// verifier reports it).
+    pub fn new(module: &Module) -> DataReaders {
+        let n = module.body.len();
+        let mut source: Vec<u32> = (0..n as u32).collect();
+        let mut readers = vec![Vec::new(); n];
+        for (handle, instr) in module.body.iter() {
+            let i = handle.index();
+            let earlier = instr.op.operands().into_iter().map(|o| o.index()).filter(|&o| o < i);
+            match &instr.op {
+                Op::Slice { x, .. } | Op::ExpertDispatch { x, .. } if x.index() < i => {
+                    source[i] = source[x.index()];
+                }
+                Op::Slice { .. } | Op::ExpertDispatch { .. } => {}
+                _ => {
+                    for operand in earlier {
+                        let list: &mut Vec<u32> = &mut readers[source[operand] as usize];
+                        if list.last() != Some(&(i as u32)) {
+                            list.push(i as u32);
+                        }
+                    }
+                }
+            }
+        }
+        DataReaders { source, readers }
     }
 }
 

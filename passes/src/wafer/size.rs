@@ -4,6 +4,7 @@
 use std::ops::Range;
 
 use waferc_ir::completion::Completion;
+use waferc_ir::dependency::DataReaders;
 use waferc_ir::wafer::{Plan, TargetParams};
 use waferc_ir::{DType, Module, Op, ValueType, Weight, BLOCK};
 use waferc_targets::Target;
@@ -32,7 +33,8 @@ pub(super) struct Analysis {
     /// Where an instruction's data starts in its source's result (non-zero for a `slice`).
     pub offset: Vec<u64>,
     /// Per value (by source): the instructions reading it as an operand, in program order,
-    /// `expert_dispatch` looked through (its readers read the dispatched `x`).
+    /// `expert_dispatch` looked through (its readers read the dispatched `x`): see
+    /// [`DataReaders`].
     pub readers: Vec<Vec<u32>>,
     /// Per instruction of an MoE block (experts, dispatch, combine): the router's value.
     pub router: Vec<Option<u32>>,
@@ -43,22 +45,19 @@ pub(super) struct Analysis {
 impl Analysis {
     pub fn new(module: &Module) -> Analysis {
         let n = module.body.len();
+        let DataReaders { source, readers } = DataReaders::new(module);
         let mut expert = vec![None; n];
-        let mut source: Vec<u32> = (0..n as u32).collect();
         let mut offset = vec![0u64; n];
-        let mut readers = vec![Vec::new(); n];
         let mut router = vec![None; n];
         for (handle, instr) in module.body.iter() {
             let i = handle.index();
             match &instr.op {
-                Op::ExpertDispatch { x, routing, expert: e } => {
+                Op::ExpertDispatch { routing, expert: e, .. } => {
                     expert[i] = Some(*e);
-                    source[i] = source[x.index()];
                     router[i] = Some(routing.index() as u32);
                 }
                 Op::ExpertCombine { routing, .. } => router[i] = Some(routing.index() as u32),
                 Op::Slice { x, offset: start, .. } => {
-                    source[i] = source[x.index()];
                     offset[i] = offset[x.index()] + *start as u64;
                     expert[i] = expert[x.index()];
                     router[i] = router[x.index()];
@@ -71,14 +70,6 @@ impl Analysis {
                     if let Some(operand) = from_expert {
                         expert[i] = expert[operand.index()];
                         router[i] = router[operand.index()];
-                    }
-                }
-            }
-            if !matches!(instr.op, Op::ExpertDispatch { .. } | Op::Slice { .. }) {
-                for operand in instr.op.operands() {
-                    let list = &mut readers[source[operand.index()] as usize];
-                    if list.last() != Some(&(i as u32)) {
-                        list.push(i as u32);
                     }
                 }
             }
