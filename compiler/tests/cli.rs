@@ -560,6 +560,36 @@ fn timing_only_sequences_report_an_aggregate() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--from-position` runs a timing-only prompt deep into the context: the JSON says where it
+/// started, the step there costs more than at position 0 (its attention reads more positions),
+/// and the batched prefill, which starts from position 0, is left out. It needs --timing-only
+/// and room for the prompt after that position.
+#[test]
+fn timing_only_runs_from_a_position_deep_in_the_context() {
+    let dir = scratch("from-position");
+    let artifact = dir.join("m.wafer");
+    ok(&compile(&fixture("llama31-gqa-bf16"), "grid:32x32", &artifact, &["--max-context", "1024"]));
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", artifact.to_str().unwrap(), "--tokens", "1", "--max-new-tokens", "1", "--json"];
+        args.extend_from_slice(extra);
+        waferc(&args)
+    };
+    let at = |p: &str| -> Value { serde_json::from_str(&ok(&run(&["--timing-only", "--from-position", p]))).unwrap() };
+    let (start, deep) = (at("0"), at("1000"));
+    assert_eq!((start["first_position"].as_u64(), deep["first_position"].as_u64()), (Some(0), Some(1000)));
+    let cycles = |v: &Value| v["cycles_per_token"].as_u64().unwrap();
+    assert!(cycles(&deep) > cycles(&start), "{} at 1000 against {} at 0", cycles(&deep), cycles(&start));
+    assert!(start["prefill"][0]["cycles"].is_u64());
+    assert!(deep["prefill"].as_array().unwrap().iter().all(|p| p["cycles"].is_null()), "{}", deep["prefill"]);
+    let past = fails(&run(&["--timing-only", "--from-position", "1023"]));
+    assert!(past.contains("from position 1023") && past.contains("needs 1025 positions"), "{past}");
+    // A usage error: clap's exit status 2.
+    let with_values = run(&["--from-position", "5"]);
+    let stderr = String::from_utf8_lossy(&with_values.stderr);
+    assert!(!with_values.status.success() && stderr.contains("--timing-only"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn replicas_of_hot_experts_are_reported_shown_and_bit_exact_with_three_sequences() {
     let dir = scratch("replicas");

@@ -10,7 +10,7 @@ use waferc_ir::wafer::{distance_bound_cycles, distance_bound_ends, LayerProfile,
 use waferc_passes::rewrite::rewrite_module;
 use waferc_passes::wafer::CompileOptions;
 use waferc_passes::PlanKind;
-use waferc_runtime::executor::{ExecOptions, Executor, StepTiming};
+use waferc_runtime::executor::{ExecError, ExecOptions, Executor, StepTiming};
 
 fn timings(
     program: &waferc_ir::wafer::WaferProgram,
@@ -133,6 +133,40 @@ fn report_derives_throughput_and_time_to_first_token_from_the_steps() {
     ] {
         assert!(json.get(key).is_some(), "--json has {key}");
     }
+}
+
+/// Seeking (timing only) moves a sequence deep into its context without feeding the positions
+/// before: the step there is the step that feeding every earlier position leads to, span for
+/// span, on the tiled plan and on the stacked plan (whose KV blocks hold 32 positions and more).
+/// Its report starts at that position and leaves out the batched prefill, which starts from
+/// position 0. A run with values cannot seek (its KV blocks would hold no keys), nor can any run
+/// past the KV capacity.
+#[test]
+fn a_step_after_seeking_costs_what_it_costs_after_feeding_every_earlier_position() {
+    let module = build(&Shape::dense(), 5);
+    let stacked = Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    for plan in [Plan::Tiled, stacked] {
+        let program = compile_with(&module, "grid:24x24", CompileOptions { plan, ..CompileOptions::new(128) });
+        let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+        let mut fed = Executor::new(&program, &module, None, options).unwrap();
+        let steps: Vec<StepTiming> = (0..100).map(|t| fed.step(t % 7 + 1).unwrap().timing).collect();
+        for position in [1u32, 31, 32, 63, 99] {
+            let mut sought = Executor::new(&program, &module, None, options).unwrap();
+            sought.seek(position).unwrap();
+            let step = sought.step(3).unwrap().timing;
+            assert_eq!(step, steps[position as usize], "{plan}: the step at position {position}");
+            let report = sought.timing_report(1).unwrap();
+            assert_eq!((report.first_position, report.cycles_per_token), (position, step.cycles));
+            assert!(report.prefill.iter().all(|p| p.cycles.is_none()), "{plan}: {:?}", report.prefill);
+        }
+        assert!(steps[99].cycles > steps[0].cycles, "{plan}: attention over 100 positions costs more than over one");
+        let mut full = Executor::new(&program, &module, None, options).unwrap();
+        assert!(matches!(full.seek(128), Err(ExecError::ContextFull { position: 128, max_context: 128 })));
+    }
+    let program = compile_for(&module, "grid:24x24", 128);
+    let blob = pack_tile_blob(&program, &module);
+    let mut with_values = Executor::new(&program, &module, Some(&blob), ExecOptions::default()).unwrap();
+    assert!(matches!(with_values.seek(5), Err(ExecError::SeekWithValues { position: 5 })));
 }
 
 /// A full-size Llama-3.1-8B-shaped program on WSE-3 (shape-only), timed without values: the

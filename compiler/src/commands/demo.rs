@@ -83,6 +83,7 @@ fn demo(dir: &Path, target: &Target) -> anyhow::Result<()> {
         stop_tokens: Vec::new(),
         validate: true,
         timing_only: false,
+        from_position: 0,
     };
     let outcome = execute(&compiled, &execution)?;
     let ids = |ids: &[u32]| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");

@@ -1,7 +1,7 @@
 //! `waferc run ARTIFACT (--prompt TEXT... | --tokens IDS | --prompts FILE) [--sequences N]
-//! [--max-new-tokens N] [--force-tokens IDS] [--validate] [--logits FILE] [--json] [--timing-only]
-//! [--trace FILE]`: the compiled program on the bundled executor, optionally checked bit for bit
-//! against the reference decoder.
+//! [--max-new-tokens N] [--force-tokens IDS] [--validate] [--logits FILE] [--json] [--timing-only
+//! [--from-position P]] [--trace FILE]`: the compiled program on the bundled executor, optionally
+//! checked bit for bit against the reference decoder.
 //!
 //! Several prompts are several sequences, up to `--sequences N` in flight at once on one
 //! executor, their steps interleaved. Each has its own KV blocks (a sequence slot of the
@@ -49,6 +49,12 @@ pub struct RunArgs {
     /// after the prompt feeds the last prompt token again.
     #[arg(long, conflicts_with_all = ["validate", "logits"])]
     pub timing_only: bool,
+    /// With --timing-only: feed the prompt from position P, as though P positions were already
+    /// in the KV cache (a timing-only run holds no values, so only how many positions each KV
+    /// block holds matters): the decode speed deep into a context without running the whole
+    /// prompt. The batched prefill estimates need a run from position 0 and are left out.
+    #[arg(long, value_name = "P", requires = "timing_only")]
+    pub from_position: Option<u32>,
     /// Write the executor's modeled timeline as a Chrome trace-event JSON file (Perfetto,
     /// chrome://tracing): one track per layer, a slice per op phase and collective.
     #[arg(long)]
@@ -67,6 +73,8 @@ pub(super) struct Execution<'a> {
     pub stop_tokens: Vec<u32>,
     pub validate: bool,
     pub timing_only: bool,
+    /// The position the prompt starts at (timing only, `Executor::seek`); 0 otherwise.
+    pub from_position: u32,
 }
 
 /// What the run produced.
@@ -109,11 +117,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let max_new =
         if args.timing_only { args.generate.max_new_tokens.unwrap_or(1) } else { args.generate.max_new_tokens() };
+    let from_position = args.from_position.unwrap_or(0);
     for prompt in &prompts {
-        let needed = prompt.len() + max_new;
+        let needed = from_position as usize + prompt.len() + max_new;
         if needed > program.max_context as usize {
+            let from = match from_position {
+                0 => String::new(),
+                p => format!(" from position {p}"),
+            };
             bail!(
-                "{}: the prompt ({} tokens) plus {max_new} new tokens needs {needed} positions, but the artifact was compiled for {} (compile with a larger --max-context)",
+                "{}: the prompt ({} tokens){from} plus {max_new} new tokens needs {needed} positions, but the artifact was compiled for {} (compile with a larger --max-context)",
                 args.artifact.display(),
                 prompt.len(),
                 program.max_context
@@ -135,6 +148,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             stop_tokens: stop_tokens.clone(),
             validate: args.validate,
             timing_only: args.timing_only,
+            from_position,
         })
         .collect();
     // Executor errors name the instruction and PE; this names the artifact they came from.
@@ -186,6 +200,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 "prompt_tokens": prompt,
                 "tokens": outcome.tokens,
                 "text": text_of(&outcome.tokens)?,
+                "first_position": r.first_position,
                 "modeled_decode_tok_s": r.modeled_decode_tok_s,
                 "modeled_ttft_us": r.modeled_ttft_us,
                 "modeled_ttft_prefill_us": r.modeled_ttft_prefill_us,
@@ -299,6 +314,9 @@ pub(super) fn execute_in_flight(
             if held.is_none() {
                 if let Some(index) = waiting.next() {
                     wafer.reset_sequence();
+                    if runs[index].from_position > 0 {
+                        wafer.seek(runs[index].from_position)?;
+                    }
                     *held = Some((index, SequenceRun::new(compiled, &runs[index]).map_err(|e| with_index(index, e))?));
                 }
             }
@@ -417,8 +435,12 @@ fn explain_mismatch(
 }
 
 pub(super) fn describe_timing(r: &TimingReport) -> String {
+    let from = match r.first_position {
+        0 => String::new(),
+        p => format!(" from position {p}"),
+    };
     let mut text = format!(
-        "modeled on {}: {} cycles per token, {:.0} tokens/s decode, time to first token {:.1} us ({} prompt tokens), {} PEs",
+        "modeled on {}: {} cycles per token, {:.0} tokens/s decode, time to first token {:.1} us ({} prompt tokens{from}), {} PEs",
         r.target, r.cycles_per_token, r.modeled_decode_tok_s, r.modeled_ttft_us, r.prompt_tokens, r.pes_used
     );
     if let Some(layer) = &r.mean_layer {

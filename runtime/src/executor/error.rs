@@ -70,6 +70,8 @@ pub enum ExecError {
     RoutePath { site: InstrSite, route: RouteId, problem: String },
     #[error("a timing-only executor computes no logits")]
     TimingOnly,
+    #[error("seeking to position {position} needs a timing-only executor: with values, every earlier position's keys and values must be computed")]
+    SeekWithValues { position: u32 },
     #[error("the program's weights are not present (a shape-only compile); only timing_only execution is possible")]
     NoWeights,
     #[error("the tile blob has {found} bytes, the program expects {expected}")]

@@ -414,6 +414,24 @@ impl<'p> Executor<'p> {
         Ok(())
     }
 
+    /// Moves the selected sequence to `position`, as though every position before it had been
+    /// fed, and forgets its timing history. Timing only: there a KV block's contents are never
+    /// read, only how many of its positions are filled, which the position alone decides; so a
+    /// step after seeking costs what the same step costs after feeding every earlier position.
+    /// For the decode speed deep into a context without running the whole prompt.
+    pub fn seek(&mut self, position: u32) -> Result<(), ExecError> {
+        if !self.options.timing_only {
+            return Err(ExecError::SeekWithValues { position });
+        }
+        if position >= self.program.max_context {
+            return Err(ExecError::ContextFull { position, max_context: self.program.max_context });
+        }
+        self.position = position;
+        self.history.clear();
+        self.last_timing = None;
+        Ok(())
+    }
+
     /// Forgets the selected sequence's positions (empties its KV blocks and its timing history),
     /// so its slot can take a new sequence.
     pub fn reset_sequence(&mut self) {
@@ -503,11 +521,13 @@ impl<'p> Executor<'p> {
         Ok(StepResult { logits, timing })
     }
 
-    /// The modeled timing report over the steps run since the last reset, for a prompt of
-    /// `prompt_tokens` tokens (see [`timing`] for the model). `None` before the first step.
+    /// The modeled timing report over the steps run since the last reset (or [`Executor::seek`]),
+    /// for a prompt of `prompt_tokens` tokens (see [`timing`] for the model). `None` before the
+    /// first step.
     pub fn timing_report(&self, prompt_tokens: usize) -> Option<TimingReport> {
         let last = self.last_timing.as_ref()?;
-        Some(timing::report(self.program, &self.costs, &self.history, last, prompt_tokens))
+        let first_position = self.position - self.history.len() as u32;
+        Some(timing::report(self.program, &self.costs, &self.history, last, prompt_tokens, first_position))
     }
 
     /// The cycle at which all of `instr`'s operands (and, for an expert, the routing) are ready,

@@ -239,7 +239,8 @@ pub struct LinkLoad {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PrefillTime {
     pub prompt_tokens: u32,
-    /// `None` when the program's KV cache holds fewer positions.
+    /// `None` when the program's KV cache holds fewer positions, or when the run started past
+    /// position 0 (`Executor::seek`): the model starts from the step at position 0.
     pub cycles: Option<u64>,
     /// Time to first token, microseconds.
     pub ttft_us: Option<f64>,
@@ -251,6 +252,9 @@ pub struct TimingReport {
     pub target: String,
     pub clock_hz: f64,
     pub pes_used: usize,
+    /// The position of the first step run (not 0 after `Executor::seek`): the steps below, the
+    /// prompt's and the decode steps', are those from there.
+    pub first_position: u32,
     /// Mean cycles of the decode steps after the prompt (the last step's when there are none).
     pub cycles_per_token: u64,
     pub modeled_decode_tok_s: f64,
@@ -1199,13 +1203,15 @@ impl<'a> Prefill<'a> {
     }
 }
 
-/// The report over the steps run so far (`history`: cycles by position; `last`: the last step).
+/// The report over the steps run so far (`history`: cycles by position from `first_position`;
+/// `last`: the last step).
 pub(crate) fn report(
     program: &WaferProgram,
     costs: &CostModel,
     history: &[u64],
     last: &StepTiming,
     prompt_tokens: usize,
+    first_position: u32,
 ) -> TimingReport {
     let params = &program.target;
     let decode = history.get(prompt_tokens..).unwrap_or(&[]);
@@ -1220,7 +1226,8 @@ pub(crate) fn report(
 
     let first_cycles = history.first().copied().unwrap_or(last.cycles);
     let model = Prefill::new(program, costs, first_cycles, last);
-    let prefill = |tokens: u32| model.cycles(tokens);
+    // The model starts from the step at position 0, which a run that sought past it lacks.
+    let prefill = |tokens: u32| model.cycles(tokens).filter(|_| first_position == 0);
     let modeled_ttft_prefill_us = (prompt_tokens > 0).then(|| prefill(prompt_tokens as u32)).flatten().map(micros);
     let prefill = PREFILL_PROMPTS
         .iter()
@@ -1276,6 +1283,7 @@ pub(crate) fn report(
         target: params.name.clone(),
         clock_hz: params.clock_hz,
         pes_used: program.pes.len(),
+        first_position,
         cycles_per_token,
         modeled_decode_tok_s: params.clock_hz / cycles_per_token as f64,
         prompt_tokens,
