@@ -251,7 +251,7 @@ impl KvShape {
         };
         // A windowed cache keeps only the window's rows.
         let positions = window.map_or(options.max_context as u64, |w| (w as u64).min(options.max_context as u64));
-        let positions_per_block = positions_per_block(head_dim, (q_per_kv / copies).max(1), positions, usable)?;
+        let positions_per_block = max_positions_per_block(head_dim, (q_per_kv / copies).max(1), positions, usable)?;
         Some(KvShape {
             kv_heads: c.kv_heads as u64,
             head_dim,
@@ -261,6 +261,11 @@ impl KvShape {
             positions_per_block,
             sequences: options.max_sequences.max(1) as u64,
         })
+    }
+
+    /// The shape with blocks of `positions` (at most [`max_positions_per_block`]'s).
+    fn with_block(self, positions: u64) -> KvShape {
+        KvShape { positions_per_block: positions.min(self.positions_per_block), ..self }
     }
 
     fn blocks_per_head(&self) -> u64 {
@@ -339,6 +344,8 @@ enum HeadRole {
 struct Region {
     area: Rect,
     kv: Option<Rect>,
+    /// Positions per KV block (`block_for_region`).
+    kv_block: u64,
     /// Next cell of the area's walk for a vector that has no host.
     cursor: u64,
     /// Next free column of the KV strip (each attention takes columns of its own).
@@ -362,9 +369,10 @@ fn nearest_first(near: u64, len: u64) -> impl Iterator<Item = u64> {
         .filter_map(move |i| i.filter(|&i| i < len))
 }
 
-/// Positions per KV block: the largest aligned power-of-two run of 32-position chunks whose
-/// block fits a PE beside nothing else (as the tiled plan sizes it).
-fn positions_per_block(head_dim: u64, q_per_kv: u64, max_context: u64, usable: u64) -> Option<u64> {
+/// The most positions a KV block may hold: the largest aligned power-of-two run of 32-position
+/// chunks (the numerics contract's chunk tree) that fits a PE beside nothing else and that the
+/// cache fills. `None` when even 32 positions do not fit a PE.
+fn max_positions_per_block(head_dim: u64, q_per_kv: u64, max_context: u64, usable: u64) -> Option<u64> {
     let max_positions = CHUNK * max_context.div_ceil(CHUNK).next_power_of_two();
     let mut positions = CHUNK;
     if kv_block_bytes(positions, head_dim, q_per_kv) > usable {
@@ -375,6 +383,28 @@ fn positions_per_block(head_dim: u64, q_per_kv: u64, max_context: u64, usable: u
     }
     Some(positions)
 }
+
+/// The positions per KV block of a region `w x h` holding `attentions` (each at most its own
+/// largest): the fewest (from 32, doubling) whose strip takes at most [`MAX_KV_STRIP_SHARE`] of
+/// the width, else the largest.
+fn block_for_region(attentions: &[KvShape], w: u64, h: u64) -> u64 {
+    let largest = attentions.iter().map(|kv| kv.positions_per_block).max().unwrap_or(CHUNK);
+    let columns = |p: u64| -> Option<u64> { attentions.iter().map(|kv| kv.with_block(p).columns(h)).sum() };
+    std::iter::successors(Some(CHUNK), |p| Some(p * 2))
+        .take_while(|&p| p < largest)
+        .find(|&p| columns(p).is_some_and(|cols| cols as f64 <= MAX_KV_STRIP_SHARE * w as f64))
+        .unwrap_or(largest)
+}
+
+/// The most of a region's width its KV strip may take when a larger block would make it
+/// narrower: a block's attention work grows with the positions it holds (a score and a
+/// weighted value each), and deep into a context every block is full, so blocks of 32
+/// positions spread that work over the most PEs; but the strip's PEs hold no tiles, so on a
+/// region too small for it the blocks grow until the strip takes at most this share. SmolLM2
+/// (`stacked:1,35,kv3`, head_dim 64): 64-position blocks, what fits a PE, decoded 2,759 tok/s
+/// at position 1,024; 32-position blocks (a strip of 11 of 78 columns), 4,105, and 10,364
+/// instead of 10,261 at position 0.
+const MAX_KV_STRIP_SHARE: f64 = 0.25;
 
 /// Bytes of a 2-D or 1-D weight at its storage type.
 fn weight_bytes(module: &Module, weight: waferc_ir::Handle<waferc_ir::Weight>) -> u64 {
@@ -936,7 +966,9 @@ pub(super) fn place(
             ))
         })?;
         for (&u, rect) in on.iter().zip(rects) {
-            let kv_cols: Option<u64> = units[u].attentions.iter().map(|kv| kv.columns(rect.h as u64)).sum();
+            let kv_block = block_for_region(&units[u].attentions, rect.w as u64, rect.h as u64);
+            let kv_cols: Option<u64> =
+                units[u].attentions.iter().map(|kv| kv.with_block(kv_block).columns(rect.h as u64)).sum();
             let kv_cols = match kv_cols {
                 Some(cols) if cols < rect.w as u64 => cols,
                 _ => {
@@ -952,7 +984,7 @@ pub(super) fn place(
             // Vectors without a host start in the middle column: multicasts from there reach the
             // area's corners soonest, and column 0 already holds the panels' row roots.
             let cursor = (area.w as u64 / 2) * area.h as u64;
-            regions[u] = Some(Region { area, kv, cursor, kv_column: 0, tight: exact });
+            regions[u] = Some(Region { area, kv, kv_block, cursor, kv_column: 0, tight: exact });
         }
     }
     let mut placer = Placer::new(module, analysis, params, options, super::place::Cells::new(params));
@@ -2110,7 +2142,8 @@ impl Stacked<'_> {
                                     let mut band = whole.band(head, kv_heads);
                                     let mut nth = *slot - 1;
                                     let usable = self.placer.params.usable_bytes_per_pe() as u64;
-                                    let kv = KvShape::of(module, attention, self.placer.options, usable);
+                                    let kv = KvShape::of(module, attention, self.placer.options, usable)
+                                        .map(|kv| kv.with_block(self.region(unit).kv_block));
                                     if let Some(kv) = kv.filter(|kv| kv.row_copies(band.h as u64) > 1) {
                                         // Copies in rows of their own: a copy's queries alternate
                                         // from its rows' top; the key (which goes to every copy)
@@ -2305,6 +2338,7 @@ impl Stacked<'_> {
         let kv = KvShape::of(module, i, self.placer.options, usable).ok_or_else(|| {
             unsupported(module, i, format!("32 positions of a KV head (head_dim {}) do not fit one PE", c.head_dim))
         })?;
+        let kv = kv.with_block(self.region(unit).kv_block);
         if kv.copies > kv.q_per_kv || kv.q_per_kv % kv.copies != 0 {
             return Err(unsupported(
                 module,
@@ -2470,6 +2504,38 @@ impl Stacked<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A region's KV blocks are as small as its strip allows. Three KV heads in three copies
+    /// (SmolLM2's), 4,096 positions: with head_dim 64 a PE holds up to 64 positions, and a
+    /// 60 x 110 region takes 32-position blocks in an 11-column strip. With head_dim 32 (up to
+    /// 128 positions) on a 60 x 46 region, 32-position blocks would take 26 columns, more than a
+    /// quarter of 60: the blocks grow to 64 (13 columns); on 60 x 40 even those take 16, so the
+    /// blocks are the largest. The attentions of a region's layers share its strip.
+    #[test]
+    fn kv_blocks_are_the_smallest_whose_strip_leaves_the_tiles_three_quarters() {
+        let usable = 47_104;
+        let shape = |head_dim| KvShape {
+            kv_heads: 3,
+            head_dim,
+            q_per_kv: 3,
+            copies: 3,
+            positions: 4096,
+            positions_per_block: max_positions_per_block(head_dim, 1, 4096, usable).unwrap(),
+            sequences: 1,
+        };
+        let (smol, narrow) = (shape(64), shape(32));
+        assert_eq!((smol.positions_per_block, narrow.positions_per_block), (64, 128));
+        assert_eq!(block_for_region(&[smol], 60, 110), 32);
+        assert_eq!(smol.with_block(32).columns(110), Some(11));
+        assert_eq!(narrow.with_block(32).columns(46), Some(26));
+        assert_eq!(block_for_region(&[narrow], 60, 46), 64);
+        assert_eq!(narrow.with_block(64).columns(46), Some(13));
+        assert_eq!(narrow.with_block(64).columns(40), Some(16));
+        assert_eq!(block_for_region(&[narrow], 60, 40), 128);
+        // Two layers' attentions share one strip: 22 columns at 32 positions, 12 at 64.
+        assert_eq!(block_for_region(&[smol, smol], 60, 110), 64);
+        assert_eq!(block_for_region(&[], 60, 110), CHUNK, "no attention");
+    }
 
     /// The 70B's 4-layer unit on a 315-column area: q/k/v, o, gate/up and down tiles of 1,344,
     /// 1,088, 7,296 and 4,352 weight bytes over 256, 256, 256 and 224 columns. Packed from the
