@@ -16,7 +16,11 @@
 //! Beside the decode speed it prints the mean decoder layer's critical-path cycles split into
 //! compute, communication and waiting for links, and the modeled time to first token of a
 //! 1,024- and an 8,192-token prompt prefilled as a batch (the KV capacity is 8,192 positions so
-//! the longer prompt fits); see `waferc_runtime::executor::timing`.
+//! the longer prompt fits); see `waferc_runtime::executor::timing`. And the decode speed deep in
+//! the context: the step at position 1,024 (the token after a 1,024-token prompt) and at the KV
+//! cache's last position (8,191 but in the capacity cases), each timed after `Executor::seek` (timing only, a KV block's cost depends
+//! only on how many of its positions are filled), since attention's work grows with the
+//! positions a KV block holds while position 0 attends one.
 //!
 //! The distance bound (`waferc_ir::wafer::distance_bound_cycles`) is the longest chain of route
 //! spans through the program: only distance, no arithmetic, serialisation or contention; its
@@ -119,6 +123,8 @@ struct Row {
     layer: [u64; 4],
     /// Modeled time to first token (ms) of 1,024 and 8,192 prompt tokens.
     ttft_ms: [Option<f64>; 2],
+    /// Modeled decode tok/s of the step at position 1,024 and at the KV cache's last position.
+    deep: [f64; 2],
     bound: f64,
     published: String,
 }
@@ -192,6 +198,12 @@ fn run(wanted: &[String], scratch: &Path, sequences_only: bool) -> Result<(), Bo
                 let prefill = report.prefill.iter().find(|p| p.prompt_tokens == tokens);
                 prefill.and_then(|p| p.ttft_us).map(|us| us / 1000.0)
             };
+            let mut deep = [0.0; 2];
+            for (tok_s, position) in deep.iter_mut().zip([1024, kv_capacity - 1]) {
+                executor.seek(position)?;
+                executor.step(module.meta.bos_token_id.unwrap_or(0))?;
+                *tok_s = executor.timing_report(0).ok_or("a step ran")?.modeled_decode_tok_s;
+            }
             // The experts the timing-only step chose, as the bound assumes.
             let chosen = timing_only_experts(&module, program.routing_profile.as_ref(), 0);
             let bound = distance_bound_cycles(&program, &module, 0, chosen);
@@ -207,6 +219,7 @@ fn run(wanted: &[String], scratch: &Path, sequences_only: bool) -> Result<(), Bo
                 modeled: report.modeled_decode_tok_s,
                 layer: [layer.cycles, layer.compute_cycles, layer.comm_cycles, layer.wait_cycles],
                 ttft_ms: [ttft(1024), ttft(8192)],
+                deep,
                 bound: program.target.clock_hz / bound as f64,
                 published: case.published.map_or("-".into(), |(tok_s, how)| format!("{tok_s:.0} ({how})")),
             });
@@ -265,7 +278,7 @@ fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error
         ];
         for (label, modules) in cases {
             let program =
-                plan_search::search_keeping(modules, &target, &CompileOptions::new(KV_CAPACITY), |p, _| Ok(p))
+                plan_search::search_keeping(modules, &target, &CompileOptions::new(KV_CAPACITY), 0, |p, _| Ok(p))
                     .map_err(|e| format!("{preset} {label} rewrite on {}: {e:#}", target.name))?
                     .program;
             let module = modules.for_plan(&program.plan);
@@ -324,10 +337,12 @@ fn print_table(rows: &[Row]) {
         "wait",
         "TTFT 1k ms",
         "TTFT 8k ms",
+        "tok/s at 1,024",
+        "tok/s at KV end",
         "distance bound tok/s",
         "published tok/s",
     ];
-    let cells: Vec<[String; 17]> = rows
+    let cells: Vec<[String; 19]> = rows
         .iter()
         .map(|r| {
             [
@@ -346,6 +361,8 @@ fn print_table(rows: &[Row]) {
                 r.layer[3].to_string(),
                 r.ttft_ms[0].map_or("-".into(), |ms| format!("{ms:.2}")),
                 r.ttft_ms[1].map_or("-".into(), |ms| format!("{ms:.2}")),
+                format!("{:.0}", r.deep[0]),
+                format!("{:.0}", r.deep[1]),
                 format!("{:.0}", r.bound),
                 r.published.clone(),
             ]
@@ -407,7 +424,7 @@ fn sequences_in_flight(
         let options = CompileOptions { max_sequences: in_flight as u32, ..CompileOptions::new(kv) };
         let start = Instant::now();
         let compiled = match plan {
-            None => plan_search::search_keeping(modules, target, &options, |p, _| Ok(p))
+            None => plan_search::search_keeping(modules, target, &options, 0, |p, _| Ok(p))
                 .map(|found| {
                     for c in &found.candidates {
                         let rate = c.modeled_tok_s.map_or("-".into(), |r| format!("{r:.0} tok/s"));
@@ -426,6 +443,15 @@ fn sequences_in_flight(
             Ok(program) => program,
             Err(WaferError::DoesNotFit(not_fit)) => {
                 notes.push(format!("{preset}, {in_flight} sequences in flight, KV {kv}: {not_fit}"));
+                continue;
+            }
+            // The one-sequence pick may not hold more sequences' KV blocks (its KV copies on a
+            // PE's tiles): a row of the table that does not exist, not a failed benchmark.
+            Err(other) if plan.is_some() => {
+                let pick = plan.as_ref().map(ToString::to_string).unwrap_or_default();
+                notes.push(format!(
+                    "{preset}, {in_flight} sequences in flight, KV {kv}: {pick} does not lower: {other}"
+                ));
                 continue;
             }
             Err(other) => return Err(format!("{preset}, {in_flight} sequences: {other}").into()),

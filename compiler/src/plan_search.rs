@@ -138,19 +138,23 @@ pub struct Found<T = WaferProgram> {
     pub candidates: Vec<Candidate>,
 }
 
-/// Lowers `module` with each candidate plan (the other options as in `base`), times each, and
-/// returns the fastest the checker accepts. Fails with the first candidate's error when none lowers.
+/// Lowers `module` with each candidate plan (the other options as in `base`), times each at
+/// position 0, and returns the fastest the checker accepts. Fails with the first candidate's
+/// error when none lowers.
 pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow::Result<Found> {
-    search_keeping(Modules::One(module), target, base, |program, _| Ok(program))
+    search_keeping(Modules::One(module), target, base, 0, |program, _| Ok(program))
 }
 
-/// [`search`] over `modules`, handing each candidate that is faster than all before it and
+/// [`search`] over `modules`, timing each candidate's decode step at `position` (0: the first
+/// token; deeper, where attention reads every filled position of its KV blocks, for plans
+/// suited to long contexts), handing each candidate that is faster than all before it and
 /// passes the checker to `keep` (with the module it was lowered from) at once and holding only
 /// what `keep` returns (the last such is the winner's).
 pub fn search_keeping<T>(
     modules: Modules,
     target: &Target,
     base: &CompileOptions,
+    position: u32,
     mut keep: impl FnMut(WaferProgram, &Module) -> anyhow::Result<T>,
 ) -> anyhow::Result<Found<T>> {
     let mut plans = candidates(modules.for_plan(&Plan::Tiled));
@@ -222,7 +226,7 @@ pub fn search_keeping<T>(
                 max_tiles as f64 / 1e6
             ));
         } else {
-            match evaluate(module, target, base, plan) {
+            match evaluate(module, target, base, plan, position) {
                 Ok((program, cycles)) => {
                     candidate.cycles_per_token = Some(cycles);
                     candidate.modeled_tok_s = Some(params.clock_hz / cycles.max(1) as f64);
@@ -360,11 +364,14 @@ fn evaluate(
     target: &Target,
     base: &CompileOptions,
     plan: Plan,
+    position: u32,
 ) -> anyhow::Result<(WaferProgram, u64)> {
     let program = lowering::compile(module, target, &CompileOptions { plan, ..base.clone() })?;
     let options = ExecOptions { timing_only: true, record_values: false };
     // The step's cycles are the timing report's cycles per token for a one-token run; the
     // report's other views (prefill, busiest links) are not needed to rank plans.
-    let cycles = Executor::new(&program, module, None, options)?.step(0)?.timing.cycles.max(1);
+    let mut executor = Executor::new(&program, module, None, options)?;
+    executor.seek(position)?;
+    let cycles = executor.step(0)?.timing.cycles.max(1);
     Ok((program, cycles))
 }

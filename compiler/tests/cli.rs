@@ -590,6 +590,44 @@ fn timing_only_runs_from_a_position_deep_in_the_context() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--search-position P` times every candidate of the plan search at position P: the chosen
+/// candidate's cycles are the written artifact's step at P (`run --from-position P`). It needs
+/// the search (not a pinned `--plan`) and a position inside the KV capacity.
+#[test]
+fn plan_search_times_candidates_at_the_search_position() {
+    let dir = scratch("search-position");
+    let artifact = dir.join("m.wafer");
+    let model = fixture("llama31-gqa-bf16");
+    let compiled: Value = serde_json::from_str(&ok(&compile(
+        &model,
+        "grid:32x32",
+        &artifact,
+        &["--max-context", "1024", "--search-position", "1000", "--json"],
+    )))
+    .unwrap();
+    assert_eq!(compiled["search_position"], 1000);
+    let chosen = compiled["plan_search"].as_array().unwrap().iter().find(|c| c["chosen"] == true).unwrap().clone();
+    let run: Value = serde_json::from_str(&ok(&waferc(&[
+        "run",
+        artifact.to_str().unwrap(),
+        "--tokens",
+        "1",
+        "--max-new-tokens",
+        "1",
+        "--timing-only",
+        "--from-position",
+        "1000",
+        "--json",
+    ])))
+    .unwrap();
+    assert_eq!(chosen["cycles_per_token"], run["cycles_per_token"], "{chosen}");
+    let pinned = fails(&compile(&model, "grid:32x32", &artifact, &["--plan", "tiled", "--search-position", "5"]));
+    assert!(pinned.contains("--plan tiled pins one"), "{pinned}");
+    let past = fails(&compile(&model, "grid:32x32", &artifact, &["--max-context", "64", "--search-position", "64"]));
+    assert!(past.contains("holds positions 0 to 63"), "{past}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn replicas_of_hot_experts_are_reported_shown_and_bit_exact_with_three_sequences() {
     let dir = scratch("replicas");

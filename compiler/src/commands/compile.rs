@@ -1,5 +1,5 @@
 //! `waferc compile MODEL --target T [--max-context N] [--max-sequences N] -o OUT [--passes P]
-//! [--plan PLAN] [--profile PROFILE.json | --calibrate PROMPTS] [--expert-order profile|index]
+//! [--plan PLAN] [--search-position P] [--profile PROFILE.json | --calibrate PROMPTS] [--expert-order profile|index]
 //! [--expert-replicas auto|off|always] [--dump-ir DIR] [--print-after PASS] [--time-passes] [--json]`
 
 use std::path::PathBuf;
@@ -72,6 +72,12 @@ pub struct CompileArgs {
     /// MoE layer's experts share lanes E at a time, default 1).
     #[arg(long, default_value = "auto")]
     pub plan: String,
+    /// The position at which the plan search times each candidate's decode step: 0 (default)
+    /// times the first token; a position deep in the context times attention over that many
+    /// filled positions, where plans differ most (KV copies, block placement), for a workload
+    /// of long prompts. Must be below --max-context.
+    #[arg(long, value_name = "P", default_value_t = 0)]
+    pub search_position: u32,
     /// Write the IR after every pass into DIR (00-frontend.ir, 01-<pass>.ir, ...).
     #[arg(long)]
     pub dump_ir: Option<PathBuf>,
@@ -109,6 +115,21 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
     let start = Instant::now();
     let target = Target::resolve(&args.target)?;
     let plan = parse_plan_choice(&args.plan)?;
+    if args.search_position > 0 && plan.is_some() {
+        bail!(
+            "--search-position {} times the plan search's candidates, but --plan {} pins one",
+            args.search_position,
+            args.plan
+        );
+    }
+    if args.search_position >= args.max_context {
+        bail!(
+            "--search-position {}: the KV capacity (--max-context {}) holds positions 0 to {}",
+            args.search_position,
+            args.max_context,
+            args.max_context.saturating_sub(1)
+        );
+    }
     let spec = args.passes.as_deref().unwrap_or(registry::DEFAULT_PIPELINE);
     // The plan kinds to run the pipeline for: the pinned plan's; under the search both, when the
     // pipeline's choices depend on the plan (the default `rewrite`), each candidate then being
@@ -229,8 +250,9 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
                 _ => plan_search::Modules::One(&runs[0].module),
             };
             let bar = session::spinner(format!("searching plans for {}", target.name));
-            let (found, mut record) =
-                timed("plan-search", || plan_search::search_keeping(modules, &target, &base, write_candidate));
+            let (found, mut record) = timed("plan-search", || {
+                plan_search::search_keeping(modules, &target, &base, args.search_position, write_candidate)
+            });
             bar.finish_and_clear();
             let found = match found {
                 Ok(found) => found,
@@ -433,6 +455,8 @@ struct Summary {
     plan: String,
     max_context: u32,
     max_sequences: u32,
+    /// The position the plan search timed its candidates at (`None` with `--plan`).
+    search_position: Option<u32>,
     /// How experts were placed (`None` for a model without MoE layers).
     expert_placement: Option<String>,
     /// What `--expert-replicas` did (`None` for a model without MoE layers).
@@ -530,6 +554,7 @@ impl Summary {
             plan: program.plan.to_string(),
             max_context: program.max_context,
             max_sequences: program.max_sequences,
+            search_position: (args.plan == "auto").then_some(args.search_position),
             expert_placement: expert_placement(program, args, &replicas),
             expert_replicas: has_experts.then_some(replicas),
             pes_used: program.pes.len(),
@@ -574,6 +599,7 @@ impl Summary {
             "plan": self.plan,
             "max_context": self.max_context,
             "max_sequences": self.max_sequences,
+            "search_position": self.search_position,
             "expert_placement": self.expert_placement,
             "expert_replicas": self.expert_replicas,
             "pes_used": self.pes_used,
@@ -622,7 +648,11 @@ impl Summary {
         let experts = self.expert_placement.as_ref().map(|e| format!("\n{e}")).unwrap_or_default();
         let mut search = String::new();
         if !self.candidates.is_empty() {
-            search.push_str("plan search (one decode step of each candidate on the timing model):");
+            let at = match self.search_position {
+                Some(p) if p > 0 => format!(" at position {p}"),
+                _ => String::new(),
+            };
+            search.push_str(&format!("plan search (one decode step{at} of each candidate on the timing model):"));
             for c in &self.candidates {
                 let rate = c.modeled_tok_s.map_or("-".to_string(), |r| format!("{r:.0} tok/s"));
                 let verdict = match (&c.lost_because, c.chosen) {
