@@ -560,6 +560,13 @@ fn timing_only_sequences_report_an_aggregate() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `run --timing-only --from-position POSITION --json` of a one-token prompt: the step there.
+fn step_at(artifact: &Path, position: &str) -> Value {
+    let args = ["--tokens", "1", "--max-new-tokens", "1", "--timing-only", "--from-position", position, "--json"];
+    let out = ok(&waferc(&[&["run", artifact.to_str().unwrap()][..], &args[..]].concat()));
+    serde_json::from_str(&out).unwrap()
+}
+
 /// `--from-position` runs a timing-only prompt deep into the context: the JSON says where it
 /// started, the step there costs more than at position 0 (its attention reads more positions),
 /// and the batched prefill, which starts from position 0, is left out. It needs --timing-only
@@ -574,8 +581,7 @@ fn timing_only_runs_from_a_position_deep_in_the_context() {
         args.extend_from_slice(extra);
         waferc(&args)
     };
-    let at = |p: &str| -> Value { serde_json::from_str(&ok(&run(&["--timing-only", "--from-position", p]))).unwrap() };
-    let (start, deep) = (at("0"), at("1000"));
+    let (start, deep) = (step_at(&artifact, "0"), step_at(&artifact, "1000"));
     assert_eq!((start["first_position"].as_u64(), deep["first_position"].as_u64()), (Some(0), Some(1000)));
     let cycles = |v: &Value| v["cycles_per_token"].as_u64().unwrap();
     assert!(cycles(&deep) > cycles(&start), "{} at 1000 against {} at 0", cycles(&deep), cycles(&start));
@@ -607,20 +613,7 @@ fn plan_search_times_candidates_at_the_search_position() {
     .unwrap();
     assert_eq!(compiled["search_position"], 1000);
     let chosen = compiled["plan_search"].as_array().unwrap().iter().find(|c| c["chosen"] == true).unwrap().clone();
-    let run: Value = serde_json::from_str(&ok(&waferc(&[
-        "run",
-        artifact.to_str().unwrap(),
-        "--tokens",
-        "1",
-        "--max-new-tokens",
-        "1",
-        "--timing-only",
-        "--from-position",
-        "1000",
-        "--json",
-    ])))
-    .unwrap();
-    assert_eq!(chosen["cycles_per_token"], run["cycles_per_token"], "{chosen}");
+    assert_eq!(chosen["cycles_per_token"], step_at(&artifact, "1000")["cycles_per_token"], "{chosen}");
     let pinned = fails(&compile(&model, "grid:32x32", &artifact, &["--plan", "tiled", "--search-position", "5"]));
     assert!(pinned.contains("--plan tiled pins one"), "{pinned}");
     let past = fails(&compile(&model, "grid:32x32", &artifact, &["--max-context", "64", "--search-position", "64"]));
