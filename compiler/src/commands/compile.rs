@@ -554,7 +554,7 @@ impl Summary {
             plan: program.plan.to_string(),
             max_context: program.max_context,
             max_sequences: program.max_sequences,
-            search_position: (args.plan == "auto").then_some(args.search_position),
+            search_position: None,
             expert_placement: expert_placement(program, args, &replicas),
             expert_replicas: has_experts.then_some(replicas),
             pes_used: program.pes.len(),
@@ -586,6 +586,8 @@ impl Summary {
             artifact_bytes: std::fs::metadata(&args.output).map(|m| m.len()).unwrap_or(0),
             seconds: elapsed.as_secs_f64(),
             passes: pass_records_json(report),
+            // Candidates exist only when the search ran.
+            search_position: (!candidates.is_empty()).then_some(args.search_position),
             candidates,
             modules,
             ..self

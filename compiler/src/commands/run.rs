@@ -121,10 +121,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     for prompt in &prompts {
         let needed = from_position as usize + prompt.len() + max_new;
         if needed > program.max_context as usize {
-            let from = match from_position {
-                0 => String::new(),
-                p => format!(" from position {p}"),
-            };
+            let from = from_text(from_position);
             bail!(
                 "{}: the prompt ({} tokens){from} plus {max_new} new tokens needs {needed} positions, but the artifact was compiled for {} (compile with a larger --max-context)",
                 args.artifact.display(),
@@ -434,11 +431,16 @@ fn explain_mismatch(
     }
 }
 
-pub(super) fn describe_timing(r: &TimingReport) -> String {
-    let from = match r.first_position {
+/// ` from position P` for a prompt fed from position `P` past 0 (`--from-position`).
+fn from_text(position: u32) -> String {
+    match position {
         0 => String::new(),
         p => format!(" from position {p}"),
-    };
+    }
+}
+
+pub(super) fn describe_timing(r: &TimingReport) -> String {
+    let from = from_text(r.first_position);
     let mut text = format!(
         "modeled on {}: {} cycles per token, {:.0} tokens/s decode, time to first token {:.1} us ({} prompt tokens{from}), {} PEs",
         r.target, r.cycles_per_token, r.modeled_decode_tok_s, r.modeled_ttft_us, r.prompt_tokens, r.pes_used

@@ -402,8 +402,7 @@ fn block_for_region(attentions: &[KvShape], w: u64, h: u64) -> u64 {
 /// positions spread that work over the most PEs; but the strip's PEs hold no tiles, so on a
 /// region too small for it the blocks grow until the strip takes at most this share. SmolLM2
 /// (`stacked:1,35,kv3`, head_dim 64): 64-position blocks, what fits a PE, decoded 2,759 tok/s
-/// at position 1,024; 32-position blocks (a strip of 11 of 78 columns), 4,105, and 10,364
-/// instead of 10,261 at position 0.
+/// at position 1,024; 32-position blocks, 4,105, and 10,364 instead of 10,261 at position 0.
 const MAX_KV_STRIP_SHARE: f64 = 0.25;
 
 /// Bytes of a 2-D or 1-D weight at its storage type.
@@ -1190,6 +1189,14 @@ struct Stacked<'a> {
 impl Stacked<'_> {
     fn region(&mut self, unit: usize) -> &mut Region {
         self.regions[unit].as_mut().expect("every unit has a region")
+    }
+
+    /// Attention `i`'s KV shape in `unit`'s region, with the region's blocks
+    /// (`block_for_region`). `None` when 32 positions of a head do not fit a PE.
+    fn kv_shape(&mut self, i: usize, unit: usize) -> Option<KvShape> {
+        let usable = self.placer.params.usable_bytes_per_pe() as u64;
+        let kv = KvShape::of(self.placer.module, i, self.placer.options, usable)?;
+        Some(kv.with_block(self.region(unit).kv_block))
     }
 
     /// The most bytes of fresh vectors a PE takes: tiles placed later take up to their share of
@@ -2141,9 +2148,7 @@ impl Stacked<'_> {
                                     let whole = self.region(unit).area;
                                     let mut band = whole.band(head, kv_heads);
                                     let mut nth = *slot - 1;
-                                    let usable = self.placer.params.usable_bytes_per_pe() as u64;
-                                    let kv = KvShape::of(module, attention, self.placer.options, usable)
-                                        .map(|kv| kv.with_block(self.region(unit).kv_block));
+                                    let kv = self.kv_shape(attention, unit);
                                     if let Some(kv) = kv.filter(|kv| kv.row_copies(band.h as u64) > 1) {
                                         // Copies in rows of their own: a copy's queries alternate
                                         // from its rows' top; the key (which goes to every copy)
@@ -2334,11 +2339,9 @@ impl Stacked<'_> {
     ) -> Result<(ResultLayout, Work), WaferError> {
         let module = self.placer.module;
         let c = &module.caches[cache];
-        let usable = self.placer.params.usable_bytes_per_pe() as u64;
-        let kv = KvShape::of(module, i, self.placer.options, usable).ok_or_else(|| {
+        let kv = self.kv_shape(i, unit).ok_or_else(|| {
             unsupported(module, i, format!("32 positions of a KV head (head_dim {}) do not fit one PE", c.head_dim))
         })?;
-        let kv = kv.with_block(self.region(unit).kv_block);
         if kv.copies > kv.q_per_kv || kv.q_per_kv % kv.copies != 0 {
             return Err(unsupported(
                 module,
