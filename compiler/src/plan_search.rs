@@ -14,7 +14,9 @@
 //! The stacked plans close to the fastest are then tried with each KV head's cache in copies.
 //! In an MoE model (where "close" is wider) the fastest plan of each group size among them is
 //! then tried with its experts' lanes shared by two, four, ... experts while each doubling is
-//! faster.
+//! faster. A search timed deep in the context (`compile --search-position`) last tries the
+//! fastest plan with each KV block spread over two, four, ... PEs by lane while each doubling
+//! is faster.
 //!
 //! Each candidate is lowered from the module for its plan kind ([`Modules`]): the compile
 //! driver runs a plan-dependent pipeline (the default one, whose `rewrite` fuses matvecs only
@@ -24,7 +26,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use serde::Serialize;
-use waferc_ir::wafer::{Plan, WaferProgram};
+use waferc_ir::wafer::{Plan, WaferProgram, LANES};
 use waferc_ir::Module;
 use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CompileOptions};
 use waferc_passes::PlanKind;
@@ -124,7 +126,13 @@ pub fn candidates(module: &Module) -> Vec<Plan> {
     let mut plans = vec![Plan::Tiled];
     for k in LAYERS_PER_REGION.into_iter().filter(|&k| k as u32 <= layers) {
         for wafer_percent in WAFER_PERCENTS {
-            plans.push(Plan::Stacked { layers_per_region: k, wafer_percent, kv_copies: 1, experts_per_lane: 1 });
+            plans.push(Plan::Stacked {
+                layers_per_region: k,
+                wafer_percent,
+                kv_copies: 1,
+                experts_per_lane: 1,
+                kv_spread: 1,
+            });
         }
     }
     plans
@@ -273,11 +281,15 @@ pub fn search_keeping<T>(
     let mut close = close_to_fastest(&records);
     close.sort_unstable();
     for (_, index) in close.into_iter().take(REFINED_PLANS) {
-        let Plan::Stacked { layers_per_region, wafer_percent, kv_copies: 1, experts_per_lane } = plans[index] else {
+        let Plan::Stacked { kv_copies: 1, .. } = plans[index] else {
             continue;
         };
         for kv_copies in kv_copy_counts(modules.for_plan(&plans[index])) {
-            let plan = Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane };
+            let Plan::Stacked { layers_per_region, wafer_percent, experts_per_lane, kv_spread, .. } = plans[index]
+            else {
+                continue;
+            };
+            let plan = Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread };
             plans.push(plan);
             records.push(None);
             run(plans.len() - 1, plan, &mut records, &mut best)?;
@@ -301,9 +313,12 @@ pub fn search_keeping<T>(
         let mut starts: Vec<(u64, usize)> = fastest_of_group.into_values().collect();
         starts.sort_unstable();
         for (mut cycles, mut index) in starts {
-            while let Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane } = plans[index] {
+            while let Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } =
+                plans[index]
+            {
                 let shared = experts_per_lane.saturating_mul(2);
-                let plan = Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: shared };
+                let plan =
+                    Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: shared, kv_spread };
                 if shared > MAX_EXPERTS_PER_LANE || plans.contains(&plan) {
                     break;
                 }
@@ -315,6 +330,33 @@ pub fn search_keeping<T>(
                     _ => break,
                 }
             }
+        }
+    }
+    // Then, for a step deep in the context (every lane of a block's first chunk holds a row),
+    // the fastest plan with each KV block spread over twice as many PEs by lane, for as long as
+    // that is faster: a full block's scores and weighted values are split between its PEs, which
+    // the KV strip takes from the tiles. At position 0 a block has one row, so it never helps.
+    if position >= LANES as u32 {
+        let mut fastest = best.as_ref().map(|b| (b.cycles, b.index));
+        while let Some((cycles, index)) = fastest {
+            let Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } =
+                plans[index]
+            else {
+                break;
+            };
+            let spread = kv_spread.saturating_mul(2);
+            let plan =
+                Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread: spread };
+            if spread as usize > LANES || plans.contains(&plan) {
+                break;
+            }
+            plans.push(plan);
+            records.push(None);
+            run(plans.len() - 1, plan, &mut records, &mut best)?;
+            fastest = match records[plans.len() - 1].as_ref().and_then(|r| r.0.cycles_per_token) {
+                Some(faster) if faster < cycles => Some((faster, plans.len() - 1)),
+                _ => None,
+            };
         }
     }
     let mut records: Vec<Record> = records.into_iter().map(|r| r.expect("every plan ran")).collect();

@@ -252,6 +252,9 @@ fn plan_search_lists_candidates_and_pinning_skips_it() {
     }
     let stacked = candidates.iter().find(|c| c["plan"] == "stacked:1").expect("stacked:1 is a candidate");
     assert!(stacked["cycles_per_token"].as_u64().is_some(), "stacked:1 lowers on a fixture: {stacked}");
+    // At position 0 a KV block holds one position: spreading blocks over PEs is not tried.
+    let spread = candidates.iter().find(|c| c["plan"].as_str().unwrap().contains(",spread"));
+    assert!(spread.is_none(), "{spread:?}");
 
     let pinned = compile(&model, "grid:64x48", &dir.join("p.wafer"), &["--json", "--plan", "stacked:1,50"]);
     let pinned: Value = serde_json::from_str(&ok(&pinned)).unwrap();
@@ -606,7 +609,7 @@ fn plan_search_times_candidates_at_the_search_position() {
     let model = fixture("llama31-gqa-bf16");
     let compiled: Value = serde_json::from_str(&ok(&compile(
         &model,
-        "grid:32x32",
+        "grid:64x64",
         &artifact,
         &["--max-context", "1024", "--search-position", "1000", "--json"],
     )))
@@ -614,6 +617,13 @@ fn plan_search_times_candidates_at_the_search_position() {
     assert_eq!(compiled["search_position"], 1000);
     let chosen = compiled["plan_search"].as_array().unwrap().iter().find(|c| c["chosen"] == true).unwrap().clone();
     assert_eq!(chosen["cycles_per_token"], step_at(&artifact, "1000")["cycles_per_token"], "{chosen}");
+    // Deep in the context, full blocks' work split over PEs by lane wins here (1,000 positions:
+    // 32 full chunks a KV head), and the same plan without the spread was a candidate too.
+    let plan = chosen["plan"].as_str().unwrap();
+    let (unspread, spread) = plan.split_once(",spread").unwrap_or_else(|| panic!("{chosen}"));
+    assert!(spread.parse::<u8>().is_ok_and(|l| l > 1), "{chosen}");
+    let before = compiled["plan_search"].as_array().unwrap().iter().find(|c| c["plan"] == unspread).unwrap();
+    assert!(before["cycles_per_token"].as_u64() > chosen["cycles_per_token"].as_u64(), "{before}");
     let pinned = fails(&compile(&model, "grid:32x32", &artifact, &["--plan", "tiled", "--search-position", "5"]));
     assert!(pinned.contains("--plan tiled pins one"), "{pinned}");
     let past = fails(&compile(&model, "grid:32x32", &artifact, &["--max-context", "64", "--search-position", "64"]));
@@ -858,8 +868,8 @@ fn plan_search_shares_lanes_from_every_refined_group_size() {
         .collect();
     let cycles = |plan: Plan| stacked.iter().find(|(p, _)| *p == plan).and_then(|(_, c)| *c);
     let with_lanes = |plan: Plan, e: u8| match plan {
-        Plan::Stacked { layers_per_region, wafer_percent, kv_copies, .. } => {
-            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: e }
+        Plan::Stacked { layers_per_region, wafer_percent, kv_copies, kv_spread, .. } => {
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: e, kv_spread }
         }
         other => other,
     };

@@ -17,10 +17,15 @@ fn compiled() -> (Module, WaferProgram) {
 /// The tiny model with the stacked plan (one layer per region, `kv_copies` copies of each KV
 /// head's cache) on a 16x16 grid, accepted by the checker.
 fn compiled_stacked(kv_copies: u8) -> (Module, WaferProgram) {
+    compiled_stacked_spread(kv_copies, 1, "grid:16x16")
+}
+
+/// As [`compiled_stacked`], each KV block spread over `kv_spread` PEs, on `grid`.
+fn compiled_stacked_spread(kv_copies: u8, kv_spread: u8, grid: &str) -> (Module, WaferProgram) {
     let module = build(&Shape::tiny());
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies, experts_per_lane: 1 };
+    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies, experts_per_lane: 1, kv_spread };
     let options = CompileOptions { plan, ..CompileOptions::new(64) };
-    let program = compile(&module, &Target::resolve("grid:16x16").unwrap(), &options).unwrap();
+    let program = compile(&module, &Target::resolve(grid).unwrap(), &options).unwrap();
     check(&program, &module).unwrap();
     (module, program)
 }
@@ -257,7 +262,13 @@ fn bad_options_are_refused() {
     assert!(matches!(compile(&module, &target, &mesh), Err(WaferError::Options(_))));
     // Two query heads per KV head: three copies cannot share them.
     let copies = CompileOptions {
-        plan: Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 3, experts_per_lane: 1 },
+        plan: Plan::Stacked {
+            layers_per_region: 1,
+            wafer_percent: 100,
+            kv_copies: 3,
+            experts_per_lane: 1,
+            kv_spread: 1,
+        },
         ..CompileOptions::new(64)
     };
     let grid = Target::resolve("grid:16x16").unwrap();
@@ -333,6 +344,29 @@ fn kv_copies_that_do_not_partition_the_query_heads_are_caught() {
         .expect("an attention with a KV head in two copies");
     let err = problems(&program, &module);
     assert!(err.problems.iter().any(|p| p.instr == Some(instr) && p.message.contains("not the next ones")), "{err}");
+}
+
+#[test]
+fn kv_lane_groups_out_of_order_are_caught() {
+    let (module, mut program) = compiled_stacked_spread(1, 2, "grid:32x32");
+    // A chunk's second lane group first: its leaf would be the left operand of the lane combine.
+    let (instr, pe) = program
+        .instrs
+        .iter_mut()
+        .find_map(|p| {
+            let Work::Attention(att) = &mut p.work else { return None };
+            let blocks = &mut att.kv_heads_placed[0].blocks;
+            blocks.swap(0, 1);
+            Some((p.instr, blocks[0].pe))
+        })
+        .expect("an attention");
+    let err = problems(&program, &module);
+    assert!(
+        err.problems.iter().any(|p| p.instr == Some(instr)
+            && p.pe == Some(pe)
+            && p.message.contains("(lanes 4..8) is not the next aligned power-of-two run")),
+        "{err}"
+    );
 }
 
 #[test]

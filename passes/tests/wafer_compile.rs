@@ -149,7 +149,13 @@ fn stacked_tile_estimate_bounds_the_lowered_tiles() {
     for (shape, experts_per_lane) in cases {
         let module = build(&shape);
         for k in [1u16, 2] {
-            let plan = Plan::Stacked { layers_per_region: k, wafer_percent: 100, kv_copies: 1, experts_per_lane };
+            let plan = Plan::Stacked {
+                layers_per_region: k,
+                wafer_percent: 100,
+                kv_copies: 1,
+                experts_per_lane,
+                kv_spread: 1,
+            };
             let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
             let program = compile(&module, &target, &options).unwrap_or_else(|e| panic!("{shape:?} {plan}: {e}"));
             let tiles = program.matvec_tiles();
@@ -165,7 +171,8 @@ fn stacked_tile_estimate_bounds_the_lowered_tiles() {
 fn an_overfilled_pe_is_reported_with_what_holds_it() {
     let module = build(&Shape::llama70b());
     let target = Target::resolve("wse3x4").unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     let err = compile(&module, &target, &CompileOptions { plan, ..CompileOptions::new(2048) }).unwrap_err().to_string();
     assert!(err.contains("bytes of SRAM, more than 49152 (code 2048, %"), "{err}");
     assert!(err.contains(" matvec "), "the tiles on the PE are named: {err}");
@@ -176,7 +183,8 @@ fn an_overfilled_pe_is_reported_with_what_holds_it() {
 #[test]
 fn shared_expert_lanes_are_refused_for_a_dense_model() {
     let target = Target::resolve("grid:48x48").unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 2 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 2, kv_spread: 1 };
     let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
     let err = compile(&build(&Shape::tiny()), &target, &options).unwrap_err().to_string();
     assert!(err.contains("stacked:1,100,share2") && err.contains("no MoE layer"), "{err}");
@@ -193,7 +201,8 @@ fn stacked_qk_norms_run_on_one_head_a_segment() {
     let unfused = build(&shape);
     let fused = waferc_passes::rewrite::rewrite_module(&unfused, waferc_passes::PlanKind::Stacked).unwrap();
     let target = Target::resolve("grid:32x32").unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     for module in [unfused, fused] {
         let program = compile(&module, &target, &CompileOptions { plan, ..CompileOptions::new(64) }).unwrap();
         check(&program, &module).unwrap();
@@ -248,7 +257,8 @@ fn stacked_lm_head_reductions_share_no_link() {
     };
     let module = build(&shape);
     let target = Target::resolve("grid:64x64").unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     let program = compile(&module, &target, &CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
         .unwrap_or_else(|e| panic!("{e}"));
     check(&program, &module).unwrap();

@@ -52,7 +52,8 @@ fn quantised_module_with_biases_matches_the_reference() {
 #[test]
 fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference() {
     let module = build(&Shape::moe(), 5);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     let program =
         compile_with(&module, "grid:256x24", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let silu_segments: Vec<u64> = program
@@ -147,7 +148,8 @@ fn stacked_moe_input_sits_on_a_central_diagonal_and_the_router_in_an_experts_col
         })
         .collect();
     for layers_per_region in [1, 2] {
-        let plan = Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+        let plan =
+            Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
         let program =
             compile_with(&module, "grid:96x96", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
         let mut held = std::collections::HashSet::new();
@@ -218,7 +220,8 @@ fn dispatch_router(module: &waferc_ir::Module, i: usize) -> Option<usize> {
 fn stacked_expert_input_matvecs_reduce_over_adjacent_pes() {
     let shape = Shape { hidden: 512, layers: 2, ..Shape::moe() };
     let module = build(&shape, 7);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     let program =
         compile_with(&module, "grid:96x96", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let mut shared_rows = 0;
@@ -258,7 +261,8 @@ fn stacked_expert_input_matvecs_reduce_over_adjacent_pes() {
 fn stacked_experts_in_lanes_cut_across_match_the_reference() {
     let shape = Shape { moe: Some((32, 4)), ffn: 256, ..Shape::moe() };
     let module = build(&shape, 8);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     for (grid, lane_columns) in [("grid:64x128", None), ("grid:96x128", Some(3))] {
         let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
         let program = compile_with(&module, grid, options);
@@ -308,7 +312,8 @@ fn stacked_experts_sharing_lanes_match_the_reference() {
     const GRID: &str = "grid:128x128";
     // Per (layer, expert), the PEs holding its tiles; per PE, the experts it holds per layer.
     let tiles_of = |experts_per_lane| {
-        let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane };
+        let plan =
+            Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane, kv_spread: 1 };
         let program = compile_with(&module, GRID, CompileOptions { max_context: 64, plan, ..Default::default() });
         waferc_passes::wafer::check(&program, &module).unwrap_or_else(|e| panic!("{plan}: {e}"));
         let mut pes: std::collections::BTreeMap<(u32, u32), std::collections::BTreeSet<waferc_ir::wafer::Pe>> =
@@ -383,7 +388,8 @@ fn stacked_experts_sharing_lanes_match_the_reference() {
 fn stacked_attention_output_too_fine_for_its_bands_is_cut_in_query_heads() {
     let shape = Shape { heads: 32, kv_heads: 2, head_dim: 64, ..Shape::dense() };
     let module = rewrite_module(&build(&shape, 3), PlanKind::Stacked).unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     let program =
         compile_with(&module, "grid:48x48", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let hd = shape.head_dim as u64;
@@ -407,7 +413,8 @@ fn stacked_dense_keeps_heads_in_their_bands_and_gate_up_twins_together_bit_exact
     let shape = Shape::dense();
     // Fused as the compile driver's `rewrite` pass fuses them for the stacked plan.
     let module = rewrite_module(&build(&shape, 6), PlanKind::Stacked).unwrap();
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     // 16 rows: three rows per tile, which does not divide a head's 32.
     let rows = 16;
     let target = format!("grid:{rows}x64");
@@ -478,7 +485,8 @@ fn stacked_kv_copies_split_each_heads_queries_and_match_the_reference() {
     assert_eq!(group, 2, "two query heads per KV head, one per copy");
     let module = rewrite_module(&build(&shape, 8), PlanKind::Stacked).unwrap();
     let compile = |kv_copies| {
-        let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies, experts_per_lane: 1 };
+        let plan =
+            Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies, experts_per_lane: 1, kv_spread: 1 };
         compile_with(&module, "grid:16x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
     };
     let (single, copied) = (compile(1), compile(2));
@@ -516,6 +524,60 @@ fn stacked_kv_copies_split_each_heads_queries_and_match_the_reference() {
     );
     let blob = pack_tile_blob(&copied, &module);
     validate(&copied, &module, Some(&blob), &[7, 3, 40], &greedy(6)).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// KV blocks spread over 2, 4 and 8 PEs by lane: each chunk's blocks hold equal lane groups
+/// on PEs of their own, the checker accepts the program, a step deep in the context computes
+/// less attention on the busiest block, and the logits stay the reference's bits over two
+/// chunks of positions (lane groups fill in turn, then the next chunk's).
+#[test]
+fn stacked_kv_blocks_spread_by_lane_match_the_reference() {
+    let shape = Shape::dense();
+    let module = rewrite_module(&build(&shape, 9), PlanKind::Stacked).unwrap();
+    let compile = |kv_spread| {
+        let plan =
+            Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread };
+        compile_with(&module, "grid:16x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
+    };
+    // The busiest attention PE's arithmetic at position 40 (chunk 0 full, chunk 1 holding 9 rows).
+    let busiest_attention = |program: &WaferProgram| {
+        let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+        let mut executor = Executor::new(program, &module, None, options).unwrap();
+        executor.seek(40).unwrap();
+        let timing = executor.step(1).unwrap().timing;
+        let spans = timing.spans.iter().filter(|s| s.op == "attention");
+        spans.map(|s| s.compute_cycles).max().unwrap()
+    };
+    let whole = compile(1);
+    let mut previous = busiest_attention(&whole);
+    for groups in [2u8, 4, 8] {
+        let program = compile(groups);
+        waferc_passes::wafer::check(&program, &module).unwrap_or_else(|e| panic!("spread{groups}: {e}"));
+        for p in &program.instrs {
+            let waferc_ir::wafer::Work::Attention(att) = &p.work else { continue };
+            for head in &att.kv_heads_placed {
+                let held: Vec<_> =
+                    head.blocks.iter().map(|b| (b.positions.start, b.lanes.first, b.lanes.count)).collect();
+                let count = 8 / groups;
+                let expected: Vec<_> =
+                    (0..2).flat_map(|chunk| (0..groups).map(move |g| (chunk * 32, g * count, count))).collect();
+                assert_eq!(held, expected, "spread{groups} %{} KV head {}", p.instr, head.kv_head);
+            }
+            let mut pes: Vec<_> = att.kv_heads_placed.iter().flat_map(|h| h.blocks.iter().map(|b| b.pe)).collect();
+            let blocks = pes.len();
+            pes.sort_unstable();
+            pes.dedup();
+            assert_eq!(pes.len(), blocks, "spread{groups} %{}: a PE per block", p.instr);
+        }
+        let busiest = busiest_attention(&program);
+        assert!(busiest < previous, "spread{groups}: busiest attention span {busiest} cycles, not under {previous}");
+        previous = busiest;
+        let blob = pack_tile_blob(&program, &module);
+        let prompt: Vec<u32> = (0..20).map(|t| ((t * 7 + 3) % shape.vocab) as u32).collect();
+        let validation = validate(&program, &module, Some(&blob), &prompt, &greedy(26))
+            .unwrap_or_else(|e| panic!("spread{groups}: {e}"));
+        assert_eq!(validation.steps, 45, "spread{groups}: positions 0..45 checked");
+    }
 }
 
 /// The logits' bits for `tokens` fed in turn on `target` with `plan`, and the program's PE and
@@ -629,7 +691,8 @@ fn generate_drives_the_executor_like_the_reference_decoder() {
 fn stacked_tiles_of_eight_chunks_match_the_reference() {
     let shape = Shape { ffn: 4096, ..Shape::dense() };
     let module = rewrite_module(&build(&shape, 8), PlanKind::Stacked).unwrap();
-    let plan = Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     let program =
         compile_with(&module, "grid:48x24", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let runs: Vec<(u32, u64, u64)> = program
@@ -653,7 +716,8 @@ fn stacked_tiles_of_eight_chunks_match_the_reference() {
 #[test]
 fn a_stacked_region_too_narrow_for_a_matrix_names_the_columns_it_needs() {
     let module = rewrite_module(&build(&Shape { ffn: 2048, ..Shape::dense() }, 8), PlanKind::Stacked).unwrap();
-    let plan = Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     let target = waferc_targets::Target::resolve("grid:16x12").unwrap();
     let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
     let error = waferc_passes::wafer::compile(&module, &target, &options).expect_err("the regions are too narrow");
@@ -672,7 +736,8 @@ fn a_stacked_region_too_narrow_for_a_matrix_names_the_columns_it_needs() {
 fn stacked_top_k_sits_on_a_segment_of_its_logits() {
     let shape = Shape { moe: Some((64, 4)), ffn: 128, ..Shape::moe() };
     let module = build(&shape, 8);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     let program =
         compile_with(&module, "grid:96x128", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let mut routers = 0;
@@ -698,7 +763,8 @@ fn stacked_on_two_wafers(grid_cols: u16, shape: &Shape, seed: u64) -> (waferc_ir
     let toml = format!("name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = {grid_cols}\ngrid_rows = 48\nwafers = 2\n");
     let two = waferc_targets::Target::from_toml(&toml, "two-grids.toml").unwrap();
     let module = build(shape, seed);
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1 };
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
     let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
     let program = waferc_passes::wafer::compile(&module, &two, &options).unwrap_or_else(|e| panic!("{e}"));
     (module, program)

@@ -5,7 +5,8 @@
 
 mod executor_common;
 
-use executor_common::{compile_for, pack_tile_blob};
+use executor_common::{compile_for, compile_with, pack_tile_blob};
+use waferc_passes::wafer::CompileOptions;
 use waferc_passes::{registry, PassManager};
 use waferc_runtime::executor::{validate, ValidationOptions};
 use waferc_testsuite::fixtures_dir;
@@ -21,11 +22,16 @@ fn check_fixture_on(name: &str, target: &str) {
 /// `name` after the pass pipeline `passes`, compiled for `target` with KV room for
 /// `max_context` positions, `new_tokens` generated.
 fn check_fixture_with(name: &str, target: &str, passes: &str, max_context: u32, new_tokens: usize) {
+    check_fixture_planned(name, target, passes, CompileOptions::new(max_context), new_tokens)
+}
+
+/// As [`check_fixture_with`], compiled with `options` (a plan of its own, say).
+fn check_fixture_planned(name: &str, target: &str, passes: &str, options: CompileOptions, new_tokens: usize) {
     let model = waferc::frontend::load(&fixtures_dir().join("hf").join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
     let pipeline = registry::parse_pipeline(passes).unwrap();
     let (module, _) = PassManager::new(pipeline).run(model.module).unwrap_or_else(|e| panic!("{name}, {passes}: {e}"));
     let module = &module;
-    let program = compile_for(module, target, max_context);
+    let program = compile_with(module, target, options);
     let blob = pack_tile_blob(&program, module);
     let vocab = module.meta.vocab_size;
     let prompt: Vec<u32> = [1, 17, 5, 42].iter().map(|t| t % vocab).collect();
@@ -44,6 +50,19 @@ fn gpt_oss_tiny_bf16() {
         check_fixture_with("gpt-oss-tiny-bf16", target, "", 64, 15);
     }
     check_fixture_with("gpt-oss-tiny-bf16", "grid:64x64", "", 2048, 15);
+}
+
+/// gpt-oss on the stacked plan with each KV block spread over PEs by lane: the sliding layers'
+/// rings overwrite rows of every lane group, and the sinks join on the first block of the
+/// first lanes.
+#[test]
+fn gpt_oss_tiny_bf16_with_kv_blocks_by_lane() {
+    for (plan, max_context) in
+        [("stacked:1,100,spread2", 64), ("stacked:1,100,spread8", 64), ("stacked:2,100,spread4", 2048)]
+    {
+        let options = CompileOptions { plan: plan.parse().unwrap(), ..CompileOptions::new(max_context) };
+        check_fixture_planned("gpt-oss-tiny-bf16", "grid:64x64", "", options, 40);
+    }
 }
 
 #[test]

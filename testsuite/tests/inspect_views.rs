@@ -9,9 +9,9 @@ use waferc::inspect::{
     PLACEMENT_SCHEMA,
 };
 use waferc_ir::wafer::{
-    narrow, AttentionPlacement, EmbedBlock, InstrIndex, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement,
-    NormPlacement, Pe, PeImage, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId, RouteKind, Run,
-    Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
+    narrow, AttentionPlacement, EmbedBlock, InstrIndex, InstrPlacement, KvBlock, KvHeadPlacement, Lanes,
+    MatVecPlacement, NormPlacement, Pe, PeImage, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId,
+    RouteKind, Run, Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
 };
 
 /// Builds a program region by region, keeping SRAM offsets and the tile blob consistent.
@@ -285,8 +285,13 @@ fn tiny_moe(two_wafers: bool) -> WaferProgram {
     for (i, &pe) in kv.iter().enumerate() {
         let positions = i as u32 * 32..(i as u32 + 1) * 32;
         b.operand(pe, attention, q, (0, 64));
-        let region = b.region(pe, attention, RegionKind::KvCache { kv_head: 0, positions: positions.clone() }, 16384);
-        kv_blocks.push(KvBlock { pe, positions, region });
+        let region = b.region(
+            pe,
+            attention,
+            RegionKind::KvCache { kv_head: 0, positions: positions.clone(), lanes: Lanes::ALL },
+            16384,
+        );
+        kv_blocks.push(KvBlock { pe, positions, lanes: Lanes::ALL, region });
     }
     let max_reduce = b.route(
         attention,

@@ -66,16 +66,18 @@ pub struct CompileArgs {
     /// each candidate is lowered from its kind's module), or
     /// `tiled` (each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
-    /// `stacked:K[,P][,kvC][,shareE]` (K consecutive layers per region, every matvec tiled over
-    /// the whole region; the regions span P percent of each wafer, default 100; each KV head's
-    /// cache is held in C copies, each serving an equal share of its query heads, default 1; an
-    /// MoE layer's experts share lanes E at a time, default 1).
+    /// `stacked:K[,P][,kvC][,shareE][,spreadL]` (K consecutive layers per region, every matvec
+    /// tiled over the whole region; the regions span P percent of each wafer, default 100; each
+    /// KV head's cache is held in C copies, each serving an equal share of its query heads,
+    /// default 1; an MoE layer's experts share lanes E at a time, default 1; each 32-position KV
+    /// block is spread over L = 1, 2, 4 or 8 PEs by position mod 8, default 1).
     #[arg(long, default_value = "auto")]
     pub plan: String,
     /// The position at which the plan search times each candidate's decode step: 0 (default)
     /// times the first token; a position deep in the context times attention over that many
-    /// filled positions, where plans differ most (KV copies, block placement), for a workload
-    /// of long prompts. Must be below --max-context.
+    /// filled positions, where plans differ most (KV copies, KV blocks spread over PEs, block
+    /// placement), for a workload of long prompts; from position 8 the search also tries its
+    /// fastest plan with KV blocks spread (`spreadL`). Must be below --max-context.
     #[arg(long, value_name = "P", default_value_t = 0)]
     pub search_position: u32,
     /// Write the IR after every pass into DIR (00-frontend.ir, 01-<pass>.ir, ...).

@@ -6,7 +6,7 @@ use std::ops::Range;
 use serde::ser::{SerializeStruct, Serializer};
 use serde::Serialize;
 use waferc_ir::wafer::{
-    wide, InstrPlacement, Pe, PeImage, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteKind, Run,
+    wide, InstrPlacement, Lanes, Pe, PeImage, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteKind, Run,
     WaferProgram, Work,
 };
 use waferc_ir::Module;
@@ -38,7 +38,8 @@ pub const PLACEMENT_SCHEMA: &str = "waferc.placement.v1";
 ///   `colours_per_pe`, `f32_fma_per_cycle`, `inter_wafer_latency_cycles`,
 ///   `inter_wafer_bytes_per_cycle` (as in `waferc targets`).
 /// * `plan`: `{"kind": "tiled"}`, `{"kind": "mesh_gemv", "p", "group_num"}` or `{"kind":
-///   "stacked", "layers_per_region", "wafer_percent", "kv_copies", "experts_per_lane"}`.
+///   "stacked", "layers_per_region", "wafer_percent", "kv_copies", "experts_per_lane",
+///   "kv_spread"}`.
 /// * `max_context`: KV capacity in positions. `tile_blob_len`: bytes of packed weights.
 ///   `weights_present`: false for a shape-only compile.
 /// * `model`: `{"architecture", "num_layers", "vocab_size"}` when the module was given, else null.
@@ -60,7 +61,8 @@ pub const PLACEMENT_SCHEMA: &str = "waferc.placement.v1";
 ///   `weight_name` (the IR weight).
 /// * `kv_blocks[]`: one per attention KV block: `kv_head`, `query_heads` (which of the KV
 ///   head's query heads its placement serves: all, or a copy's share), `positions` (capacity),
-///   `pe`, `region`, `bytes`.
+///   `lanes` (`[first, end)` of each chunk's 8 lanes it holds: `[0, 8]` unless the plan spreads
+///   a block over PEs by lane), `pe`, `region`, `bytes`.
 /// * `segments[]`: one per piece of a vector result: `pe`, `elements`. An `expert_dispatch`'s
 ///   segments are its input's (the result aliases it; no SRAM of its own).
 /// * `routes[]`: `id`, `kind` (`operand`, `collect`, `reduce`, `statistic`, `routing`), `colour`,
@@ -80,7 +82,7 @@ pub const PLACEMENT_SCHEMA: &str = "waferc.placement.v1";
 /// * `pes[].regions[]`: `offset`, `bytes`, `instr` (null for the code reserve), `kind`
 ///   (`code`, `weight`, `kv_cache`, `operand`, `partial`, `output`, `scratch`); *if weight*
 ///   `weight`, `rows`, `cols` (element range of the last axis) and `blob` (byte range in the tile
-///   blob); *if kv_cache* `kv_head`, `positions`; *if operand* `value`, `elements`; *if partial*
+///   blob); *if kv_cache* `kv_head`, `positions`, `lanes`; *if operand* `value`, `elements`; *if partial*
 ///   `elements` (`[0, n]`); *if output* `elements`.
 pub fn placement_json(program: &WaferProgram, module: Option<&Module>, filter: &Filter) -> serde_json::Value {
     let view = Analysis::new(program, module, filter);
@@ -232,6 +234,8 @@ struct PlanJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_copies: Option<u8>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    kv_spread: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     layers_per_region: Option<u16>,
     #[serde(skip_serializing_if = "Option::is_none")]
     p: Option<u16>,
@@ -247,6 +251,7 @@ impl PlanJson {
                 experts_per_lane: None,
                 kind: "tiled",
                 kv_copies: None,
+                kv_spread: None,
                 layers_per_region: None,
                 p: None,
                 wafer_percent: None,
@@ -256,15 +261,17 @@ impl PlanJson {
                 experts_per_lane: None,
                 kind: "mesh_gemv",
                 kv_copies: None,
+                kv_spread: None,
                 layers_per_region: None,
                 p: Some(p),
                 wafer_percent: None,
             },
-            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane } => PlanJson {
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } => PlanJson {
                 group_num: None,
                 experts_per_lane: Some(experts_per_lane),
                 kind: "stacked",
                 kv_copies: Some(kv_copies),
+                kv_spread: Some(kv_spread),
                 layers_per_region: Some(layers_per_region),
                 p: None,
                 wafer_percent: Some(wafer_percent),
@@ -467,12 +474,18 @@ fn embed_region<'p>(
     })
 }
 
+/// `[first, end)` of the lanes a KV block holds.
+fn lanes(lanes: Lanes) -> [u8; 2] {
+    [lanes.first, lanes.first + lanes.count]
+}
+
 #[derive(Serialize)]
 struct KvBlockJson<'a> {
     bytes: u32,
     expert: Option<u32>,
     instr: u32,
     kv_head: u32,
+    lanes: [u8; 2],
     layer: Option<u32>,
     op: &'a str,
     pe: PeJson,
@@ -495,6 +508,7 @@ fn kv_blocks<'a>(view: &'a Analysis) -> impl Iterator<Item = KvBlockJson<'a>> + 
                     expert: placement.expert,
                     instr,
                     kv_head: head.kv_head,
+                    lanes: lanes(block.lanes),
                     layer: placement.layer,
                     op: &placement.op,
                     pe: pe(block.pe),
@@ -645,6 +659,8 @@ struct RegionJson {
     kind: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_head: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lanes: Option<[u8; 2]>,
     offset: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     positions: Option<[u32; 2]>,
@@ -667,6 +683,7 @@ impl RegionJson {
             instr: region.instr,
             kind: "",
             kv_head: None,
+            lanes: None,
             offset: region.offset,
             positions: None,
             rows: None,
@@ -682,9 +699,10 @@ impl RegionJson {
                 json.blob = blob.as_ref().map(range);
                 "weight"
             }
-            RegionKind::KvCache { kv_head, positions } => {
+            RegionKind::KvCache { kv_head, positions, lanes: held } => {
                 json.kv_head = Some(*kv_head);
                 json.positions = Some(range(positions));
+                json.lanes = Some(lanes(*held));
                 "kv_cache"
             }
             RegionKind::Operand { value, elements } => {

@@ -72,13 +72,16 @@ fn header(view: &Analysis, modeled_speed: Option<&str>, out: &mut String) {
     let plan = match view.program.plan {
         Plan::Tiled => "tiled".to_string(),
         Plan::MeshGemv { p, group_num } => format!("MeshGemv (p {p}, group_num {group_num})"),
-        Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane } => {
+        Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } => {
             let mut text = format!("stacked ({layers_per_region} layers per region, {wafer_percent}% of the wafer");
             if kv_copies > 1 {
                 text += &format!(", {kv_copies} copies of each KV head");
             }
             if experts_per_lane > 1 {
                 text += &format!(", {experts_per_lane} experts a lane");
+            }
+            if kv_spread > 1 {
+                text += &format!(", each KV block over {kv_spread} PEs by lane");
             }
             text + ")"
         }

@@ -120,7 +120,7 @@ fn active_attention_sources(program: &WaferProgram, position: u32) -> HashMap<Ro
     for placement in &program.instrs {
         let Work::Attention(attention) = &placement.work else { continue };
         for head in &attention.kv_heads_placed {
-            let holding = head.blocks.iter().take_while(|b| b.positions.start <= position).count().max(1);
+            let holding = head.blocks.iter().take_while(|b| b.first_row() <= position).count().max(1);
             for id in [head.max_reduce, head.sum_reduce, head.out_reduce].into_iter().flatten() {
                 active.insert(id, Senders::Leading(holding));
             }

@@ -157,8 +157,11 @@ pub enum Plan {
     /// for fewer query heads, at the price of the copies' SRAM. An MoE layer's experts share
     /// their region's tile area in lanes of `experts_per_lane` experts each: a larger lane gives
     /// each expert more PEs (less arithmetic per PE), and two chosen experts of one lane run one
-    /// after the other on its PEs.
-    Stacked { layers_per_region: u16, wafer_percent: u8, kv_copies: u8, experts_per_lane: u8 },
+    /// after the other on its PEs. Each 32-position KV block is spread over `kv_spread` PEs
+    /// (1, 2, 4 or 8), each holding the positions of an equal aligned run of the chunk's eight
+    /// lanes ([`Lanes`]): a full block's scores and weighted values are then split between
+    /// them, at the price of their PEs (the SRAM is the same).
+    Stacked { layers_per_region: u16, wafer_percent: u8, kv_copies: u8, experts_per_lane: u8, kv_spread: u8 },
 }
 
 impl fmt::Display for Plan {
@@ -167,9 +170,9 @@ impl fmt::Display for Plan {
         match *self {
             Plan::Tiled => write!(f, "tiled"),
             Plan::MeshGemv { p, group_num } => write!(f, "meshgemv:{p},{group_num}"),
-            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane } => {
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } => {
                 write!(f, "stacked:{layers_per_region}")?;
-                if wafer_percent != 100 || kv_copies != 1 || experts_per_lane != 1 {
+                if wafer_percent != 100 || kv_copies != 1 || experts_per_lane != 1 || kv_spread != 1 {
                     write!(f, ",{wafer_percent}")?;
                 }
                 if kv_copies != 1 {
@@ -177,6 +180,9 @@ impl fmt::Display for Plan {
                 }
                 if experts_per_lane != 1 {
                     write!(f, ",share{experts_per_lane}")?;
+                }
+                if kv_spread != 1 {
+                    write!(f, ",spread{kv_spread}")?;
                 }
                 Ok(())
             }
@@ -187,8 +193,8 @@ impl fmt::Display for Plan {
 impl std::str::FromStr for Plan {
     type Err = String;
 
-    /// The `--plan` spelling ([`Plan`]'s `Display`): `tiled`, `stacked:K[,P][,kvC][,shareE]` or
-    /// `meshgemv:P,G`. The error says which field is wrong and shows a valid spelling.
+    /// The `--plan` spelling ([`Plan`]'s `Display`): `tiled`, `stacked:K[,P][,kvC][,shareE][,spreadL]`
+    /// or `meshgemv:P,G`. The error says which field is wrong and shows a valid spelling.
     fn from_str(text: &str) -> Result<Plan, String> {
         if text == "tiled" {
             return Ok(Plan::Tiled);
@@ -203,23 +209,35 @@ impl std::str::FromStr for Plan {
                 Ok(p) if (1..=100).contains(&p) => p,
                 _ => return Err("P must be a percentage of the wafer from 1 to 100, as in stacked:1,25".into()),
             };
-            let (mut kv_copies, mut experts_per_lane) = (None, None);
+            let (mut kv_copies, mut experts_per_lane, mut kv_spread) = (None, None, None);
             for field in fields {
-                let (slot, count) = match (field.strip_prefix("kv"), field.strip_prefix("share")) {
-                    (Some(c), _) => (&mut kv_copies, c),
-                    (_, Some(e)) => (&mut experts_per_lane, e),
+                let prefixes = (field.strip_prefix("kv"), field.strip_prefix("share"), field.strip_prefix("spread"));
+                let (slot, count) = match prefixes {
+                    (Some(c), _, _) => (&mut kv_copies, c),
+                    (_, Some(e), _) => (&mut experts_per_lane, e),
+                    (_, _, Some(l)) => {
+                        if !matches!(l.parse::<u8>(), Ok(1 | 2 | 4 | 8)) {
+                            return Err(format!(
+                                "{field:?}: spreadL spreads each KV block over L = 1, 2, 4 or 8 PEs, as in \
+                                 stacked:4,100,kv4,spread2"
+                            ));
+                        }
+                        (&mut kv_spread, l)
+                    }
                     _ => {
                         return Err(format!(
-                        "unknown field {field:?}: after K and P come kvC and shareE, as in stacked:2,100,kv8,share2"
-                    ))
+                            "unknown field {field:?}: after K and P come kvC, shareE and spreadL, as in \
+                             stacked:2,100,kv8,share2"
+                        ))
                     }
                 };
                 match count.parse::<u8>() {
                     Ok(n) if n > 0 && slot.is_none() => *slot = Some(n),
                     _ => {
                         return Err(format!(
-                            "{field:?}: kvC (C copies of each KV head's cache) and shareE (E experts a lane) each \
-                             take a whole number from 1 to 255, once, as in stacked:2,100,kv8,share2"
+                            "{field:?}: kvC (C copies of each KV head's cache), shareE (E experts a lane) and \
+                             spreadL (each KV block over L PEs) each take a whole number, once, as in \
+                             stacked:2,100,kv8,share2"
                         ))
                     }
                 }
@@ -229,10 +247,11 @@ impl std::str::FromStr for Plan {
                 wafer_percent,
                 kv_copies: kv_copies.unwrap_or(1),
                 experts_per_lane: experts_per_lane.unwrap_or(1),
+                kv_spread: kv_spread.unwrap_or(1),
             });
         }
         let Some(args) = text.strip_prefix("meshgemv:") else {
-            return Err("expected `tiled`, `stacked:K[,P][,kvC][,shareE]` (e.g. stacked:2, stacked:1,25 or \
+            return Err("expected `tiled`, `stacked:K[,P][,kvC][,shareE][,spreadL]` (e.g. stacked:2, stacked:1,25 or \
                  stacked:4,100,kv2) or `meshgemv:P,G` (e.g. meshgemv:660,22)"
                 .into());
         };
@@ -389,9 +408,9 @@ pub enum RegionKind {
     /// block-quantised types (or at the row end). The region's `bytes` are exactly those bytes;
     /// where they are in the tile blob follows from the order ([`WaferProgram::blob_ranges`]).
     Weight { weight: u32, rows: Range<u32>, cols: Range<u32> },
-    /// KV cache of one KV head for positions `positions` (capacity; filled as decoding goes):
-    /// keys then values, each `positions.len() x head_dim` f32, position-major.
-    KvCache { kv_head: u32, positions: Range<u32> },
+    /// KV cache of one KV head for the positions of `positions` in `lanes` (capacity; filled as
+    /// decoding goes): keys then values, each `held x head_dim` f32, position-major.
+    KvCache { kv_head: u32, positions: Range<u32>, lanes: Lanes },
     /// An operand's elements received from routes, as f32 (`value` is the IR operand, which may
     /// be an `expert_dispatch` of the vector actually delivered). Attention's query buffer also
     /// receives the reductions' partials once the scores are computed, so it is sized for both;
@@ -766,8 +785,99 @@ pub fn group_query_heads(kv_head: u64, group: u64, query_heads: &Range<u32>) -> 
 pub struct KvBlock {
     pub pe: Pe,
     pub positions: Range<u32>,
+    /// Which of `positions` the block holds: all, or those of some lanes of a single chunk.
+    pub lanes: Lanes,
     /// Index into the PE's `regions` of the block's KV cache.
     pub region: u32,
+}
+
+impl KvBlock {
+    /// Whether the block holds row `row` (a position, or a windowed cache's ring row).
+    pub fn holds(&self, row: u32) -> bool {
+        self.positions.contains(&row) && self.lanes.holds(row)
+    }
+
+    /// Where among the block's rows (stored in row order) row `row`, which it holds, is.
+    pub fn slot(&self, row: u32) -> usize {
+        let offset = row - self.positions.start;
+        let lane = offset % LANES as u32 - self.lanes.first as u32;
+        ((offset / LANES as u32) * self.lanes.count as u32 + lane) as usize
+    }
+
+    /// How many of rows `0..rows` the block holds.
+    pub fn held_below(&self, rows: u32) -> u32 {
+        self.lanes.held(&self.positions, rows)
+    }
+
+    /// How many rows the block holds when full.
+    pub fn capacity(&self) -> u32 {
+        self.held_below(self.positions.end)
+    }
+
+    /// The first row the block holds: it computes (and its reductions' leaves send) from the
+    /// step at this position on.
+    pub fn first_row(&self) -> u32 {
+        self.positions.start + self.lanes.first as u32
+    }
+
+    /// The rows below `rows` the block holds, in order.
+    pub fn rows_below(&self, rows: u32) -> impl Iterator<Item = u32> + '_ {
+        (self.positions.start..rows.min(self.positions.end)).filter(|&row| self.lanes.holds(row))
+    }
+}
+
+/// Accumulator lanes of a 32-position chunk (NUMERICS.md's chunk tree: the chunk starting at
+/// row `r` has row `r + t` in lane `t % 8`).
+pub const LANES: usize = 8;
+
+/// The lanes of its chunk a KV block holds: `count` lanes from `first`, an aligned power-of-two
+/// run, so the block's sums over its rows are one subtree of the chunk's lane combine
+/// `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, and a chunk's blocks, in lane order,
+/// combine by the same tree as whole chunks. A block holding fewer than all lanes holds one
+/// chunk (its sums would not be a subtree otherwise).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Lanes {
+    pub first: u8,
+    pub count: u8,
+}
+
+impl Lanes {
+    pub const ALL: Lanes = Lanes { first: 0, count: LANES as u8 };
+
+    /// Group `group` of the chunk's lanes cut in `groups` equal groups (a power of two).
+    pub fn group(group: u8, groups: u8) -> Lanes {
+        let count = LANES as u8 / groups;
+        Lanes { first: group * count, count }
+    }
+
+    pub fn is_all(&self) -> bool {
+        *self == Lanes::ALL
+    }
+
+    /// Whether the lanes are an aligned power-of-two run within the chunk: a subtree of its
+    /// lane combine.
+    pub fn is_aligned(&self) -> bool {
+        self.count.is_power_of_two() && self.first.is_multiple_of(self.count) && self.first + self.count <= LANES as u8
+    }
+
+    pub fn holds(&self, row: u32) -> bool {
+        let lane = (row % LANES as u32) as u8;
+        (self.first..self.first + self.count).contains(&lane)
+    }
+
+    /// How many rows of `positions` (starting at a multiple of 8) below `rows` are in these
+    /// lanes.
+    pub fn held(&self, positions: &Range<u32>, rows: u32) -> u32 {
+        let span = rows.clamp(positions.start, positions.end) - positions.start;
+        let (whole, rest) = (span / LANES as u32, span % LANES as u32);
+        whole * self.count as u32 + rest.saturating_sub(self.first as u32).min(self.count as u32)
+    }
+}
+
+impl fmt::Display for Lanes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "lanes {}..{}", self.first, self.first + self.count)
+    }
 }
 
 /// A straight run of neighbour hops on one wafer (`from` and `to` share a row or a column), or
@@ -1033,6 +1143,7 @@ mod tests {
             wafer_percent,
             kv_copies,
             experts_per_lane,
+            kv_spread: 1,
         };
         let plans = [
             (Plan::Tiled, "tiled"),
@@ -1042,6 +1153,16 @@ mod tests {
             (stacked(4, 100, 2, 1), "stacked:4,100,kv2"),
             (stacked(2, 100, 8, 2), "stacked:2,100,kv8,share2"),
             (stacked(2, 100, 1, 4), "stacked:2,100,share4"),
+            (
+                Plan::Stacked {
+                    layers_per_region: 4,
+                    wafer_percent: 100,
+                    kv_copies: 4,
+                    experts_per_lane: 1,
+                    kv_spread: 2,
+                },
+                "stacked:4,100,kv4,spread2",
+            ),
         ];
         for (plan, text) in plans {
             assert_eq!(plan.to_string(), text);
@@ -1053,7 +1174,9 @@ mod tests {
             ("stacked:1,101", "P must be"),
             ("stacked:1,100,kv0", "\"kv0\""),
             ("stacked:1,100,share2,share4", "\"share4\""),
-            ("stacked:1,100,lanes2", "unknown field \"lanes2\""),
+            ("stacked:1,100,spread3", "\"spread3\": spreadL spreads"),
+            ("stacked:1,100,spread2,spread4", "\"spread4\""),
+            ("stacked:1,100,copies2", "unknown field \"copies2\""),
             ("mesh:1", "expected `tiled`"),
         ] {
             let error = bad.parse::<Plan>().expect_err(bad);

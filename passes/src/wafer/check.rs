@@ -26,7 +26,8 @@ use std::ops::Range;
 use waferc_ir::completion::Completion;
 use waferc_ir::wafer::serial::SharedPes;
 use waferc_ir::wafer::{
-    wide, MatVecPlacement, Pe, PeImage, Region, RegionKind, ResultLayout, Route, RouteKind, WaferProgram, Work,
+    wide, KvHeadPlacement, Lanes, MatVecPlacement, Pe, PeImage, Region, RegionKind, ResultLayout, Route, RouteKind,
+    WaferProgram, Work, LANES,
 };
 use waferc_ir::{DependencyGraph, Handle, Module, Op};
 // Fx hashing: the checker hashes millions of (value, PE) and route keys, and nothing it reports
@@ -872,47 +873,74 @@ impl<'a> Checker<'a> {
                 );
             }
             for head in &att.kv_heads_placed {
-                let mut next = 0u32;
-                // The run every block has (a lone block may be cut short by max_context).
-                let run = match head.blocks.as_slice() {
-                    [only] => 32 * (only.positions.end - only.positions.start).div_ceil(32).next_power_of_two(),
-                    blocks => blocks.first().map_or(0, |b| b.positions.end - b.positions.start),
-                };
-                for b in &head.blocks {
-                    let len = b.positions.end - b.positions.start;
+                self.kv_blocks_cover_the_cache(p.instr, head, max_context);
+            }
+        }
+    }
+
+    /// A KV head's blocks, in order, are the cache's aligned power-of-two runs of 32-position
+    /// chunks, each whole or cut in equal aligned lane groups (all blocks alike, so the
+    /// reductions' tree over the blocks is the chunk tree), each naming its KV region.
+    fn kv_blocks_cover_the_cache(&mut self, instr: u32, head: &KvHeadPlacement, max_context: u32) {
+        // The run every block has (a lone block may be cut short by max_context).
+        let run = match head.blocks.as_slice() {
+            [only] => 32 * (only.positions.end - only.positions.start).div_ceil(32).next_power_of_two(),
+            blocks => blocks.first().map_or(0, |b| b.positions.end - b.positions.start),
+        };
+        let lanes = head.blocks.first().map_or(Lanes::ALL, |b| b.lanes);
+        let mut next = 0u32;
+        // The chunk whose lane groups are being walked, and the last group seen.
+        let mut open: Option<(Range<u32>, Lanes)> = None;
+        for b in &head.blocks {
+            let len = b.positions.end - b.positions.start;
+            let follows = match &open {
+                Some((chunk, last)) => b.positions == *chunk && b.lanes.first == last.first + last.count,
+                None => {
                     let aligned = run % 32 == 0 && (run / 32).is_power_of_two() && b.positions.start % run == 0;
-                    if b.positions.start != next || !aligned || (len != run && b.positions.end != max_context) {
-                        self.report(
-                            Some(b.pe),
-                            None,
-                            Some(p.instr),
-                            format!(
-                                "KV head {} block {:?} is not the next aligned power-of-two run of 32-position chunks",
-                                head.kv_head, b.positions
-                            ),
-                        );
-                    }
-                    let region = self.images.get(b.pe).and_then(|img| img.regions.get(b.region as usize));
-                    let holds = matches!(region.map(|r| &r.kind), Some(RegionKind::KvCache { kv_head, positions }) if *kv_head == head.kv_head && *positions == b.positions);
-                    if !holds {
-                        self.report(
-                            Some(b.pe),
-                            None,
-                            Some(p.instr),
-                            format!("KV head {} block {:?} names no such KV region", head.kv_head, b.positions),
-                        );
-                    }
+                    b.positions.start == next
+                        && b.lanes.first == 0
+                        && aligned
+                        && (len == run || b.positions.end == max_context)
+                }
+            };
+            let split_ok = b.lanes.is_all() || run == 32;
+            if !follows || !split_ok || !b.lanes.is_aligned() || b.lanes.count != lanes.count {
+                self.report(
+                    Some(b.pe),
+                    None,
+                    Some(instr),
+                    format!(
+                        "KV head {} block {:?} ({}) is not the next aligned power-of-two run of 32-position chunks \
+                         or the next equal lane group of one chunk",
+                        head.kv_head, b.positions, b.lanes
+                    ),
+                );
+            }
+            let region = self.images.get(b.pe).and_then(|img| img.regions.get(b.region as usize));
+            let holds = matches!(region.map(|r| &r.kind), Some(RegionKind::KvCache { kv_head, positions, lanes }) if *kv_head == head.kv_head && *positions == b.positions && *lanes == b.lanes);
+            if !holds {
+                self.report(
+                    Some(b.pe),
+                    None,
+                    Some(instr),
+                    format!("KV head {} block {:?} ({}) names no such KV region", head.kv_head, b.positions, b.lanes),
+                );
+            }
+            match b.lanes.first + b.lanes.count >= LANES as u8 {
+                true => {
+                    open = None;
                     next = b.positions.end;
                 }
-                if next != max_context {
-                    self.report(
-                        None,
-                        None,
-                        Some(p.instr),
-                        format!("KV head {} covers positions 0..{next}, not 0..{max_context}", head.kv_head),
-                    );
-                }
+                false => open = Some((b.positions.clone(), b.lanes)),
             }
+        }
+        if next != max_context || open.is_some() {
+            self.report(
+                None,
+                None,
+                Some(instr),
+                format!("KV head {} covers positions 0..{next} in whole chunks, not 0..{max_context}", head.kv_head),
+            );
         }
     }
 

@@ -9,7 +9,7 @@ use waferc_ir::wafer::covered_bytes;
 use waferc_ir::wafer::serial::SharedPes;
 use waferc_ir::wafer::{group_query_heads, narrow, replica_slots_in, wide, ExpertReplicas};
 use waferc_ir::wafer::{
-    AttentionPlacement, EmbedBlock, GroupRoutes, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement,
+    AttentionPlacement, EmbedBlock, GroupRoutes, InstrPlacement, KvBlock, KvHeadPlacement, Lanes, MatVecPlacement,
     NormPlacement, Pe, PeImage, Phase, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId, RouteKind,
     Run, Segment, Step, TargetParams, Tile, VectorLayout, WaferProgram, Work,
 };
@@ -946,9 +946,10 @@ impl<'a> Placer<'a> {
                         let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
                         for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
                             let positions = (b * per) as u32..((b + 1) * per).min(rows) as u32;
-                            let requests = kv_block_requests(module, i, h, 0..*heads / kv_heads, positions.clone());
+                            let requests =
+                                kv_block_requests(module, i, h, 0..*heads / kv_heads, positions.clone(), Lanes::ALL);
                             let region = self.fill(pe, instr, requests)?[0];
-                            blocks.push(KvBlock { pe, positions, region });
+                            blocks.push(KvBlock { pe, positions, lanes: Lanes::ALL, region });
                         }
                         placed.push(KvHeadPlacement::unrouted(h as u32, sequence, 0..*heads / kv_heads, blocks));
                     }
@@ -1690,16 +1691,17 @@ pub(super) fn embed_block_requests(
     vec![(weight, (rows.end - rows.start) * row_bytes), (RegionKind::Scratch, (cols.end - cols.start) * F32)]
 }
 
-/// A KV block's regions (the cache first): keys and values of `positions` for KV head `h`,
-/// the query heads `query_heads` of its group that the block serves (the same buffer later
-/// receives the reductions' partials), the new key and value, the scores and the block's own
-/// partials.
+/// A KV block's regions (the cache first): keys and values of the rows of `positions` in
+/// `lanes` for KV head `h`, the query heads `query_heads` of its group that the block serves (the
+/// same buffer later receives the reductions' partials), the new key and value, the scores and
+/// the block's own partials.
 pub(super) fn kv_block_requests(
     module: &Module,
     i: usize,
     h: u64,
     query_heads: Range<u32>,
     positions: Range<u32>,
+    lanes: Lanes,
 ) -> Vec<Request> {
     let Op::Attention { q, k, v, cache, heads, sinks, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
         return Vec::new();
@@ -1707,14 +1709,14 @@ pub(super) fn kv_block_requests(
     let c = &module.caches[*cache];
     let hd = c.head_dim as u64;
     let group = (*heads / c.kv_heads) as u64;
-    let n = (positions.end - positions.start) as u64;
+    let n = lanes.held(&positions, positions.end) as u64;
     let served = group_query_heads(h, group, &query_heads);
     let queries = served.end - served.start;
     let q_range = served.start * hd..served.end * hd;
     let kv_range = h * hd..(h + 1) * hd;
-    let first = positions.start == 0;
+    let first = positions.start == 0 && lanes.first == 0;
     let mut requests = vec![
-        (RegionKind::KvCache { kv_head: h as u32, positions }, n * hd * 2 * F32),
+        (RegionKind::KvCache { kv_head: h as u32, positions, lanes }, n * hd * 2 * F32),
         (RegionKind::Operand { value: q.index() as u32, elements: q_range }, queries * (hd + 2) * F32),
         (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
         (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),

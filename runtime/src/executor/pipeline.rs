@@ -346,6 +346,7 @@ mod tests {
             wafer_percent: 100,
             kv_copies: 1,
             experts_per_lane: 1,
+            kv_spread: 1,
         };
         // Four layers share one rectangle of PEs: a second sequence waits for all four.
         assert_eq!(StepCost::of(&step, &stacked(4)).bottleneck, 400);

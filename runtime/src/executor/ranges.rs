@@ -1,12 +1,14 @@
 //! Every range an artifact supplies is checked to be in order (`start <= end`) before the
 //! executor uses it: the ops, the SRAM loader and the timing model take lengths and offsets
 //! from these ranges (`end - start`, a row's offset within a region), and a malformed artifact
-//! must give an error naming the instruction and the PE, not an underflow.
+//! must give an error naming the instruction and the PE, not an underflow. A KV block's lanes
+//! are checked here too: its rows' slots are computed from them.
 
 use std::ops::Range;
 
 use waferc_ir::wafer::{Pe, RegionKind};
 use waferc_ir::wafer::{ResultLayout, RouteKind, WaferProgram, Work};
+use waferc_ir::BLOCK;
 
 use super::{site_of, ExecError};
 
@@ -54,6 +56,19 @@ pub(super) fn check_ranges(program: &WaferProgram) -> Result<(), ExecError> {
                     for block in &head.blocks {
                         in_order(&block.positions, &format!("KV head {}'s block positions", head.kv_head))
                             .map_err(|w| on_pe(block.pe, w))?;
+                        // Rows fall in lanes by their offset in a chunk, so a block of some lanes
+                        // is one chunk, starting where a chunk does.
+                        let one_chunk = block.positions.start % BLOCK as u32 == 0 && block.positions.len() <= BLOCK;
+                        if !block.lanes.is_aligned() || !(block.lanes.is_all() || one_chunk) {
+                            return Err(on_pe(
+                                block.pe,
+                                format!(
+                                    "KV head {}'s block {:?} holds {}: not an aligned power-of-two run of the 8 \
+                                     lanes of one 32-position chunk",
+                                    head.kv_head, block.positions, block.lanes
+                                ),
+                            ));
+                        }
                     }
                 }
             }

@@ -126,7 +126,9 @@ use std::ops::Range;
 
 use serde::Serialize;
 use waferc_ir::wafer::arrival::multicast_depths;
-use waferc_ir::wafer::{InstrIndex, Pe, Phase, Route, RouteId, RouteKind, Run, TargetParams, WaferProgram, Work};
+use waferc_ir::wafer::{
+    InstrIndex, KvBlock, Pe, Phase, Route, RouteId, RouteKind, Run, TargetParams, WaferProgram, Work,
+};
 
 use super::error::ExecError;
 use super::{site_of, InstrRun};
@@ -1117,15 +1119,10 @@ fn attention_position_cycles(params: &TargetParams, group: u64, head_dim: u64) -
     slots as f64 / params.f32_fma_per_cycle
 }
 
-/// Positions block `[start, end)` attends, summed over the prompt's tokens `0..tokens`.
-fn attended_positions(block: &Range<u32>, tokens: u32) -> u64 {
-    let (start, len) = (block.start as u64, (block.end - block.start) as u64);
-    let seeing = (tokens as u64).saturating_sub(start);
-    if seeing <= len {
-        seeing * (seeing + 1) / 2
-    } else {
-        len * (len + 1) / 2 + (seeing - len) * len
-    }
+/// Positions `block` attends, summed over the prompt's tokens `0..tokens`: token `t` attends
+/// every row the block holds up to `t`, so each held row `r` is attended by `tokens - r` tokens.
+fn attended_positions(block: &KvBlock, tokens: u32) -> u64 {
+    block.rows_below(tokens).map(|row| (tokens - row) as u64).sum()
 }
 
 /// The prefill model over one decode step (module documentation, "Prefill").
@@ -1179,11 +1176,9 @@ impl<'a> Prefill<'a> {
             let blocks = p.kv_heads_placed.iter().flat_map(|kh| kh.blocks.iter().map(move |b| (kh.query_count(), b)));
             for (queries, block) in blocks {
                 let per_position = attention_position_cycles(params, queries, p.head_dim as u64);
-                let appended =
-                    |tokens: u32| tokens.saturating_sub(block.positions.start).min(block.positions.len() as u32);
+                let appended = |tokens: u32| block.held_below(tokens);
                 let load = |tokens: u32| {
-                    attended_positions(&block.positions, tokens) as f64 * per_position
-                        + appended(tokens) as f64 * append
+                    attended_positions(block, tokens) as f64 * per_position + appended(tokens) as f64 * append
                 };
                 let entry = attention.entry(block.pe).or_insert((0.0, 0.0));
                 entry.0 += load(tokens);

@@ -145,6 +145,28 @@ pub fn tree_sum(terms: &[f32]) -> f32 {
     tree.finish()
 }
 
+/// Where among a KV block's rows its `k`-th held row is, for a block holding `count` of each
+/// chunk's lanes from lane `first` (`waferc_ir::wafer::Lanes`).
+pub fn lane_row(k: usize, first: usize, count: usize) -> usize {
+    (k / count) * LANES + first + k % count
+}
+
+/// `tree_sum` over a KV block's rows of terms given for the rows it holds (`count` of each
+/// chunk's lanes from `first`): the other lanes' rows are +0.0 terms, so a block of some lanes
+/// of a chunk sums to its lanes' subtree of the lane combine, the value its leaf carries in the
+/// reductions over the blocks.
+pub fn tree_sum_lanes(terms: &[f32], first: usize, count: usize) -> f32 {
+    if count == LANES {
+        return tree_sum(terms);
+    }
+    let rows = terms.len().checked_sub(1).map_or(0, |k| lane_row(k, first, count) + 1);
+    let mut all = vec![0.0f32; rows];
+    for (k, &t) in terms.iter().enumerate() {
+        all[lane_row(k, first, count)] = t;
+    }
+    tree_sum(&all)
+}
+
 /// `tree_sum` of `n` terms computed on the fly, `term(i)` for `i` in `0..n`, in order (an
 /// attention sum over positions, say), without storing them.
 pub fn tree_sum_with(n: usize, mut term: impl FnMut(usize) -> f32) -> f32 {
@@ -294,6 +316,15 @@ impl VectorTreeSum {
         for (acc, &v) in lane.iter_mut().zip(row) {
             *acc += weight * v;
         }
+        self.in_chunk += 1;
+        if self.in_chunk == BLOCK {
+            self.close_chunk();
+        }
+    }
+
+    /// Adds a +0.0 term (a row another PE holds): the identity, which only moves the chunk on.
+    #[inline]
+    pub fn push_zero(&mut self) {
         self.in_chunk += 1;
         if self.in_chunk == BLOCK {
             self.close_chunk();

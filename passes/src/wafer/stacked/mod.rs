@@ -51,8 +51,8 @@ use std::ops::Range;
 use std::rc::Rc;
 
 use waferc_ir::wafer::{
-    narrow, AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, MatVecPlacement, NormPlacement,
-    Pe, Plan, RegionKind, ResultLayout, Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
+    narrow, AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, Lanes, MatVecPlacement,
+    NormPlacement, Pe, Plan, RegionKind, ResultLayout, Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
 };
 use waferc_ir::{Module, Op, ValueType, BLOCK};
 
@@ -232,6 +232,9 @@ struct KvShape {
     /// Positions the cache keeps: the capacity, or the window when it is shorter.
     positions: u64,
     positions_per_block: u64,
+    /// PEs each block's positions are spread over by lane (`Plan::Stacked::kv_spread`):
+    /// a block of 32 positions on each, holding `32 / spread` of them.
+    spread: u64,
     /// Sequences in flight, each with blocks of its own.
     sequences: u64,
 }
@@ -245,13 +248,18 @@ impl KvShape {
         let c = &module.caches[*cache];
         let (head_dim, q_per_kv) = (c.head_dim as u64, (*heads / c.kv_heads) as u64);
         // A count that does not divide the query heads is refused when the attention is placed.
-        let copies = match options.plan {
-            Plan::Stacked { kv_copies, .. } => (kv_copies as u64).max(1),
-            _ => 1,
+        let (copies, spread) = match options.plan {
+            Plan::Stacked { kv_copies, kv_spread, .. } => ((kv_copies as u64).max(1), (kv_spread as u64).max(1)),
+            _ => (1, 1),
         };
         // A windowed cache keeps only the window's rows.
         let positions = window.map_or(options.max_context as u64, |w| (w as u64).min(options.max_context as u64));
-        let positions_per_block = max_positions_per_block(head_dim, (q_per_kv / copies).max(1), positions, usable)?;
+        let queries = (q_per_kv / copies).max(1);
+        // Lane groups cut one chunk each (`Lanes`).
+        let positions_per_block = match spread {
+            1 => max_positions_per_block(head_dim, queries, positions, usable)?,
+            _ => (kv_block_bytes(CHUNK / spread, head_dim, queries) <= usable).then_some(CHUNK)?,
+        };
         Some(KvShape {
             kv_heads: c.kv_heads as u64,
             head_dim,
@@ -259,6 +267,7 @@ impl KvShape {
             copies,
             positions,
             positions_per_block,
+            spread,
             sequences: options.max_sequences.max(1) as u64,
         })
     }
@@ -268,8 +277,17 @@ impl KvShape {
         KvShape { positions_per_block: positions.min(self.positions_per_block), ..self }
     }
 
+    /// Blocks of each head's copy: its chunk runs, each cut in its lane groups.
     fn blocks_per_head(&self) -> u64 {
-        self.positions.div_ceil(self.positions_per_block)
+        self.positions.div_ceil(self.positions_per_block) * self.spread
+    }
+
+    /// The rows block `b` of a head's copy holds: its chunk run and lanes.
+    fn block(&self, b: u64) -> (Range<u32>, Lanes) {
+        let (run, group) = (b / self.spread, b % self.spread);
+        let per = self.positions_per_block;
+        let positions = (run * per) as u32..((run + 1) * per).min(self.positions) as u32;
+        (positions, Lanes::group(group as u8, self.spread as u8))
     }
 
     /// The query heads each copy serves.
@@ -279,7 +297,7 @@ impl KvShape {
 
     /// Bytes of one head's blocks, over its copies and sequences.
     fn head_bytes(&self) -> u64 {
-        let block = kv_block_bytes(self.positions_per_block, self.head_dim, self.queries_per_copy());
+        let block = kv_block_bytes(self.positions_per_block / self.spread, self.head_dim, self.queries_per_copy());
         self.sequences * self.copies * self.blocks_per_head() * block
     }
 
@@ -2349,7 +2367,6 @@ impl Stacked<'_> {
                 format!("{} copies of a KV head cannot share its {} query heads evenly", kv.copies, kv.q_per_kv),
             ));
         }
-        let (per, max) = (kv.positions_per_block, kv.positions);
         // The attention's own columns of the strip, a band of rows per KV head: the head's
         // reductions, its q/k/v deliveries and its collect stay inside the band (its q, k and v
         // segments sit in the same rows, see `attention_head`), so no two heads' routes meet.
@@ -2373,15 +2390,15 @@ impl Stacked<'_> {
                     let (in_rows, of_rows) = (copy / row_copies, kv.copies / row_copies);
                     let mut blocks = Vec::new();
                     for b in 0..kv.blocks_per_head() {
-                        let positions = (b * per) as u32..((b + 1) * per).min(max) as u32;
+                        let (positions, lanes) = kv.block(b);
                         // The copy's rows walked column by column from their middle row: its
                         // first block (where its reductions end and its output leaves) has rows
                         // both ways; other sequences' (and copies') blocks follow on in the walk.
                         let cell = ((sequence * of_rows + in_rows) * kv.blocks_per_head()) + b;
                         let pe = rows.walk_from_middle(cell);
-                        let requests = kv_block_requests(module, i, h, query_heads.clone(), positions.clone());
+                        let requests = kv_block_requests(module, i, h, query_heads.clone(), positions.clone(), lanes);
                         let index = self.placer.fill(pe, i as u32, requests)?[0];
-                        blocks.push(KvBlock { pe, positions, region: index });
+                        blocks.push(KvBlock { pe, positions, lanes, region: index });
                     }
                     placed.push(KvHeadPlacement::unrouted(h as u32, sequence as u32, query_heads, blocks));
                 }
@@ -2524,6 +2541,7 @@ mod tests {
             copies: 3,
             positions: 4096,
             positions_per_block: max_positions_per_block(head_dim, 1, 4096, usable).unwrap(),
+            spread: 1,
             sequences: 1,
         };
         let (smol, narrow) = (shape(64), shape(32));

@@ -1,8 +1,6 @@
 //! Attention over the KV cache blocks: scores, then the maximum, the exponentials' sum and the
 //! weighted values, each reduced across a KV head's blocks.
 
-use std::ops::Range;
-
 use waferc_ir::wafer::{AttentionPlacement, InstrIndex, Pe, Phase, RegionKind, RouteId, Segment};
 
 use super::check_count;
@@ -42,8 +40,8 @@ impl Executor<'_> {
         // Per KV head placement, per block: its query heads and scores, then exps, then outputs.
         struct BlockWork {
             pe: Pe,
-            /// Valid positions of the block this step.
-            valid: Range<u32>,
+            /// Rows the block holds this step: its slots `0..held`.
+            held: usize,
             scores: Vec<Vec<f32>>,
             local: Data,
         }
@@ -69,26 +67,26 @@ impl Executor<'_> {
                 let region =
                     pe_image(self.program, block.pe).and_then(|(_, image)| image.regions.get(block.region as usize));
                 match region.map(|r| &r.kind) {
-                    Some(RegionKind::KvCache { kv_head, positions })
-                        if *kv_head == kh.kv_head && *positions == block.positions => {}
+                    Some(RegionKind::KvCache { kv_head, positions, lanes })
+                        if *kv_head == kh.kv_head && *positions == block.positions && *lanes == block.lanes => {}
                     _ => {
                         return Err(ExecError::MalformedOnPe {
                             site: run.site.clone(),
                             pe: block.pe,
                             problem: format!(
-                                "region {} is not the KV cache of KV head {} positions {:?}",
-                                block.region, kh.kv_head, block.positions
+                                "region {} is not the KV cache of KV head {} positions {:?} {}",
+                                block.region, kh.kv_head, block.positions, block.lanes
                             ),
                         })
                     }
                 }
                 let q_block = self.operand(state, run, block.pe, q, q_range.clone())?;
                 // Only the block whose rows hold this step's row appends.
-                if block.positions.contains(&row) {
+                if block.holds(row) {
                     let k_new = self.operand(state, run, block.pe, k, kv_range.clone())?;
                     let v_new = self.operand(state, run, block.pe, v, kv_range.clone())?;
                     let cache = self.kv.entry((run.instr, h_index, b_index)).or_default();
-                    let slot = (row - block.positions.start) as usize;
+                    let slot = block.slot(row);
                     if self.options.timing_only {
                     } else if position < capacity {
                         cache.keys.truncate(slot * dim);
@@ -102,9 +100,7 @@ impl Executor<'_> {
                     }
                     run.compute(block.pe, self.costs.flops(2 * dim as u64));
                 }
-                let valid = block.positions.start..block.positions.end.min(rows_filled);
-                let valid = valid.start..valid.end.max(valid.start);
-                let n = valid.len();
+                let n = block.held_below(rows_filled) as usize;
                 let scores: Vec<Vec<f32>> = if self.options.timing_only {
                     Vec::new()
                 } else {
@@ -126,12 +122,12 @@ impl Executor<'_> {
                     block.pe,
                     self.costs.fma((n * queries * dim) as u64) + self.costs.flops((n * queries) as u64),
                 );
-                blocks.push(BlockWork { pe: block.pe, valid, scores, local });
+                blocks.push(BlockWork { pe: block.pe, held: n, scores, local });
             }
 
             // Blocks holding a position this step (they come first, in position order); the rest
             // compute nothing and send nothing: the reductions skip them (bit-exact).
-            let sending = blocks.iter().take_while(|b| !b.valid.is_empty()).count().max(1);
+            let sending = blocks.iter().take_while(|b| b.held > 0).count().max(1);
             // The maximum, then the exponentials and their sum, then the weighted values: each a
             // tree reduction over the blocks (none with a single block) and, for the first two,
             // a broadcast of the result back to every block.
@@ -197,20 +193,22 @@ impl Executor<'_> {
                 statistic(state, run, Phase::AttentionMax, kh.max_reduce, kh.max_broadcast, &blocks, &with_sink_max)?;
 
             let mut numerators: Vec<Vec<Vec<f32>>> = Vec::with_capacity(blocks.len());
-            for (block, max) in blocks.iter_mut().zip(&maxima) {
+            for ((block, placed), max) in blocks.iter_mut().zip(&kh.blocks).zip(&maxima) {
                 let e: Vec<Vec<f32>> = if self.options.timing_only {
                     Vec::new()
                 } else {
                     block.scores.iter().zip(max.values()).map(|(s, &m)| kernels::softmax_numerators(s, m)).collect()
                 };
-                block.local = self.compute_data(queries, || e.iter().map(|e| kernels::tree_sum(e)).collect());
+                let (first, count) = (placed.lanes.first as usize, placed.lanes.count as usize);
+                block.local =
+                    self.compute_data(queries, || e.iter().map(|e| kernels::tree_sum_lanes(e, first, count)).collect());
                 numerators.push(e);
             }
             // Charge the exponentials and the local sums to the AttentionSum phase.
             let sums = {
                 run.begin(Phase::AttentionSum);
                 for block in &blocks {
-                    let n = (block.valid.len() * queries) as u64;
+                    let n = (block.held * queries) as u64;
                     run.compute(block.pe, self.costs.flops(n * timing::EXP_FLOPS + n));
                 }
                 let root_max = maxima[0].clone();
@@ -228,15 +226,22 @@ impl Executor<'_> {
             run.begin(Phase::AttentionOut);
             let mut outs = Vec::with_capacity(blocks.len());
             for (b_index, (block, (e, z))) in blocks.iter().zip(numerators.into_iter().zip(&sums)).enumerate() {
-                let n = block.valid.len();
+                let n = block.held;
+                let (first, count) = (kh.blocks[b_index].lanes.first as usize, kh.blocks[b_index].lanes.count as usize);
                 let out = self.compute_data(queries * dim, || {
                     let empty = KvBlockState::default();
                     let cache = self.kv.get(&(run.instr, h_index, b_index)).unwrap_or(&empty);
                     let mut out = vec![0.0; queries * dim];
                     for (head, (e, &z)) in e.into_iter().zip(z.values()).enumerate() {
                         let p = kernels::softmax_normalize(e, z);
+                        // Rows of the chunk's other lanes are +0.0 terms (`kernels::tree_sum_lanes`).
                         let mut sum = VectorTreeSum::new(dim);
+                        let mut row = 0;
                         for (t, &weight) in p.iter().enumerate() {
+                            for _ in row..kernels::lane_row(t, first, count) {
+                                sum.push_zero();
+                            }
+                            row = kernels::lane_row(t, first, count) + 1;
                             sum.push_scaled(weight, &cache.values[t * dim..(t + 1) * dim]);
                         }
                         sum.finish(&mut out[head * dim..(head + 1) * dim]);
