@@ -1135,6 +1135,26 @@ pub fn region_bytes(module: &Module, kind: &RegionKind) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
 
+    /// A block of lanes 4..8 of the chunk at 32 holds rows 36-39, 44-47, 52-55, 60-63, stored
+    /// in that order.
+    #[test]
+    fn a_lane_group_holds_its_lanes_rows_in_order() {
+        let block = KvBlock { pe: Pe::new(0, 0, 0), positions: 32..64, lanes: Lanes::group(1, 2), region: 0 };
+        assert_eq!(block.lanes, Lanes { first: 4, count: 4 });
+        assert!(block.holds(36) && block.holds(63) && !block.holds(35) && !block.holds(40) && !block.holds(4));
+        assert_eq!([block.slot(36), block.slot(39), block.slot(44), block.slot(63)], [0, 3, 4, 15]);
+        assert_eq!(
+            [block.held_below(36), block.held_below(40), block.held_below(45), block.held_below(99)],
+            [0, 4, 5, 16]
+        );
+        assert_eq!((block.capacity(), block.first_row()), (16, 36));
+        assert_eq!(block.rows_below(46).collect::<Vec<_>>(), [36, 37, 38, 39, 44, 45]);
+        let whole = KvBlock { lanes: Lanes::ALL, ..block };
+        assert_eq!((whole.slot(45), whole.held_below(45), whole.capacity(), whole.first_row()), (13, 13, 32, 32));
+        assert!(Lanes::group(3, 4).is_aligned() && !Lanes { first: 2, count: 4 }.is_aligned());
+        assert!(!Lanes { first: 6, count: 3 }.is_aligned() && !Lanes { first: 8, count: 1 }.is_aligned());
+    }
+
     /// Every plan's `--plan` spelling parses back to it, and a bad field is named.
     #[test]
     fn plan_spellings_round_trip() {

@@ -1301,7 +1301,24 @@ fn is_zero(n: &u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use waferc_ir::wafer::RouteKind;
+    use waferc_ir::wafer::{Lanes, RouteKind};
+
+    /// A block attends each row it holds once per prompt token from that row on: a whole block
+    /// of 32 rows from row 64, over 80 tokens, 16 rows seen 16..1 times; a chunk's lane groups
+    /// together attend what the whole chunk does, for every prompt length.
+    #[test]
+    fn lane_groups_attend_what_their_chunk_does() {
+        let block = |lanes| KvBlock { pe: Pe::new(0, 0, 0), positions: 64..96, lanes, region: 0 };
+        assert_eq!(attended_positions(&block(Lanes::ALL), 80), 16 * 17 / 2);
+        assert_eq!(attended_positions(&block(Lanes::ALL), 200), 32 * (200 - 64) - 32 * 31 / 2);
+        for tokens in [0, 1, 64, 65, 70, 95, 96, 97, 500] {
+            let whole = attended_positions(&block(Lanes::ALL), tokens);
+            for groups in [2u8, 4, 8] {
+                let split: u64 = (0..groups).map(|g| attended_positions(&block(Lanes::group(g, groups)), tokens)).sum();
+                assert_eq!(split, whole, "{groups} groups, {tokens} tokens");
+            }
+        }
+    }
 
     /// A collect's in-tree on a 6 x 6 grid into (5, 0): sources (0, 0) and (0, 2) go east along
     /// their rows to column 5, (0, 2)'s message then north to the destination, and (0, 4)'s
