@@ -171,8 +171,7 @@ fn stacked_tile_estimate_bounds_the_lowered_tiles() {
 fn an_overfilled_pe_is_reported_with_what_holds_it() {
     let module = build(&Shape::llama70b());
     let target = Target::resolve("wse3x4").unwrap();
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     let err = compile(&module, &target, &CompileOptions { plan, ..CompileOptions::new(2048) }).unwrap_err().to_string();
     assert!(err.contains("bytes of SRAM, more than 49152 (code 2048, %"), "{err}");
     assert!(err.contains(" matvec "), "the tiles on the PE are named: {err}");
@@ -201,8 +200,7 @@ fn stacked_qk_norms_run_on_one_head_a_segment() {
     let unfused = build(&shape);
     let fused = waferc_passes::rewrite::rewrite_module(&unfused, waferc_passes::PlanKind::Stacked).unwrap();
     let target = Target::resolve("grid:32x32").unwrap();
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     for module in [unfused, fused] {
         let program = compile(&module, &target, &CompileOptions { plan, ..CompileOptions::new(64) }).unwrap();
         check(&program, &module).unwrap();
@@ -257,8 +255,7 @@ fn stacked_lm_head_reductions_share_no_link() {
     };
     let module = build(&shape);
     let target = Target::resolve("grid:64x64").unwrap();
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     let program = compile(&module, &target, &CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
         .unwrap_or_else(|e| panic!("{e}"));
     check(&program, &module).unwrap();

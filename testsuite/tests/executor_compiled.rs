@@ -52,8 +52,7 @@ fn quantised_module_with_biases_matches_the_reference() {
 #[test]
 fn stacked_moe_with_tall_lanes_aligns_expert_vectors_and_matches_the_reference() {
     let module = build(&Shape::moe(), 5);
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     let program =
         compile_with(&module, "grid:256x24", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let silu_segments: Vec<u64> = program
@@ -148,8 +147,7 @@ fn stacked_moe_input_sits_on_a_central_diagonal_and_the_router_in_an_experts_col
         })
         .collect();
     for layers_per_region in [1, 2] {
-        let plan =
-            Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+        let plan = Plan::stacked(layers_per_region);
         let program =
             compile_with(&module, "grid:96x96", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
         let mut held = std::collections::HashSet::new();
@@ -220,8 +218,7 @@ fn dispatch_router(module: &waferc_ir::Module, i: usize) -> Option<usize> {
 fn stacked_expert_input_matvecs_reduce_over_adjacent_pes() {
     let shape = Shape { hidden: 512, layers: 2, ..Shape::moe() };
     let module = build(&shape, 7);
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     let program =
         compile_with(&module, "grid:96x96", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let mut shared_rows = 0;
@@ -261,8 +258,7 @@ fn stacked_expert_input_matvecs_reduce_over_adjacent_pes() {
 fn stacked_experts_in_lanes_cut_across_match_the_reference() {
     let shape = Shape { moe: Some((32, 4)), ffn: 256, ..Shape::moe() };
     let module = build(&shape, 8);
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     for (grid, lane_columns) in [("grid:64x128", None), ("grid:96x128", Some(3))] {
         let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
         let program = compile_with(&module, grid, options);
@@ -388,8 +384,7 @@ fn stacked_experts_sharing_lanes_match_the_reference() {
 fn stacked_attention_output_too_fine_for_its_bands_is_cut_in_query_heads() {
     let shape = Shape { heads: 32, kv_heads: 2, head_dim: 64, ..Shape::dense() };
     let module = rewrite_module(&build(&shape, 3), PlanKind::Stacked).unwrap();
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     let program =
         compile_with(&module, "grid:48x48", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let hd = shape.head_dim as u64;
@@ -413,8 +408,7 @@ fn stacked_dense_keeps_heads_in_their_bands_and_gate_up_twins_together_bit_exact
     let shape = Shape::dense();
     // Fused as the compile driver's `rewrite` pass fuses them for the stacked plan.
     let module = rewrite_module(&build(&shape, 6), PlanKind::Stacked).unwrap();
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     // 16 rows: three rows per tile, which does not divide a head's 32.
     let rows = 16;
     let target = format!("grid:{rows}x64");
@@ -691,8 +685,7 @@ fn generate_drives_the_executor_like_the_reference_decoder() {
 fn stacked_tiles_of_eight_chunks_match_the_reference() {
     let shape = Shape { ffn: 4096, ..Shape::dense() };
     let module = rewrite_module(&build(&shape, 8), PlanKind::Stacked).unwrap();
-    let plan =
-        Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(2);
     let program =
         compile_with(&module, "grid:48x24", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let runs: Vec<(u32, u64, u64)> = program
@@ -716,8 +709,7 @@ fn stacked_tiles_of_eight_chunks_match_the_reference() {
 #[test]
 fn a_stacked_region_too_narrow_for_a_matrix_names_the_columns_it_needs() {
     let module = rewrite_module(&build(&Shape { ffn: 2048, ..Shape::dense() }, 8), PlanKind::Stacked).unwrap();
-    let plan =
-        Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(2);
     let target = waferc_targets::Target::resolve("grid:16x12").unwrap();
     let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
     let error = waferc_passes::wafer::compile(&module, &target, &options).expect_err("the regions are too narrow");
@@ -736,8 +728,7 @@ fn a_stacked_region_too_narrow_for_a_matrix_names_the_columns_it_needs() {
 fn stacked_top_k_sits_on_a_segment_of_its_logits() {
     let shape = Shape { moe: Some((64, 4)), ffn: 128, ..Shape::moe() };
     let module = build(&shape, 8);
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     let program =
         compile_with(&module, "grid:96x128", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let mut routers = 0;
@@ -763,8 +754,7 @@ fn stacked_on_two_wafers(grid_cols: u16, shape: &Shape, seed: u64) -> (waferc_ir
     let toml = format!("name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = {grid_cols}\ngrid_rows = 48\nwafers = 2\n");
     let two = waferc_targets::Target::from_toml(&toml, "two-grids.toml").unwrap();
     let module = build(shape, seed);
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
     let program = waferc_passes::wafer::compile(&module, &two, &options).unwrap_or_else(|e| panic!("{e}"));
     (module, program)

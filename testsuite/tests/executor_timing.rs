@@ -144,8 +144,7 @@ fn report_derives_throughput_and_time_to_first_token_from_the_steps() {
 #[test]
 fn a_step_after_seeking_costs_what_it_costs_after_feeding_every_earlier_position() {
     let module = build(&Shape::dense(), 5);
-    let stacked =
-        Plan::Stacked { layers_per_region: 2, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let stacked = Plan::stacked(2);
     for plan in [Plan::Tiled, stacked] {
         let program = compile_with(&module, "grid:24x24", CompileOptions { plan, ..CompileOptions::new(128) });
         let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
@@ -232,13 +231,6 @@ fn timing_only_moe_runs_a_uniform_routers_picks() {
 #[test]
 fn modeled_cycles_never_undercut_the_distance_bound() {
     let mesh = Plan::MeshGemv { p: 4, group_num: 2 };
-    let stacked = |layers_per_region| Plan::Stacked {
-        layers_per_region,
-        wafer_percent: 100,
-        kv_copies: 1,
-        experts_per_lane: 1,
-        kv_spread: 1,
-    };
     let two = "name = \"two-grids\"\nbase = \"wse3\"\ngrid_cols = 12\ngrid_rows = 12\nwafers = 2\n";
     let two = waferc_targets::Target::from_toml(two, "two-grids.toml").unwrap();
     let mut cases = vec![
@@ -251,7 +243,7 @@ fn modeled_cycles_never_undercut_the_distance_bound() {
     ];
     for shape in [Shape::dense(), Shape::moe()] {
         for grid in ["grid:32x32", "grid:64x48"] {
-            cases.extend([1, 2].map(|k| (shape.clone(), grid, Some(stacked(k)))));
+            cases.extend([1, 2].map(|k| (shape.clone(), grid, Some(Plan::stacked(k)))));
         }
         // `None`: the plan the search picks.
         cases.push((shape.clone(), "grid:64x48", None));
@@ -303,11 +295,7 @@ fn the_distance_bound_holds_for_experts_when_distance_dominates() {
         }
         profile.layers.push(picks);
     }
-    let plans = [
-        Plan::Tiled,
-        Plan::MeshGemv { p: 4, group_num: 2 },
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 },
-    ];
+    let plans = [Plan::Tiled, Plan::MeshGemv { p: 4, group_num: 2 }, Plan::stacked(1)];
     for plan in plans {
         for profile in [None, Some(profile.clone())] {
             let options =
@@ -358,8 +346,7 @@ fn the_distance_bound_holds_for_experts_when_distance_dominates() {
 fn a_reader_in_place_overlaps_its_operands_delivery_and_a_receiver_waits_for_it() {
     // q, k and v fused into one projection, as the compile driver's `rewrite` pass does.
     let module = rewrite_module(&build(&Shape { bytes: false, ..Shape::dense() }, 6), PlanKind::Stacked).unwrap();
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 };
+    let plan = Plan::stacked(1);
     let program =
         compile_with(&module, "grid:16x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() });
     let timing = &timings(&program, &module, None, 1)[0];

@@ -164,6 +164,14 @@ pub enum Plan {
     Stacked { layers_per_region: u16, wafer_percent: u8, kv_copies: u8, experts_per_lane: u8, kv_spread: u8 },
 }
 
+impl Plan {
+    /// The stacked plan with `layers_per_region` layers a region over the whole wafer, and none
+    /// of its options (no KV copies, an expert a lane, KV blocks on one PE each).
+    pub fn stacked(layers_per_region: u16) -> Plan {
+        Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 }
+    }
+}
+
 impl fmt::Display for Plan {
     /// The `--plan` spelling.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -341,22 +341,18 @@ mod tests {
     fn a_stacked_group_of_layers_is_one_region() {
         let step = walk(8);
         assert_eq!(StepCost::of(&step, &Plan::Tiled).bottleneck, 100);
-        let stacked = |layers_per_region| Plan::Stacked {
-            layers_per_region,
-            wafer_percent: 100,
-            kv_copies: 1,
-            experts_per_lane: 1,
-            kv_spread: 1,
-        };
         // Four layers share one rectangle of PEs: a second sequence waits for all four.
-        assert_eq!(StepCost::of(&step, &stacked(4)).bottleneck, 400);
-        assert_eq!(StepCost::of(&step, &stacked(1)).bottleneck, 100);
+        assert_eq!(StepCost::of(&step, &Plan::stacked(4)).bottleneck, 400);
+        assert_eq!(StepCost::of(&step, &Plan::stacked(1)).bottleneck, 100);
         // So 16 sequences in flight on two groups are bound by the groups, not by one layer.
-        let costs =
-            vec![
-                SequenceCosts { prompt_tokens: 1, new_tokens: 2, steps: vec![StepCost::of(&step, &stacked(4)); 2] };
-                16
-            ];
+        let costs = vec![
+            SequenceCosts {
+                prompt_tokens: 1,
+                new_tokens: 2,
+                steps: vec![StepCost::of(&step, &Plan::stacked(4)); 2]
+            };
+            16
+        ];
         assert_eq!(pipeline(&costs, 16, 1e6).aggregate_modeled_tok_s, 16.0 / 6400e-6);
     }
 
