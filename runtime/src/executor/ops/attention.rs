@@ -1,7 +1,7 @@
 //! Attention over the KV cache blocks: scores, then the maximum, the exponentials' sum and the
 //! weighted values, each reduced across a KV head's blocks.
 
-use waferc_ir::wafer::{AttentionPlacement, InstrIndex, Pe, Phase, RegionKind, RouteId, Segment};
+use waferc_ir::wafer::{AttentionPlacement, InstrIndex, Lanes, Pe, Phase, RegionKind, RouteId, Segment};
 
 use super::check_count;
 use crate::executor::fabric::Payload;
@@ -42,6 +42,8 @@ impl Executor<'_> {
             pe: Pe,
             /// Rows the block holds this step: its slots `0..held`.
             held: usize,
+            /// The lanes of its chunk it holds: its sums are their subtree of the lane combine.
+            lanes: Lanes,
             scores: Vec<Vec<f32>>,
             local: Data,
         }
@@ -122,7 +124,7 @@ impl Executor<'_> {
                     block.pe,
                     self.costs.fma((n * queries * dim) as u64) + self.costs.flops((n * queries) as u64),
                 );
-                blocks.push(BlockWork { pe: block.pe, held: n, scores, local });
+                blocks.push(BlockWork { pe: block.pe, held: n, lanes: block.lanes, scores, local });
             }
 
             // Blocks holding a position this step (they come first, in position order); the rest
@@ -193,13 +195,13 @@ impl Executor<'_> {
                 statistic(state, run, Phase::AttentionMax, kh.max_reduce, kh.max_broadcast, &blocks, &with_sink_max)?;
 
             let mut numerators: Vec<Vec<Vec<f32>>> = Vec::with_capacity(blocks.len());
-            for ((block, placed), max) in blocks.iter_mut().zip(&kh.blocks).zip(&maxima) {
+            for (block, max) in blocks.iter_mut().zip(&maxima) {
                 let e: Vec<Vec<f32>> = if self.options.timing_only {
                     Vec::new()
                 } else {
                     block.scores.iter().zip(max.values()).map(|(s, &m)| kernels::softmax_numerators(s, m)).collect()
                 };
-                let (first, count) = (placed.lanes.first as usize, placed.lanes.count as usize);
+                let (first, count) = (block.lanes.first as usize, block.lanes.count as usize);
                 block.local =
                     self.compute_data(queries, || e.iter().map(|e| kernels::tree_sum_lanes(e, first, count)).collect());
                 numerators.push(e);
@@ -227,7 +229,7 @@ impl Executor<'_> {
             let mut outs = Vec::with_capacity(blocks.len());
             for (b_index, (block, (e, z))) in blocks.iter().zip(numerators.into_iter().zip(&sums)).enumerate() {
                 let n = block.held;
-                let (first, count) = (kh.blocks[b_index].lanes.first as usize, kh.blocks[b_index].lanes.count as usize);
+                let (first, count) = (block.lanes.first as usize, block.lanes.count as usize);
                 let out = self.compute_data(queries * dim, || {
                     let empty = KvBlockState::default();
                     let cache = self.kv.get(&(run.instr, h_index, b_index)).unwrap_or(&empty);
