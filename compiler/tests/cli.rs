@@ -631,6 +631,39 @@ fn plan_search_times_candidates_at_the_search_position() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// KV blocks spread over four PEs by lane, two sequences in flight, each past its first chunk
+/// of positions: both bit-exact against the reference decoder.
+#[test]
+fn kv_blocks_spread_by_lane_serve_two_sequences_bit_exact() {
+    let dir = scratch("spread-sequences");
+    let artifact = dir.join("s.wafer");
+    let args = ["--max-context", "128", "--max-sequences", "2", "--plan", "stacked:1,100,kv3,spread4"];
+    ok(&compile(&fixture("llama31-gqa-bf16"), "grid:64x64", &artifact, &args));
+    let prompts = dir.join("prompts.txt");
+    let long: Vec<String> = (1..=37).map(|t| (t * 11 % 250).to_string()).collect();
+    std::fs::write(&prompts, format!("{}\n300,2\n", long.join(","))).unwrap();
+    let run = ok(&waferc(&[
+        "run",
+        artifact.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--sequences",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--validate",
+        "--json",
+    ]));
+    let run: Value = serde_json::from_str(&run).unwrap();
+    let sequences = run["sequences"].as_array().unwrap();
+    assert_eq!(sequences.len(), 2);
+    for sequence in sequences {
+        assert_eq!(sequence["bit_exact"], true, "{sequence}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn replicas_of_hot_experts_are_reported_shown_and_bit_exact_with_three_sequences() {
     let dir = scratch("replicas");
