@@ -882,10 +882,15 @@ impl<'a> Checker<'a> {
     /// chunks, each whole or cut in equal aligned lane groups (all blocks alike, so the
     /// reductions' tree over the blocks is the chunk tree), each naming its KV region.
     fn kv_blocks_cover_the_cache(&mut self, instr: u32, head: &KvHeadPlacement, max_context: u32) {
-        // The run every block has (a lone block may be cut short by max_context).
-        let run = match head.blocks.as_slice() {
-            [only] => 32 * (only.positions.end - only.positions.start).div_ceil(32).next_power_of_two(),
-            blocks => blocks.first().map_or(0, |b| b.positions.end - b.positions.start),
+        // The run every block has: the first block's, rounded up to a power-of-two run of chunks
+        // where that block is also the last (max_context, or a short window, cuts it short; its
+        // lane groups, if any, then share it).
+        let run = match head.blocks.first() {
+            Some(first) if first.positions.end >= max_context => {
+                32 * (first.positions.end - first.positions.start).div_ceil(32).next_power_of_two()
+            }
+            Some(first) => first.positions.end - first.positions.start,
+            None => 0,
         };
         let lanes = head.blocks.first().map_or(Lanes::ALL, |b| b.lanes);
         let mut next = 0u32;

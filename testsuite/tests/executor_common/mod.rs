@@ -7,7 +7,7 @@
 use half::{bf16, f16};
 use waferc_ir::wafer::{region_bytes, WaferProgram};
 use waferc_ir::{DType, KvCache, ModelMeta, Module, Op, Rope, RopeScaling, TensorType, Value, WeightBytes};
-use waferc_passes::wafer::{compile, CompileOptions};
+use waferc_passes::wafer::{check, compile, CompileOptions};
 use waferc_targets::Target;
 
 /// SplitMix64.
@@ -219,9 +219,13 @@ pub fn compile_for(module: &Module, target: &str, max_context: u32) -> WaferProg
     compile_with(module, target, CompileOptions::new(max_context))
 }
 
+/// Compiles `module` for `target` with `options`; the placement checker must accept the program.
 pub fn compile_with(module: &Module, target: &str, options: CompileOptions) -> WaferProgram {
     let target = Target::resolve(target).expect("a known target");
-    compile(module, &target, &options).unwrap_or_else(|e| panic!("the test module compiles for {}: {e}", target.name))
+    let program = compile(module, &target, &options)
+        .unwrap_or_else(|e| panic!("the test module compiles for {}: {e}", target.name));
+    check(&program, module).unwrap_or_else(|e| panic!("{} {}: {e}", target.name, options.plan));
+    program
 }
 
 /// The tile blob of `program`, as the artifact writer lays it out: every weight region's bytes
