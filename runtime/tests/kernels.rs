@@ -239,6 +239,54 @@ fn vector_tree_sum_is_an_elementwise_tree_sum() {
     }
 }
 
+/// A chunk's rows spread over lane groups (a KV block each): every group's sum, scalar or
+/// vector, is its subtree of the lane combine, so the groups' sums combined in lane order by the
+/// tree give the whole chunk's bits, full or partly filled.
+#[test]
+fn lane_group_sums_combine_to_the_chunk_sum() {
+    let mut rng = Rng(11);
+    for filled in [1, 3, 8, 13, 31, 32] {
+        let terms = wild_terms(&mut rng, filled);
+        let dim = 1 + rng.below(9);
+        let rows: Vec<Vec<f32>> = (0..filled).map(|_| wild_terms(&mut rng, dim)).collect();
+        let whole = spec_tree_sum(&terms);
+        for groups in [1usize, 2, 4, 8] {
+            let count = 8 / groups;
+            let mut scalar = Vec::new();
+            let mut vectors: Vec<Vec<f32>> = Vec::new();
+            for g in 0..groups {
+                let first = g * count;
+                // The group's rows, in order, as its block holds them.
+                let held: Vec<usize> = (0..filled).filter(|r| (first..first + count).contains(&(r % 8))).collect();
+                let own: Vec<f32> = held.iter().map(|&r| terms[r]).collect();
+                assert!(held.iter().enumerate().all(|(k, &r)| kernels::lane_row(k, first, count) == r));
+                scalar.push(kernels::tree_sum_lanes(&own, first, count));
+                let mut sum = VectorTreeSum::new(dim);
+                let mut next = 0;
+                for &r in &held {
+                    (next..r).for_each(|_| sum.push_zero());
+                    sum.push_scaled(terms[r], &rows[r]);
+                    next = r + 1;
+                }
+                let mut out = vec![f32::NAN; dim];
+                sum.finish(&mut out);
+                vectors.push(out);
+            }
+            let combined = kernels::tree_combine(&scalar);
+            assert_eq!(combined.to_bits(), whole.to_bits(), "{filled} rows in {groups} groups");
+            for d in 0..dim {
+                let column: Vec<f32> = (0..filled).map(|r| terms[r] * rows[r][d]).collect();
+                let parts: Vec<f32> = vectors.iter().map(|v| v[d]).collect();
+                assert_eq!(
+                    kernels::tree_combine(&parts).to_bits(),
+                    spec_tree_sum(&column).to_bits(),
+                    "{filled} rows in {groups} groups, element {d}"
+                );
+            }
+        }
+    }
+}
+
 // ---- Ops against f64. ----
 
 #[test]
