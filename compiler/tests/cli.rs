@@ -631,6 +631,31 @@ fn plan_search_times_candidates_at_the_search_position() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `run --validate --json` of `artifact` on the prompts file, `sequences` in flight, each
+/// generating `new_tokens` (EOS ignored): the sequences' reports, each asserted bit-exact.
+fn validated_sequences(artifact: &Path, prompts: &Path, sequences: usize, new_tokens: usize) -> Vec<Value> {
+    let (sequences, new_tokens) = (sequences.to_string(), new_tokens.to_string());
+    let run = ok(&waferc(&[
+        "run",
+        artifact.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--sequences",
+        &sequences,
+        "--max-new-tokens",
+        &new_tokens,
+        "--ignore-eos",
+        "--validate",
+        "--json",
+    ]));
+    let run: Value = serde_json::from_str(&run).unwrap();
+    let reports = run["sequences"].as_array().unwrap().clone();
+    for sequence in &reports {
+        assert_eq!(sequence["bit_exact"], true, "{sequence}");
+    }
+    reports
+}
+
 /// KV blocks spread over four PEs by lane, two sequences in flight, each past its first chunk
 /// of positions: both bit-exact against the reference decoder.
 #[test]
@@ -642,25 +667,7 @@ fn kv_blocks_spread_by_lane_serve_two_sequences_bit_exact() {
     let prompts = dir.join("prompts.txt");
     let long: Vec<String> = (1..=37).map(|t| (t * 11 % 250).to_string()).collect();
     std::fs::write(&prompts, format!("{}\n300,2\n", long.join(","))).unwrap();
-    let run = ok(&waferc(&[
-        "run",
-        artifact.to_str().unwrap(),
-        "--prompts",
-        prompts.to_str().unwrap(),
-        "--sequences",
-        "2",
-        "--max-new-tokens",
-        "12",
-        "--ignore-eos",
-        "--validate",
-        "--json",
-    ]));
-    let run: Value = serde_json::from_str(&run).unwrap();
-    let sequences = run["sequences"].as_array().unwrap();
-    assert_eq!(sequences.len(), 2);
-    for sequence in sequences {
-        assert_eq!(sequence["bit_exact"], true, "{sequence}");
-    }
+    assert_eq!(validated_sequences(&artifact, &prompts, 2, 12).len(), 2);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -688,23 +695,7 @@ fn replicas_of_hot_experts_are_reported_shown_and_bit_exact_with_three_sequences
     assert!(out.contains("no more because"), "{out}");
     let inspect = ok(&waferc(&["inspect", artifact.to_str().unwrap()]));
     assert!(inspect.contains("(3 copies; extra at w0 x"), "{inspect}");
-    let run = ok(&waferc(&[
-        "run",
-        artifact.to_str().unwrap(),
-        "--prompts",
-        prompts.to_str().unwrap(),
-        "--sequences",
-        "3",
-        "--max-new-tokens",
-        "4",
-        "--ignore-eos",
-        "--validate",
-        "--json",
-    ]));
-    let run: Value = serde_json::from_str(&run).unwrap();
-    for sequence in run["sequences"].as_array().unwrap() {
-        assert_eq!(sequence["bit_exact"], true, "{sequence}");
-    }
+    validated_sequences(&artifact, &prompts, 3, 4);
     // With one sequence there is nothing to replicate for: the report says why.
     let out = ok(&compile(
         &model,
