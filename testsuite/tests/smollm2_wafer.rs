@@ -35,6 +35,13 @@ fn smollm2_rewritten_stacked_on_wse3_is_bit_exact() {
     );
 }
 
+/// The plan the search picks for this model at `--search-position 1024`: each KV block also
+/// spread over four PEs by lane.
+#[test]
+fn smollm2_rewritten_stacked_spread_on_wse3_is_bit_exact() {
+    bit_exact_on_wse3("stacked:1,35,kv3,spread4".parse().unwrap(), true);
+}
+
 fn bit_exact_on_wse3(plan: Plan, rewrite: bool) {
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixtures_dir().join("smollm2/golden.json")).unwrap()).unwrap();
