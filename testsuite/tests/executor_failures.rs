@@ -4,7 +4,7 @@
 mod executor_common;
 
 use executor_common::{build, compile_for, pack_tile_blob, Shape};
-use waferc_ir::wafer::{Phase, RegionKind, WaferProgram, Work};
+use waferc_ir::wafer::{Lanes, Phase, RegionKind, WaferProgram, Work};
 use waferc_ir::Module;
 use waferc_runtime::executor::{validate, ExecError, ExecOptions, Executor, ValidationOptions};
 
@@ -166,6 +166,34 @@ fn an_inverted_kv_block_range_is_named_not_an_underflow() {
         assert!(matches!(error, ExecError::MalformedOnPe { .. }), "{message}");
         assert!(message.contains(&format!("%{instr} = attention")) && message.contains(&pe.to_string()), "{message}");
         assert!(message.contains("block positions") && message.contains("end before they start"), "{message}");
+    }
+}
+
+/// A KV block's lanes from a malformed artifact (past the chunk's 8, or of a block longer than a
+/// chunk) are refused naming the block, before any slot is computed from them.
+#[test]
+fn kv_block_lanes_outside_one_chunk_are_named() {
+    let (module, program) = dense();
+    let placement = program.instrs.iter().position(|p| p.op == "attention").expect("an attention");
+    let wide = Lanes { first: 128, count: 128 };
+    for (lanes, positions) in [(wide, None), (Lanes::group(1, 2), Some(0..64))] {
+        let mut program = program.clone();
+        let Work::Attention(attention) = &mut program.instrs[placement].work else { panic!("attention's work") };
+        let block = &mut attention.kv_heads_placed[0].blocks[0];
+        block.lanes = lanes;
+        if let Some(positions) = positions {
+            block.positions = positions;
+        }
+        let pe = block.pe;
+        let Err(error) = Executor::new(&program, &module, None, ExecOptions::default()) else {
+            panic!("{lanes} was accepted")
+        };
+        let message = error.to_string();
+        assert!(message.contains(&pe.to_string()) && message.contains(&lanes.to_string()), "{message}");
+        assert!(
+            message.contains("not an aligned power-of-two run of the 8 lanes of one 32-position chunk"),
+            "{message}"
+        );
     }
 }
 

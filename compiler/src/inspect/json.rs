@@ -475,8 +475,8 @@ fn embed_region<'p>(
 }
 
 /// `[first, end)` of the lanes a KV block holds.
-fn lanes(lanes: Lanes) -> [u8; 2] {
-    [lanes.first, lanes.first + lanes.count]
+fn lanes(lanes: Lanes) -> [u16; 2] {
+    [lanes.first as u16, lanes.end()]
 }
 
 #[derive(Serialize)]
@@ -485,7 +485,7 @@ struct KvBlockJson<'a> {
     expert: Option<u32>,
     instr: u32,
     kv_head: u32,
-    lanes: [u8; 2],
+    lanes: [u16; 2],
     layer: Option<u32>,
     op: &'a str,
     pe: PeJson,
@@ -660,7 +660,7 @@ struct RegionJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_head: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    lanes: Option<[u8; 2]>,
+    lanes: Option<[u16; 2]>,
     offset: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     positions: Option<[u32; 2]>,

@@ -865,12 +865,17 @@ impl Lanes {
     /// Whether the lanes are an aligned power-of-two run within the chunk: a subtree of its
     /// lane combine.
     pub fn is_aligned(&self) -> bool {
-        self.count.is_power_of_two() && self.first.is_multiple_of(self.count) && self.first + self.count <= LANES as u8
+        self.count.is_power_of_two() && self.first.is_multiple_of(self.count) && self.end() <= LANES as u16
     }
 
     pub fn holds(&self, row: u32) -> bool {
-        let lane = (row % LANES as u32) as u8;
-        (self.first..self.first + self.count).contains(&lane)
+        let lane = (row % LANES as u32) as u16;
+        (self.first as u16..self.end()).contains(&lane)
+    }
+
+    /// One past the last lane (wide, so a malformed artifact's lanes cannot overflow).
+    pub fn end(&self) -> u16 {
+        self.first as u16 + self.count as u16
     }
 
     /// How many rows of `positions` (starting at a multiple of 8) below `rows` are in these
@@ -884,7 +889,7 @@ impl Lanes {
 
 impl fmt::Display for Lanes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "lanes {}..{}", self.first, self.first + self.count)
+        write!(f, "lanes {}..{}", self.first, self.end())
     }
 }
 
@@ -1161,6 +1166,7 @@ mod tests {
         assert_eq!((whole.slot(45), whole.held_below(45), whole.capacity(), whole.first_row()), (13, 13, 32, 32));
         assert!(Lanes::group(3, 4).is_aligned() && !Lanes { first: 2, count: 4 }.is_aligned());
         assert!(!Lanes { first: 6, count: 3 }.is_aligned() && !Lanes { first: 8, count: 1 }.is_aligned());
+        assert!(!Lanes { first: 128, count: 128 }.is_aligned() && !Lanes { first: 0, count: 0 }.is_aligned());
     }
 
     /// Every plan's `--plan` spelling parses back to it, and a bad field is named.

@@ -899,7 +899,7 @@ impl<'a> Checker<'a> {
         for b in &head.blocks {
             let len = b.positions.end - b.positions.start;
             let follows = match &open {
-                Some((chunk, last)) => b.positions == *chunk && b.lanes.first == last.first + last.count,
+                Some((chunk, last)) => b.positions == *chunk && b.lanes.first as u16 == last.end(),
                 None => {
                     let aligned = run % 32 == 0 && (run / 32).is_power_of_two() && b.positions.start % run == 0;
                     b.positions.start == next
@@ -931,7 +931,7 @@ impl<'a> Checker<'a> {
                     format!("KV head {} block {:?} ({}) names no such KV region", head.kv_head, b.positions, b.lanes),
                 );
             }
-            match b.lanes.first + b.lanes.count >= LANES as u8 {
+            match b.lanes.end() >= LANES as u16 {
                 true => {
                     open = None;
                     next = b.positions.end;
