@@ -284,17 +284,34 @@ pub fn search_keeping<T>(
         let Plan::Stacked { kv_copies: 1, .. } = plans[index] else {
             continue;
         };
-        for kv_copies in kv_copy_counts(modules.for_plan(&plans[index])) {
-            let Plan::Stacked { layers_per_region, wafer_percent, experts_per_lane, kv_spread, .. } = plans[index]
-            else {
-                continue;
-            };
-            let plan = Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread };
+        for copies in kv_copy_counts(modules.for_plan(&plans[index])) {
+            let mut plan = plans[index];
+            if let Plan::Stacked { kv_copies, .. } = &mut plan {
+                *kv_copies = copies;
+            }
             plans.push(plan);
             records.push(None);
             run(plans.len() - 1, plan, &mut records, &mut best)?;
         }
     }
+    // Lowers `double(plan)` from the plan at `index` (`cycles`) on, for as long as each is faster.
+    let mut double_while_faster = |(mut cycles, mut index): (u64, usize),
+                                   double: fn(Plan) -> Option<Plan>,
+                                   plans: &mut Vec<Plan>,
+                                   records: &mut Vec<Option<Record>>,
+                                   best: &mut Option<Kept<T>>|
+     -> anyhow::Result<()> {
+        while let Some(plan) = double(plans[index]).filter(|plan| !plans.contains(plan)) {
+            plans.push(plan);
+            records.push(None);
+            run(plans.len() - 1, plan, records, best)?;
+            match records[plans.len() - 1].as_ref().and_then(|r| r.0.cycles_per_token) {
+                Some(faster) if faster < cycles => (cycles, index) = (faster, plans.len() - 1),
+                _ => break,
+            }
+        }
+        Ok(())
+    };
     // Then, in an MoE model, the fastest plan of each group size within `MOE_REFINE_WITHIN`
     // (KV copies included), with its experts' lanes shared by twice as many experts, for as long
     // as that is faster: each expert computes on more PEs, while two chosen experts of one lane
@@ -312,24 +329,8 @@ pub fn search_keeping<T>(
         }
         let mut starts: Vec<(u64, usize)> = fastest_of_group.into_values().collect();
         starts.sort_unstable();
-        for (mut cycles, mut index) in starts {
-            while let Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } =
-                plans[index]
-            {
-                let shared = experts_per_lane.saturating_mul(2);
-                let plan =
-                    Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: shared, kv_spread };
-                if shared > MAX_EXPERTS_PER_LANE || plans.contains(&plan) {
-                    break;
-                }
-                plans.push(plan);
-                records.push(None);
-                run(plans.len() - 1, plan, &mut records, &mut best)?;
-                match records[plans.len() - 1].as_ref().and_then(|r| r.0.cycles_per_token) {
-                    Some(faster) if faster < cycles => (cycles, index) = (faster, plans.len() - 1),
-                    _ => break,
-                }
-            }
+        for start in starts {
+            double_while_faster(start, sharing_twice, &mut plans, &mut records, &mut best)?;
         }
     }
     // Then, for a step deep in the context (every lane of a block's first chunk holds a row),
@@ -337,26 +338,8 @@ pub fn search_keeping<T>(
     // that is faster: a full block's scores and weighted values are split between its PEs, which
     // the KV strip takes from the tiles. At position 0 a block has one row, so it never helps.
     if position >= LANES as u32 {
-        let mut fastest = best.as_ref().map(|b| (b.cycles, b.index));
-        while let Some((cycles, index)) = fastest {
-            let Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } =
-                plans[index]
-            else {
-                break;
-            };
-            let spread = kv_spread.saturating_mul(2);
-            let plan =
-                Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread: spread };
-            if spread as usize > LANES || plans.contains(&plan) {
-                break;
-            }
-            plans.push(plan);
-            records.push(None);
-            run(plans.len() - 1, plan, &mut records, &mut best)?;
-            fastest = match records[plans.len() - 1].as_ref().and_then(|r| r.0.cycles_per_token) {
-                Some(faster) if faster < cycles => Some((faster, plans.len() - 1)),
-                _ => None,
-            };
+        if let Some(start) = best.as_ref().map(|b| (b.cycles, b.index)) {
+            double_while_faster(start, spread_twice, &mut plans, &mut records, &mut best)?;
         }
     }
     let mut records: Vec<Record> = records.into_iter().map(|r| r.expect("every plan ran")).collect();
@@ -382,6 +365,22 @@ pub fn search_keeping<T>(
         }
     }
     Ok(Found { program: best.kept, plan: plans[best.index], candidates: records.into_iter().map(|(c, _)| c).collect() })
+}
+
+/// `plan` with its experts' lanes shared by twice as many experts; `None` past
+/// [`MAX_EXPERTS_PER_LANE`] or for a plan that is not stacked.
+fn sharing_twice(mut plan: Plan) -> Option<Plan> {
+    let Plan::Stacked { experts_per_lane, .. } = &mut plan else { return None };
+    *experts_per_lane = experts_per_lane.checked_mul(2).filter(|&e| e <= MAX_EXPERTS_PER_LANE)?;
+    Some(plan)
+}
+
+/// `plan` with each KV block spread over twice as many PEs; `None` past a chunk's [`LANES`] or
+/// for a plan that is not stacked.
+fn spread_twice(mut plan: Plan) -> Option<Plan> {
+    let Plan::Stacked { kv_spread, .. } = &mut plan else { return None };
+    *kv_spread = kv_spread.checked_mul(2).filter(|&l| l as usize <= LANES)?;
+    Some(plan)
 }
 
 /// The copy counts of each KV head's cache the search tries beyond one: the smallest that

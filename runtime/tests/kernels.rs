@@ -5,6 +5,7 @@
 mod common;
 
 use common::{decode, dot64, encode, max_abs_diff, Rng};
+use waferc_ir::wafer::Lanes;
 use waferc_ir::{DType, Rope, RopeScaling, TensorType, Weight, WeightBytes};
 use waferc_runtime::kernels::{self, AttentionShape, RopeAngles, RowView, TreeSum, VectorTreeSum, WeightView};
 
@@ -250,26 +251,19 @@ fn lane_group_sums_combine_to_the_chunk_sum() {
         let dim = 1 + rng.below(9);
         let rows: Vec<Vec<f32>> = (0..filled).map(|_| wild_terms(&mut rng, dim)).collect();
         let whole = spec_tree_sum(&terms);
-        for groups in [1usize, 2, 4, 8] {
-            let count = 8 / groups;
+        for groups in [1u8, 2, 4, 8] {
             let mut scalar = Vec::new();
             let mut vectors: Vec<Vec<f32>> = Vec::new();
             for g in 0..groups {
-                let first = g * count;
+                let lanes = Lanes::group(g, groups);
                 // The group's rows, in order, as its block holds them.
-                let held: Vec<usize> = (0..filled).filter(|r| (first..first + count).contains(&(r % 8))).collect();
+                let held: Vec<usize> = (0..filled).filter(|&r| lanes.holds(r as u32)).collect();
+                assert!(held.iter().enumerate().all(|(k, &r)| lanes.row(k) == r));
                 let own: Vec<f32> = held.iter().map(|&r| terms[r]).collect();
-                assert!(held.iter().enumerate().all(|(k, &r)| kernels::lane_row(k, first, count) == r));
-                scalar.push(kernels::tree_sum_lanes(&own, first, count));
-                let mut sum = VectorTreeSum::new(dim);
-                let mut next = 0;
-                for &r in &held {
-                    (next..r).for_each(|_| sum.push_zero());
-                    sum.push_scaled(terms[r], &rows[r]);
-                    next = r + 1;
-                }
+                scalar.push(kernels::tree_sum_lanes(&own, lanes));
+                let values: Vec<f32> = held.iter().flat_map(|&r| rows[r].iter().copied()).collect();
                 let mut out = vec![f32::NAN; dim];
-                sum.finish(&mut out);
+                kernels::weighted_sum_lanes(&own, &values, lanes, &mut out);
                 vectors.push(out);
             }
             let combined = kernels::tree_combine(&scalar);

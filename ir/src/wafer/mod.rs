@@ -873,6 +873,13 @@ impl Lanes {
         (self.first as u16..self.end()).contains(&lane)
     }
 
+    /// Where the `k`-th row a block of these lanes holds sits among its chunk run's rows (the
+    /// inverse of [`KvBlock::slot`]).
+    pub fn row(&self, k: usize) -> usize {
+        let count = self.count as usize;
+        (k / count) * LANES + self.first as usize + k % count
+    }
+
     /// One past the last lane (wide, so a malformed artifact's lanes cannot overflow).
     pub fn end(&self) -> u16 {
         self.first as u16 + self.count as u16
@@ -1162,11 +1169,12 @@ mod tests {
         );
         assert_eq!((block.capacity(), block.first_row()), (16, 36));
         assert_eq!(block.rows_below(46).collect::<Vec<_>>(), [36, 37, 38, 39, 44, 45]);
-        let whole = KvBlock { lanes: Lanes::ALL, ..block };
+        let whole = KvBlock { lanes: Lanes::ALL, ..block.clone() };
         assert_eq!((whole.slot(45), whole.held_below(45), whole.capacity(), whole.first_row()), (13, 13, 32, 32));
         assert!(Lanes::group(3, 4).is_aligned() && !Lanes { first: 2, count: 4 }.is_aligned());
         assert!(!Lanes { first: 6, count: 3 }.is_aligned() && !Lanes { first: 8, count: 1 }.is_aligned());
         assert!(!Lanes { first: 128, count: 128 }.is_aligned() && !Lanes { first: 0, count: 0 }.is_aligned());
+        assert!((0..16).all(|k| block.slot(32 + block.lanes.row(k) as u32) == k));
     }
 
     /// Every plan's `--plan` spelling parses back to it, and a bad field is named.

@@ -15,7 +15,7 @@ pub use ops::{
     softmax_numerators, softmax_with_sink, swiglu, AttentionShape, RopeAngles, RopeTable, Routing,
 };
 pub use tree::{
-    chunk_sum, combine_lanes, dot, dot_f32, dot_portable, dot_run, lane_row, sum_squares, tree_combine, tree_sum,
-    tree_sum_lanes, tree_sum_with, TreeSum, VectorTreeSum, LANES,
+    chunk_sum, combine_lanes, dot, dot_f32, dot_portable, dot_run, sum_squares, tree_combine, tree_sum, tree_sum_lanes,
+    tree_sum_with, weighted_sum_lanes, TreeSum, VectorTreeSum, LANES,
 };
 pub use weights::{dequantize, e8m0_scale, widen_mxfp4, widen_q4_0, widen_q4_1, widen_q8_0, RowView, WeightView};

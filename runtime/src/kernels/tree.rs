@@ -28,6 +28,7 @@
 
 use std::ops::Range;
 
+use waferc_ir::wafer::Lanes;
 use waferc_ir::{DType, BLOCK};
 
 use super::weights::{widen_mxfp4, widen_q4_0, widen_q4_1, widen_q8_0, RowView};
@@ -145,26 +146,36 @@ pub fn tree_sum(terms: &[f32]) -> f32 {
     tree.finish()
 }
 
-/// Where among a KV block's rows its `k`-th held row is, for a block holding `count` of each
-/// chunk's lanes from lane `first` (`waferc_ir::wafer::Lanes`).
-pub fn lane_row(k: usize, first: usize, count: usize) -> usize {
-    (k / count) * LANES + first + k % count
-}
-
-/// `tree_sum` over a KV block's rows of terms given for the rows it holds (`count` of each
-/// chunk's lanes from `first`): the other lanes' rows are +0.0 terms, so a block of some lanes
-/// of a chunk sums to its lanes' subtree of the lane combine, the value its leaf carries in the
-/// reductions over the blocks.
-pub fn tree_sum_lanes(terms: &[f32], first: usize, count: usize) -> f32 {
-    if count == LANES {
+/// `tree_sum` over a KV block's rows of terms given for the rows it holds (`lanes` of each
+/// chunk): the other lanes' rows are +0.0 terms, so a block of some lanes of a chunk sums to its
+/// lanes' subtree of the lane combine, the value its leaf carries in the reductions over the
+/// blocks.
+pub fn tree_sum_lanes(terms: &[f32], lanes: Lanes) -> f32 {
+    if lanes.is_all() {
         return tree_sum(terms);
     }
-    let rows = terms.len().checked_sub(1).map_or(0, |k| lane_row(k, first, count) + 1);
+    let rows = terms.len().checked_sub(1).map_or(0, |k| lanes.row(k) + 1);
     let mut all = vec![0.0f32; rows];
     for (k, &t) in terms.iter().enumerate() {
-        all[lane_row(k, first, count)] = t;
+        all[lanes.row(k)] = t;
     }
     tree_sum(&all)
+}
+
+/// The weighted sum over a KV block's rows, `out[d] = tree_sum_rows(weights[k] * values[k][d])`
+/// for the rows it holds (`lanes` of each chunk; `values` holds them `out.len()` f32 each), the
+/// other lanes' rows +0.0 terms as in [`tree_sum_lanes`].
+pub fn weighted_sum_lanes(weights: &[f32], values: &[f32], lanes: Lanes, out: &mut [f32]) {
+    let dim = out.len();
+    let mut sum = VectorTreeSum::new(dim);
+    let mut next = 0;
+    for (k, &weight) in weights.iter().enumerate() {
+        let row = lanes.row(k);
+        (next..row).for_each(|_| sum.push_zero());
+        sum.push_scaled(weight, &values[k * dim..(k + 1) * dim]);
+        next = row + 1;
+    }
+    sum.finish(out);
 }
 
 /// `tree_sum` of `n` terms computed on the fly, `term(i)` for `i` in `0..n`, in order (an
@@ -324,7 +335,7 @@ impl VectorTreeSum {
 
     /// Adds a +0.0 term (a row another PE holds): the identity, which only moves the chunk on.
     #[inline]
-    pub fn push_zero(&mut self) {
+    fn push_zero(&mut self) {
         self.in_chunk += 1;
         if self.in_chunk == BLOCK {
             self.close_chunk();

@@ -9,7 +9,7 @@ use crate::executor::sram::pe_image;
 use crate::executor::{
     intersect, relative, timing, Data, ExecError, Executor, Held, InstrRun, KvBlockState, StepState,
 };
-use crate::kernels::{self, VectorTreeSum};
+use crate::kernels;
 
 impl Executor<'_> {
     #[allow(clippy::too_many_arguments)]
@@ -201,9 +201,9 @@ impl Executor<'_> {
                 } else {
                     block.scores.iter().zip(max.values()).map(|(s, &m)| kernels::softmax_numerators(s, m)).collect()
                 };
-                let (first, count) = (block.lanes.first as usize, block.lanes.count as usize);
+                let lanes = block.lanes;
                 block.local =
-                    self.compute_data(queries, || e.iter().map(|e| kernels::tree_sum_lanes(e, first, count)).collect());
+                    self.compute_data(queries, || e.iter().map(|e| kernels::tree_sum_lanes(e, lanes)).collect());
                 numerators.push(e);
             }
             // Charge the exponentials and the local sums to the AttentionSum phase.
@@ -229,24 +229,14 @@ impl Executor<'_> {
             let mut outs = Vec::with_capacity(blocks.len());
             for (b_index, (block, (e, z))) in blocks.iter().zip(numerators.into_iter().zip(&sums)).enumerate() {
                 let n = block.held;
-                let (first, count) = (block.lanes.first as usize, block.lanes.count as usize);
                 let out = self.compute_data(queries * dim, || {
                     let empty = KvBlockState::default();
                     let cache = self.kv.get(&(run.instr, h_index, b_index)).unwrap_or(&empty);
                     let mut out = vec![0.0; queries * dim];
                     for (head, (e, &z)) in e.into_iter().zip(z.values()).enumerate() {
                         let p = kernels::softmax_normalize(e, z);
-                        // Rows of the chunk's other lanes are +0.0 terms (`kernels::tree_sum_lanes`).
-                        let mut sum = VectorTreeSum::new(dim);
-                        let mut row = 0;
-                        for (t, &weight) in p.iter().enumerate() {
-                            for _ in row..kernels::lane_row(t, first, count) {
-                                sum.push_zero();
-                            }
-                            row = kernels::lane_row(t, first, count) + 1;
-                            sum.push_scaled(weight, &cache.values[t * dim..(t + 1) * dim]);
-                        }
-                        sum.finish(&mut out[head * dim..(head + 1) * dim]);
+                        let values = &cache.values[..p.len() * dim];
+                        kernels::weighted_sum_lanes(&p, values, block.lanes, &mut out[head * dim..(head + 1) * dim]);
                     }
                     out
                 });
