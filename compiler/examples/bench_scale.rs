@@ -277,10 +277,15 @@ fn rewrite_effect(wanted: &[String], scratch: &Path) -> Result<(), Box<dyn Error
             ("with", plan_search::Modules::PerKind { tiled: &tiled, stacked: &stacked }),
         ];
         for (label, modules) in cases {
-            let program =
-                plan_search::search_keeping(modules, &target, &CompileOptions::new(KV_CAPACITY), 0, |p, _| Ok(p))
-                    .map_err(|e| format!("{preset} {label} rewrite on {}: {e:#}", target.name))?
-                    .program;
+            let program = plan_search::search_keeping(
+                modules,
+                &target,
+                &CompileOptions::new(KV_CAPACITY),
+                0,
+                plan_search::checked,
+            )
+            .map_err(|e| format!("{preset} {label} rewrite on {}: {e:#}", target.name))?
+            .program;
             let module = modules.for_plan(&program.plan);
             let colours = program.routes.iter().map(|r| r.colour).max().map_or(0, |c| c as u32 + 1);
             let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
@@ -424,7 +429,7 @@ fn sequences_in_flight(
         let options = CompileOptions { max_sequences: in_flight as u32, ..CompileOptions::new(kv) };
         let start = Instant::now();
         let compiled = match plan {
-            None => plan_search::search_keeping(modules, target, &options, 0, |p, _| Ok(p))
+            None => plan_search::search_keeping(modules, target, &options, 0, plan_search::checked)
                 .map(|found| {
                     for c in &found.candidates {
                         let rate = c.modeled_tok_s.map_or("-".into(), |r| format!("{r:.0} tok/s"));

@@ -7,9 +7,10 @@
 //! large one needs the whole wafer's SRAM). A candidate whose weights cannot fit the PEs it may
 //! use is skipped without lowering. The search is deterministic: candidates are evaluated one
 //! after another, and the winner is the one with the fewest modeled cycles, ties going to the
-//! earlier candidate. A candidate faster than every one so far is checked at once and handed to
-//! the caller's `keep` (the compile command writes its artifact then), so no lowered program is
-//! held while the next candidate lowers: memory holds one program at a time.
+//! earlier candidate. A candidate faster than every one so far is handed at once to the caller's
+//! `keep`, which runs the placement checker on it (the compile command writes its artifact
+//! meanwhile, beside the checker) and says whether the checker accepted it, so no lowered program
+//! is held while the next candidate lowers: memory holds one program at a time.
 //!
 //! The stacked plans close to the fastest are then tried with each KV head's cache in copies.
 //! In an MoE model (where "close" is wider) the fastest plan of each group size among them is
@@ -28,7 +29,7 @@ use std::time::Instant;
 use serde::Serialize;
 use waferc_ir::wafer::{Plan, WaferProgram, LANES};
 use waferc_ir::Module;
-use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CompileOptions};
+use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CheckError, CompileOptions};
 use waferc_passes::PlanKind;
 use waferc_runtime::executor::{ExecOptions, Executor};
 use waferc_targets::Target;
@@ -146,24 +147,41 @@ pub struct Found<T = WaferProgram> {
     pub candidates: Vec<Candidate>,
 }
 
+/// What `keep` made of a candidate faster than all before it: what it holds, or why the
+/// placement checker rejected the program.
+pub enum Checked<T> {
+    Accepted(T),
+    Rejected(CheckError),
+}
+
+/// The plain `keep`: checks `program` and holds it when the checker accepts it.
+pub fn checked(program: WaferProgram, module: &Module) -> anyhow::Result<Checked<WaferProgram>> {
+    Ok(match lowering::check(&program, module) {
+        Ok(()) => Checked::Accepted(program),
+        Err(e) => Checked::Rejected(e),
+    })
+}
+
 /// Lowers `module` with each candidate plan (the other options as in `base`), times each at
 /// position 0, and returns the fastest the checker accepts. Fails with the first candidate's
 /// error when none lowers.
 pub fn search(module: &Module, target: &Target, base: &CompileOptions) -> anyhow::Result<Found> {
-    search_keeping(Modules::One(module), target, base, 0, |program, _| Ok(program))
+    search_keeping(Modules::One(module), target, base, 0, checked)
 }
 
 /// [`search`] over `modules`, timing each candidate's decode step at `position` (0: the first
 /// token; deeper, where attention reads every filled position of its KV blocks, for plans
-/// suited to long contexts), handing each candidate that is faster than all before it and
-/// passes the checker to `keep` (with the module it was lowered from) at once and holding only
-/// what `keep` returns (the last such is the winner's).
+/// suited to long contexts), handing each candidate that is faster than all before it to `keep`
+/// (with the module it was lowered from) at once, and holding only what `keep` returns for the
+/// programs the checker accepted (the last such is the winner's). `keep` must run the checker
+/// ([`checked`] does only that); it may do more beside it, as the compile command writes the
+/// artifact while the checker runs.
 pub fn search_keeping<T>(
     modules: Modules,
     target: &Target,
     base: &CompileOptions,
     position: u32,
-    mut keep: impl FnMut(WaferProgram, &Module) -> anyhow::Result<T>,
+    mut keep: impl FnMut(WaferProgram, &Module) -> anyhow::Result<Checked<T>>,
 ) -> anyhow::Result<Found<T>> {
     let mut plans = candidates(modules.for_plan(&Plan::Tiled));
     let params = target.params();
@@ -241,9 +259,9 @@ pub fn search_keeping<T>(
                     candidate.pes_used = Some(program.pes.len());
                     // A tie goes to the earlier candidate.
                     if best.as_ref().is_none_or(|b| (cycles, index) < (b.cycles, b.index)) {
-                        match lowering::check(&program, module) {
-                            Ok(()) => *best = Some(Kept { index, cycles, kept: keep(program, module)? }),
-                            Err(e) => {
+                        match keep(program, module)? {
+                            Checked::Accepted(kept) => *best = Some(Kept { index, cycles, kept }),
+                            Checked::Rejected(e) => {
                                 candidate.lost_because = Some(format!("rejected by the placement checker: {e}"));
                                 error = Some(anyhow::Error::new(e));
                             }

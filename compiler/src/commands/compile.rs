@@ -9,12 +9,12 @@ use anyhow::{bail, Context};
 use serde_json::json;
 use waferc_ir::wafer::{artifact, Plan, RegionKind, WaferProgram};
 use waferc_ir::{DType, Handle, Module};
-use waferc_passes::wafer::{self as lowering, CompileOptions, ExpertOrder};
+use waferc_passes::wafer::{self as lowering, CheckError, CompileOptions, ExpertOrder};
 use waferc_passes::{registry, PassManager, PassRecord, PassReport, PlanKind};
 use waferc_targets::Target;
 
 use super::session;
-use crate::plan_search::{self, Candidate};
+use crate::plan_search::{self, Candidate, Checked};
 use crate::replica_choice::{self, ReplicaChoice, ReplicaMode};
 
 #[derive(clap::Args, Debug)]
@@ -203,17 +203,10 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
             report.records.push(record);
             let summary = Summary::of(&program, module, &args, replicas);
             let compiled = artifact::Artifact::new(program, module.clone()).with_tokenizer(tokenizer_json);
-            // The checker and the writer only read the program, so they run side by side: the
-            // artifact goes to a file beside the output, renamed over it once the checker has
-            // accepted the program (the 8B's `stacked:4,100,kv2`: a 6.2 s check beside a 4.4 s write).
+            // The artifact goes to a file beside the output, renamed over it once the checker
+            // has accepted the program.
             let pending = pending_file(&args.output, "check");
-            let ((checked, check_record), (written, write_record)) = std::thread::scope(|scope| {
-                let checker = scope.spawn(|| timed("check", || lowering::check(&compiled.program, module)));
-                // Named apart: the two rows overlap in time, and the report's total sums them.
-                let written = timed("write-artifact (beside check)", || artifact::write(&pending, &compiled));
-                let checked = checker.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-                (checked, written)
-            });
+            let ((checked, check_record), (written, write_record)) = check_beside_write(&compiled, module, &pending);
             let accepted = written.map_err(anyhow::Error::new).and_then(|()| {
                 checked
                     .with_context(|| format!("the placement checker rejected the compiled program for {}", target.name))
@@ -227,24 +220,34 @@ pub fn run(args: CompileArgs) -> anyhow::Result<()> {
             (summary, Vec::new(), 0, report)
         }
         None => {
-            // Each candidate faster than all before it is written at once to a file beside the
-            // output (so no lowered program is held while the next one lowers); the winner's
-            // file is renamed to the output at the end, and any other is removed.
+            // Each candidate faster than all before it is checked at once while it is written to
+            // a file of its own beside the output (so no lowered program is held while the next
+            // one lowers); an accepted one's file replaces the last accepted one's, and the
+            // winner's is renamed to the output at the end.
             let pending = pending_file(&args.output, "plan-search");
-            // The writes are timed on their own row (all of them, when several candidates were
-            // the fastest so far in turn), and taken out of the search's row.
+            let candidate_file = pending_file(&args.output, "plan-search-candidate");
+            // The checks and writes are timed on their own row (all of them, when several
+            // candidates were the fastest so far in turn), and taken out of the search's row.
             let mut write_record: Option<PassRecord> = None;
-            let write_candidate = |program: WaferProgram, module: &Module| -> anyhow::Result<Summary> {
+            let write_candidate = |program: WaferProgram, module: &Module| -> anyhow::Result<Checked<Summary>> {
                 let (program, replicas) = replica_choice::apply(program, module, &target, &base, args.expert_replicas)?;
                 let summary = Summary::of(&program, module, &args, replicas);
                 let compiled = artifact::Artifact::new(program, module.clone()).with_tokenizer(tokenizer_json.clone());
-                let (written, mut record) = timed("write-artifact", || artifact::write(&pending, &compiled));
+                let (((checked, _), (written, _)), mut record) =
+                    timed("check and write-artifact", || check_beside_write(&compiled, module, &candidate_file));
                 if let Some(earlier) = &write_record {
                     record.wall += earlier.wall;
                 }
                 write_record = Some(record);
-                written?;
-                Ok(summary)
+                let kept = match (written, checked) {
+                    (Err(e), _) => Err(e.into()),
+                    (Ok(()), Ok(())) => rename_onto(&candidate_file, &pending).map(|()| Checked::Accepted(summary)),
+                    (Ok(()), Err(e)) => Ok(Checked::Rejected(e)),
+                };
+                if !matches!(kept, Ok(Checked::Accepted(_))) {
+                    let _ = std::fs::remove_file(&candidate_file);
+                }
+                kept
             };
             let module_of = |kind| runs.iter().find(|r| r.kind == Some(kind)).map(|r| &r.module);
             let modules = match (module_of(PlanKind::Tiled), module_of(PlanKind::Stacked)) {
@@ -416,6 +419,24 @@ fn pending_file(output: &std::path::Path, stage: &str) -> PathBuf {
     let mut name = output.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".tmp-{}-{stage}", std::process::id()));
     output.with_file_name(name)
+}
+
+/// Runs the placement checker on `compiled`'s program while writing it to `file`: both only read
+/// the program, so they run side by side (the 8B's `stacked:4,100,kv2`: a 6.2 s check beside a
+/// 4.4 s write). Returns each with its timing.
+#[allow(clippy::type_complexity)]
+fn check_beside_write(
+    compiled: &artifact::Artifact,
+    module: &Module,
+    file: &std::path::Path,
+) -> ((Result<(), CheckError>, PassRecord), (Result<(), artifact::ArtifactError>, PassRecord)) {
+    std::thread::scope(|scope| {
+        let checker = scope.spawn(|| timed("check", || lowering::check(&compiled.program, module)));
+        // Named apart: the two rows overlap in time, and the report's total sums them.
+        let written = timed("write-artifact (beside check)", || artifact::write(file, compiled));
+        let checked = checker.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (checked, written)
+    })
 }
 
 /// Moves the finished artifact `pending` onto `output`.
