@@ -15,9 +15,10 @@
 //! The stacked plans close to the fastest are then tried with each KV head's cache in copies.
 //! In an MoE model (where "close" is wider) the fastest plan of each group size among them is
 //! then tried with its experts' lanes shared by two, four, ... experts while each doubling is
-//! faster. A search timed deep in the context (`compile --search-position`) last tries the
-//! fastest plan with each KV block spread over two, four, ... PEs by lane while each doubling
-//! is faster.
+//! faster. A search timed deep in the context (`compile --search-position`), where attention's
+//! work is every candidate's alike and their cycles bunch up, also tries KV copies on the
+//! fastest plan of each wafer share, and last tries each share's fastest plan with each KV
+//! block spread over two, four, ... PEs by lane while each doubling is faster.
 //!
 //! Each candidate is lowered from the module for its plan kind ([`Modules`]): the compile
 //! driver runs a plan-dependent pipeline (the default one, whose `rewrite` fuses matvecs only
@@ -298,7 +299,19 @@ pub fn search_keeping<T>(
     };
     let mut close = close_to_fastest(&records);
     close.sort_unstable();
-    for (_, index) in close.into_iter().take(REFINED_PLANS) {
+    close.truncate(REFINED_PLANS);
+    // Deep in the context attention's work is every candidate's alike, so their cycles bunch up
+    // (SmolLM2 at position 1,024: nine stacked plans within 6%) and the closest few say little of
+    // which refines best: there the fastest plan of each wafer share is refined too.
+    let deep = position >= LANES as u32;
+    if deep {
+        for start in fastest_of_each_share(&plans, &records) {
+            if !close.iter().any(|&(_, index)| index == start.1) {
+                close.push(start);
+            }
+        }
+    }
+    for (_, index) in close {
         let Plan::Stacked { kv_copies: 1, .. } = plans[index] else {
             continue;
         };
@@ -352,11 +365,14 @@ pub fn search_keeping<T>(
         }
     }
     // Then, for a step deep in the context (every lane of a block's first chunk holds a row),
-    // the fastest plan with each KV block spread over twice as many PEs by lane, for as long as
-    // that is faster: a full block's scores and weighted values are split between its PEs, which
-    // the KV strip takes from the tiles. At position 0 a block has one row, so it never helps.
-    if position >= LANES as u32 {
-        if let Some(start) = best.as_ref().map(|b| (b.cycles, b.index)) {
+    // the fastest plan of each wafer share (KV copies included) with each KV block spread over
+    // twice as many PEs by lane, for as long as that is faster: a full block's scores and
+    // weighted values are split between its PEs, which the KV strip takes from the tiles, so a
+    // larger share gains more from it (SmolLM2 at 1,024: `stacked:1,35,kv3` goes from 267,981
+    // to 197,379 cycles at `spread4` and no further, `stacked:1,100,kv3` from 275,507 to 182,583
+    // at `spread8`). At position 0 a block has one row, so it never helps.
+    if deep {
+        for start in fastest_of_each_share(&plans, &records) {
             double_while_faster(start, spread_twice, &mut plans, &mut records, &mut best)?;
         }
     }
@@ -383,6 +399,23 @@ pub fn search_keeping<T>(
         }
     }
     Ok(Found { program: best.kept, plan: plans[best.index], candidates: records.into_iter().map(|(c, _)| c).collect() })
+}
+
+/// Per wafer share of the stacked plans that lowered, its fastest (cycles, index), fastest first.
+fn fastest_of_each_share(plans: &[Plan], records: &[Option<Record>]) -> Vec<(u64, usize)> {
+    let mut fastest: BTreeMap<u8, (u64, usize)> = BTreeMap::new();
+    for (index, record) in records.iter().enumerate() {
+        let (Plan::Stacked { wafer_percent, .. }, Some(cycles)) =
+            (plans[index], record.as_ref().and_then(|r| r.0.cycles_per_token))
+        else {
+            continue;
+        };
+        let start = fastest.entry(wafer_percent).or_insert((cycles, index));
+        *start = (*start).min((cycles, index));
+    }
+    let mut starts: Vec<(u64, usize)> = fastest.into_values().collect();
+    starts.sort_unstable();
+    starts
 }
 
 /// `plan` with its experts' lanes shared by twice as many experts; `None` past

@@ -76,8 +76,9 @@ pub struct CompileArgs {
     /// The position at which the plan search times each candidate's decode step: 0 (default)
     /// times the first token; a position deep in the context times attention over that many
     /// filled positions, where plans differ most (KV copies, KV blocks spread over PEs, block
-    /// placement), for a workload of long prompts; from position 8 the search also tries its
-    /// fastest plan with KV blocks spread (`spreadL`). Must be below --max-context.
+    /// placement), for a workload of long prompts; from position 8 the search also tries KV
+    /// copies on the fastest plan of each wafer share, and then each share's fastest with KV
+    /// blocks spread (`spreadL`). Must be below --max-context.
     #[arg(long, value_name = "P", default_value_t = 0)]
     pub search_position: u32,
     /// Write the IR after every pass into DIR (00-frontend.ir, 01-<pass>.ir, ...).
