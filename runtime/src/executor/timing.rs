@@ -788,22 +788,21 @@ struct Placed {
     order: usize,
 }
 
-/// When each PE is free, and the instruction that occupied it last: by dense grid index (every
-/// instruction looks up each of its PEs), a map for a PE off the grid. A PE never occupied is
-/// free from cycle 0.
-struct PeFree {
+/// A value per PE, for PEs looked up for every tile of every step: by dense grid index, a map
+/// for a PE off the grid. A PE never given a value has none.
+struct PeTable<T> {
     cols: usize,
     rows: usize,
     wafers: usize,
-    dense: Vec<(u64, InstrIndex)>,
-    outside: HashMap<Pe, (u64, InstrIndex)>,
+    dense: Vec<Option<T>>,
+    outside: HashMap<Pe, T>,
 }
 
-impl PeFree {
+impl<T: Copy> PeTable<T> {
     fn new(program: &WaferProgram) -> Self {
         let t = &program.target;
         let (cols, rows, wafers) = (t.grid_cols as usize, t.grid_rows as usize, t.wafers as usize);
-        PeFree { cols, rows, wafers, dense: vec![(0, 0); cols * rows * wafers], outside: HashMap::default() }
+        PeTable { cols, rows, wafers, dense: vec![None; cols * rows * wafers], outside: HashMap::default() }
     }
 
     fn index(&self, pe: Pe) -> Option<usize> {
@@ -811,20 +810,39 @@ impl PeFree {
         (x < self.cols && y < self.rows && w < self.wafers).then_some((w * self.rows + y) * self.cols + x)
     }
 
-    fn get(&self, pe: Pe) -> Option<(u64, InstrIndex)> {
+    fn get(&self, pe: Pe) -> Option<T> {
         match self.index(pe) {
-            Some(i) => Some(self.dense[i]),
+            Some(i) => self.dense[i],
             None => self.outside.get(&pe).copied(),
         }
     }
 
-    fn set(&mut self, pe: Pe, free: (u64, InstrIndex)) {
+    fn set(&mut self, pe: Pe, value: T) {
         match self.index(pe) {
-            Some(i) => self.dense[i] = free,
+            Some(i) => self.dense[i] = Some(value),
             None => {
-                self.outside.insert(pe, free);
+                self.outside.insert(pe, value);
             }
         }
+    }
+
+    /// `pe`'s value, `default` if it has none yet.
+    fn entry(&mut self, pe: Pe, default: T) -> &mut T {
+        match self.index(pe) {
+            Some(i) => self.dense[i].get_or_insert(default),
+            None => self.outside.entry(pe).or_insert(default),
+        }
+    }
+
+    /// The PEs with a value, and their values.
+    fn into_map(self) -> HashMap<Pe, T> {
+        let (cols, rows) = (self.cols, self.rows);
+        let mut map = self.outside;
+        map.extend(self.dense.into_iter().enumerate().filter_map(|(i, value)| {
+            let (x, y, w) = (i % cols, i / cols % rows, i / (cols * rows));
+            Some((Pe::new(w as u16, x as u16, y as u16), value?))
+        }));
+        map
     }
 }
 
@@ -833,7 +851,9 @@ impl PeFree {
 pub(crate) struct Timeline {
     instrs: Vec<Placed>,
     placed: usize,
-    pe_free: PeFree,
+    /// When each PE is free, and the instruction that occupied it last (a PE never occupied is
+    /// free from cycle 0).
+    pe_free: PeTable<(u64, InstrIndex)>,
     /// Per link (dense [`LinkIndex`]), the cycle it is free from.
     link_busy: Vec<u64>,
     /// Per link, the instruction whose message last took it (for [`StepSpan::waited_on`]).
@@ -841,8 +861,8 @@ pub(crate) struct Timeline {
     /// Scratch: the links one route uses, with their bytes.
     route_links: Vec<(usize, u64)>,
     spans: Vec<StepSpan>,
-    pe_cycles: HashMap<Pe, u64>,
-    pe_attention_cycles: HashMap<Pe, u64>,
+    pe_cycles: PeTable<u64>,
+    pe_attention_cycles: PeTable<u64>,
     active_routes: Vec<(RouteId, u32)>,
     active_senders: Vec<(RouteId, Pe)>,
 }
@@ -852,13 +872,13 @@ impl Timeline {
         Timeline {
             instrs: vec![Placed::default(); program.instrs.len()],
             placed: 0,
-            pe_free: PeFree::new(program),
+            pe_free: PeTable::new(program),
             link_busy: vec![0; costs.links.len()],
             link_holder: vec![0; costs.links.len()],
             route_links: Vec::new(),
             spans: Vec::with_capacity(program.schedule.len()),
-            pe_cycles: HashMap::default(),
-            pe_attention_cycles: HashMap::default(),
+            pe_cycles: PeTable::new(program),
+            pe_attention_cycles: PeTable::new(program),
             active_routes: Vec::new(),
             active_senders: Vec::new(),
         }
@@ -1046,9 +1066,9 @@ impl Timeline {
             }
             if worked {
                 for (&pe, &cycles) in compute {
-                    *self.pe_cycles.entry(pe).or_insert(0) += cycles;
+                    *self.pe_cycles.entry(pe, 0) += cycles;
                     if is_attention {
-                        *self.pe_attention_cycles.entry(pe).or_insert(0) += cycles;
+                        *self.pe_attention_cycles.entry(pe, 0) += cycles;
                     }
                 }
                 self.active_routes.extend_from_slice(routes);
@@ -1100,8 +1120,8 @@ impl Timeline {
             cycles,
             spans: self.spans,
             layers: layers.into_values().collect(),
-            pe_cycles: self.pe_cycles,
-            pe_attention_cycles: self.pe_attention_cycles,
+            pe_cycles: self.pe_cycles.into_map(),
+            pe_attention_cycles: self.pe_attention_cycles.into_map(),
             active_routes: self.active_routes,
             active_senders: {
                 self.active_senders.sort_unstable();
