@@ -425,12 +425,11 @@ fn pending_file(output: &std::path::Path, stage: &str) -> PathBuf {
 /// Runs the placement checker on `compiled`'s program while writing it to `file`: both only read
 /// the program, so they run side by side (the 8B's `stacked:4,100,kv2`: a 6.2 s check beside a
 /// 4.4 s write). Returns each with its timing.
-#[allow(clippy::type_complexity)]
 fn check_beside_write(
     compiled: &artifact::Artifact,
     module: &Module,
     file: &std::path::Path,
-) -> ((Result<(), CheckError>, PassRecord), (Result<(), artifact::ArtifactError>, PassRecord)) {
+) -> (Timed<Verdict>, Timed<Written>) {
     std::thread::scope(|scope| {
         let checker = scope.spawn(|| timed("check", || lowering::check(&compiled.program, module)));
         // Named apart: the two rows overlap in time, and the report's total sums them.
@@ -450,8 +449,14 @@ fn pipeline_names(passes: &[Box<dyn waferc_passes::Pass>]) -> String {
     passes.iter().map(|p| format!(", {}", p.name())).collect()
 }
 
+/// A stage's result and its measurement.
+type Timed<T> = (T, PassRecord);
+/// The placement checker's verdict, and the artifact writer's.
+type Verdict = Result<(), CheckError>;
+type Written = Result<(), artifact::ArtifactError>;
+
 /// Runs one lowering stage and measures it like a pass, so `--time-passes` shows it too.
-fn timed<T>(name: &str, stage: impl FnOnce() -> T) -> (T, PassRecord) {
+fn timed<T>(name: &str, stage: impl FnOnce() -> T) -> Timed<T> {
     let before = waferc_passes::peak_rss();
     let start = Instant::now();
     let result = stage();
