@@ -799,8 +799,7 @@ struct PeTable<T> {
 }
 
 impl<T: Copy> PeTable<T> {
-    fn new(program: &WaferProgram) -> Self {
-        let t = &program.target;
+    fn new(t: &TargetParams) -> Self {
         let (cols, rows, wafers) = (t.grid_cols as usize, t.grid_rows as usize, t.wafers as usize);
         PeTable { cols, rows, wafers, dense: vec![None; cols * rows * wafers], outside: HashMap::default() }
     }
@@ -872,13 +871,13 @@ impl Timeline {
         Timeline {
             instrs: vec![Placed::default(); program.instrs.len()],
             placed: 0,
-            pe_free: PeTable::new(program),
+            pe_free: PeTable::new(&program.target),
             link_busy: vec![0; costs.links.len()],
             link_holder: vec![0; costs.links.len()],
             route_links: Vec::new(),
             spans: Vec::with_capacity(program.schedule.len()),
-            pe_cycles: PeTable::new(program),
-            pe_attention_cycles: PeTable::new(program),
+            pe_cycles: PeTable::new(&program.target),
+            pe_attention_cycles: PeTable::new(&program.target),
             active_routes: Vec::new(),
             active_senders: Vec::new(),
         }
@@ -1367,6 +1366,23 @@ mod tests {
     fn costs() -> CostModel {
         let params = waferc_targets::Target::grid(6, 6).params();
         CostModel { links: LinkIndex::new(&params), params, routes: Vec::new(), reduce_edges: Vec::new() }
+    }
+
+    /// A PE table holds values for PEs on the grid and off it, and gives back exactly the PEs
+    /// given a value, zero included.
+    #[test]
+    fn a_pe_table_keeps_every_pe_given_a_value() {
+        let params = waferc_targets::Target::grid(6, 6).params();
+        let mut table: PeTable<u64> = PeTable::new(&params);
+        let (on, off, untouched) = (Pe::new(0, 5, 4), Pe::new(0, 9, 1), Pe::new(0, 1, 1));
+        *table.entry(on, 0) += 3;
+        *table.entry(on, 0) += 4;
+        *table.entry(off, 0) += 2;
+        table.set(Pe::new(0, 0, 0), 0);
+        assert_eq!((table.get(on), table.get(off), table.get(untouched)), (Some(7), Some(2), None));
+        let map = table.into_map();
+        assert_eq!(map.len(), 3, "{map:?}");
+        assert_eq!((map[&on], map[&off], map[&Pe::new(0, 0, 0)]), (7, 2, 0));
     }
 
     #[test]
