@@ -788,20 +788,22 @@ struct Placed {
     order: usize,
 }
 
-/// A value per PE, for PEs looked up for every tile of every step: by dense grid index, a map
-/// for a PE off the grid. A PE never given a value has none.
-struct PeTable<T> {
+/// When each PE is free, and the instruction that occupied it last: by dense grid index (every
+/// instruction looks up each of its PEs), a map for a PE off the grid. A PE never occupied is
+/// free from cycle 0.
+struct PeFree {
     cols: usize,
     rows: usize,
     wafers: usize,
-    dense: Vec<Option<T>>,
-    outside: HashMap<Pe, T>,
+    dense: Vec<(u64, InstrIndex)>,
+    outside: HashMap<Pe, (u64, InstrIndex)>,
 }
 
-impl<T: Copy> PeTable<T> {
-    fn new(t: &TargetParams) -> Self {
+impl PeFree {
+    fn new(program: &WaferProgram) -> Self {
+        let t = &program.target;
         let (cols, rows, wafers) = (t.grid_cols as usize, t.grid_rows as usize, t.wafers as usize);
-        PeTable { cols, rows, wafers, dense: vec![None; cols * rows * wafers], outside: HashMap::default() }
+        PeFree { cols, rows, wafers, dense: vec![(0, 0); cols * rows * wafers], outside: HashMap::default() }
     }
 
     fn index(&self, pe: Pe) -> Option<usize> {
@@ -809,39 +811,20 @@ impl<T: Copy> PeTable<T> {
         (x < self.cols && y < self.rows && w < self.wafers).then_some((w * self.rows + y) * self.cols + x)
     }
 
-    fn get(&self, pe: Pe) -> Option<T> {
+    fn get(&self, pe: Pe) -> Option<(u64, InstrIndex)> {
         match self.index(pe) {
-            Some(i) => self.dense[i],
+            Some(i) => Some(self.dense[i]),
             None => self.outside.get(&pe).copied(),
         }
     }
 
-    fn set(&mut self, pe: Pe, value: T) {
+    fn set(&mut self, pe: Pe, free: (u64, InstrIndex)) {
         match self.index(pe) {
-            Some(i) => self.dense[i] = Some(value),
+            Some(i) => self.dense[i] = free,
             None => {
-                self.outside.insert(pe, value);
+                self.outside.insert(pe, free);
             }
         }
-    }
-
-    /// `pe`'s value, `default` if it has none yet.
-    fn entry(&mut self, pe: Pe, default: T) -> &mut T {
-        match self.index(pe) {
-            Some(i) => self.dense[i].get_or_insert(default),
-            None => self.outside.entry(pe).or_insert(default),
-        }
-    }
-
-    /// The PEs with a value, and their values.
-    fn into_map(self) -> HashMap<Pe, T> {
-        let (cols, rows) = (self.cols, self.rows);
-        let mut map = self.outside;
-        map.extend(self.dense.into_iter().enumerate().filter_map(|(i, value)| {
-            let (x, y, w) = (i % cols, i / cols % rows, i / (cols * rows));
-            Some((Pe::new(w as u16, x as u16, y as u16), value?))
-        }));
-        map
     }
 }
 
@@ -850,9 +833,7 @@ impl<T: Copy> PeTable<T> {
 pub(crate) struct Timeline {
     instrs: Vec<Placed>,
     placed: usize,
-    /// When each PE is free, and the instruction that occupied it last (a PE never occupied is
-    /// free from cycle 0).
-    pe_free: PeTable<(u64, InstrIndex)>,
+    pe_free: PeFree,
     /// Per link (dense [`LinkIndex`]), the cycle it is free from.
     link_busy: Vec<u64>,
     /// Per link, the instruction whose message last took it (for [`StepSpan::waited_on`]).
@@ -860,8 +841,8 @@ pub(crate) struct Timeline {
     /// Scratch: the links one route uses, with their bytes.
     route_links: Vec<(usize, u64)>,
     spans: Vec<StepSpan>,
-    pe_cycles: PeTable<u64>,
-    pe_attention_cycles: PeTable<u64>,
+    pe_cycles: HashMap<Pe, u64>,
+    pe_attention_cycles: HashMap<Pe, u64>,
     active_routes: Vec<(RouteId, u32)>,
     active_senders: Vec<(RouteId, Pe)>,
 }
@@ -871,13 +852,13 @@ impl Timeline {
         Timeline {
             instrs: vec![Placed::default(); program.instrs.len()],
             placed: 0,
-            pe_free: PeTable::new(&program.target),
+            pe_free: PeFree::new(program),
             link_busy: vec![0; costs.links.len()],
             link_holder: vec![0; costs.links.len()],
             route_links: Vec::new(),
             spans: Vec::with_capacity(program.schedule.len()),
-            pe_cycles: PeTable::new(&program.target),
-            pe_attention_cycles: PeTable::new(&program.target),
+            pe_cycles: HashMap::default(),
+            pe_attention_cycles: HashMap::default(),
             active_routes: Vec::new(),
             active_senders: Vec::new(),
         }
@@ -1065,9 +1046,9 @@ impl Timeline {
             }
             if worked {
                 for (&pe, &cycles) in compute {
-                    *self.pe_cycles.entry(pe, 0) += cycles;
+                    *self.pe_cycles.entry(pe).or_insert(0) += cycles;
                     if is_attention {
-                        *self.pe_attention_cycles.entry(pe, 0) += cycles;
+                        *self.pe_attention_cycles.entry(pe).or_insert(0) += cycles;
                     }
                 }
                 self.active_routes.extend_from_slice(routes);
@@ -1119,8 +1100,8 @@ impl Timeline {
             cycles,
             spans: self.spans,
             layers: layers.into_values().collect(),
-            pe_cycles: self.pe_cycles.into_map(),
-            pe_attention_cycles: self.pe_attention_cycles.into_map(),
+            pe_cycles: self.pe_cycles,
+            pe_attention_cycles: self.pe_attention_cycles,
             active_routes: self.active_routes,
             active_senders: {
                 self.active_senders.sort_unstable();
@@ -1366,23 +1347,6 @@ mod tests {
     fn costs() -> CostModel {
         let params = waferc_targets::Target::grid(6, 6).params();
         CostModel { links: LinkIndex::new(&params), params, routes: Vec::new(), reduce_edges: Vec::new() }
-    }
-
-    /// A PE table holds values for PEs on the grid and off it, and gives back exactly the PEs
-    /// given a value, zero included.
-    #[test]
-    fn a_pe_table_keeps_every_pe_given_a_value() {
-        let params = waferc_targets::Target::grid(6, 6).params();
-        let mut table: PeTable<u64> = PeTable::new(&params);
-        let (on, off, untouched) = (Pe::new(0, 5, 4), Pe::new(0, 9, 1), Pe::new(0, 1, 1));
-        *table.entry(on, 0) += 3;
-        *table.entry(on, 0) += 4;
-        *table.entry(off, 0) += 2;
-        table.set(Pe::new(0, 0, 0), 0);
-        assert_eq!((table.get(on), table.get(off), table.get(untouched)), (Some(7), Some(2), None));
-        let map = table.into_map();
-        assert_eq!(map.len(), 3, "{map:?}");
-        assert_eq!((map[&on], map[&off], map[&Pe::new(0, 0, 0)]), (7, 2, 0));
     }
 
     #[test]
