@@ -290,12 +290,7 @@ pub fn search_keeping<T>(
     let fastest = best.as_ref().map_or(0, |b| b.cycles);
     // (cycles, index) of the candidates that lowered within `within` of `fastest`.
     let close_to_fastest = |records: &[Option<Record>]| -> Vec<(u64, usize)> {
-        records
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| Some((r.as_ref()?.0.cycles_per_token?, i)))
-            .filter(|&(cycles, _)| cycles as f64 <= fastest as f64 * within)
-            .collect()
+        lowered(records).filter(|&(cycles, _)| cycles as f64 <= fastest as f64 * within).collect()
     };
     let mut close = close_to_fastest(&records);
     close.sort_unstable();
@@ -305,7 +300,7 @@ pub fn search_keeping<T>(
     // which refines best: there the fastest plan of each wafer share is refined too.
     let deep = position >= LANES as u32;
     if deep {
-        for start in fastest_of_each_share(&plans, &records) {
+        for start in fastest_by(&plans, lowered(&records), wafer_share) {
             if !close.iter().any(|&(_, index)| index == start.1) {
                 close.push(start);
             }
@@ -350,17 +345,7 @@ pub fn search_keeping<T>(
     // lowering with twice the experts' tiles. Every such group size gets its own doublings: a
     // smaller group gives each expert fewer PEs, so sharing gains it more.
     if moe {
-        // Per group size, its fastest (cycles, index).
-        let mut fastest_of_group: BTreeMap<u16, (u64, usize)> = BTreeMap::new();
-        for (cycles, index) in close_to_fastest(&records) {
-            if let Plan::Stacked { layers_per_region, .. } = plans[index] {
-                let start = fastest_of_group.entry(layers_per_region).or_insert((cycles, index));
-                *start = (*start).min((cycles, index));
-            }
-        }
-        let mut starts: Vec<(u64, usize)> = fastest_of_group.into_values().collect();
-        starts.sort_unstable();
-        for start in starts {
+        for start in fastest_by(&plans, close_to_fastest(&records), group_size) {
             double_while_faster(start, sharing_twice, &mut plans, &mut records, &mut best)?;
         }
     }
@@ -372,7 +357,7 @@ pub fn search_keeping<T>(
     // to 197,379 cycles at `spread4` and no further, `stacked:1,100,kv3` from 275,507 to 182,583
     // at `spread8`). At position 0 a block has one row, so it never helps.
     if deep {
-        for start in fastest_of_each_share(&plans, &records) {
+        for start in fastest_by(&plans, lowered(&records), wafer_share) {
             double_while_faster(start, spread_twice, &mut plans, &mut records, &mut best)?;
         }
     }
@@ -401,21 +386,44 @@ pub fn search_keeping<T>(
     Ok(Found { program: best.kept, plan: plans[best.index], candidates: records.into_iter().map(|(c, _)| c).collect() })
 }
 
-/// Per wafer share of the stacked plans that lowered, its fastest (cycles, index), fastest first.
-fn fastest_of_each_share(plans: &[Plan], records: &[Option<Record>]) -> Vec<(u64, usize)> {
-    let mut fastest: BTreeMap<u8, (u64, usize)> = BTreeMap::new();
-    for (index, record) in records.iter().enumerate() {
-        let (Plan::Stacked { wafer_percent, .. }, Some(cycles)) =
-            (plans[index], record.as_ref().and_then(|r| r.0.cycles_per_token))
-        else {
-            continue;
-        };
-        let start = fastest.entry(wafer_percent).or_insert((cycles, index));
-        *start = (*start).min((cycles, index));
+/// (cycles, index) of each candidate in `records` that lowered.
+fn lowered(records: &[Option<Record>]) -> impl Iterator<Item = (u64, usize)> + '_ {
+    records.iter().enumerate().filter_map(|(i, r)| Some((r.as_ref()?.0.cycles_per_token?, i)))
+}
+
+/// Among `candidates` ((cycles, index)), the fastest of each value of `key` over the stacked
+/// plans (its group size, its wafer share), fastest first.
+fn fastest_by(
+    plans: &[Plan],
+    candidates: impl IntoIterator<Item = (u64, usize)>,
+    key: fn(&Plan) -> Option<u16>,
+) -> Vec<(u64, usize)> {
+    let mut fastest: BTreeMap<u16, (u64, usize)> = BTreeMap::new();
+    for (cycles, index) in candidates {
+        if let Some(k) = key(&plans[index]) {
+            let start = fastest.entry(k).or_insert((cycles, index));
+            *start = (*start).min((cycles, index));
+        }
     }
     let mut starts: Vec<(u64, usize)> = fastest.into_values().collect();
     starts.sort_unstable();
     starts
+}
+
+/// A stacked plan's layers per region.
+fn group_size(plan: &Plan) -> Option<u16> {
+    match *plan {
+        Plan::Stacked { layers_per_region, .. } => Some(layers_per_region),
+        _ => None,
+    }
+}
+
+/// A stacked plan's share of the wafer.
+fn wafer_share(plan: &Plan) -> Option<u16> {
+    match *plan {
+        Plan::Stacked { wafer_percent, .. } => Some(wafer_percent as u16),
+        _ => None,
+    }
 }
 
 /// `plan` with its experts' lanes shared by twice as many experts; `None` past
