@@ -503,25 +503,8 @@ fn the_stacked_plan_runs_three_prompts_in_flight_bit_exact() {
     assert_eq!(compiled["max_sequences"], 3);
     let file = dir.join("prompts.txt");
     std::fs::write(&file, "1,17,5,42,9\n300,2\n7,7,7,100,64,3,250,11\n").unwrap();
-    let run = |sequences: &str| -> Value {
-        let out = ok(&waferc(&[
-            "run",
-            artifact.to_str().unwrap(),
-            "--prompts",
-            file.to_str().unwrap(),
-            "--sequences",
-            sequences,
-            "--max-new-tokens",
-            "4",
-            "--ignore-eos",
-            "--validate",
-            "--json",
-        ]));
-        serde_json::from_str(&out).unwrap()
-    };
-    let (three, one) = (run("3"), run("1"));
+    let (three, one) = (validated_run(&artifact, &file, 3, 4), validated_run(&artifact, &file, 1, 4));
     for (together, alone) in three["sequences"].as_array().unwrap().iter().zip(one["sequences"].as_array().unwrap()) {
-        assert_eq!(together["bit_exact"], true, "{together}");
         assert_eq!(together["tokens"], alone["tokens"]);
     }
     let aggregate = |v: &Value| v["aggregate_modeled_tok_s"].as_f64().unwrap();
@@ -647,8 +630,8 @@ fn plan_search_times_candidates_at_the_search_position() {
 }
 
 /// `run --validate --json` of `artifact` on the prompts file, `sequences` in flight, each
-/// generating `new_tokens` (EOS ignored): the sequences' reports, each asserted bit-exact.
-fn validated_sequences(artifact: &Path, prompts: &Path, sequences: usize, new_tokens: usize) -> Vec<Value> {
+/// generating `new_tokens` (EOS ignored): the run's report, every sequence asserted bit-exact.
+fn validated_run(artifact: &Path, prompts: &Path, sequences: usize, new_tokens: usize) -> Value {
     let (sequences, new_tokens) = (sequences.to_string(), new_tokens.to_string());
     let run = ok(&waferc(&[
         "run",
@@ -664,11 +647,10 @@ fn validated_sequences(artifact: &Path, prompts: &Path, sequences: usize, new_to
         "--json",
     ]));
     let run: Value = serde_json::from_str(&run).unwrap();
-    let reports = run["sequences"].as_array().unwrap().clone();
-    for sequence in &reports {
+    for sequence in run["sequences"].as_array().unwrap() {
         assert_eq!(sequence["bit_exact"], true, "{sequence}");
     }
-    reports
+    run
 }
 
 /// KV blocks spread over four PEs by lane, two sequences in flight, each past its first chunk
@@ -682,7 +664,7 @@ fn kv_blocks_spread_by_lane_serve_two_sequences_bit_exact() {
     let prompts = dir.join("prompts.txt");
     let long: Vec<String> = (1..=37).map(|t| (t * 11 % 250).to_string()).collect();
     std::fs::write(&prompts, format!("{}\n300,2\n", long.join(","))).unwrap();
-    assert_eq!(validated_sequences(&artifact, &prompts, 2, 12).len(), 2);
+    assert_eq!(validated_run(&artifact, &prompts, 2, 12)["sequences"].as_array().unwrap().len(), 2);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -710,7 +692,7 @@ fn replicas_of_hot_experts_are_reported_shown_and_bit_exact_with_three_sequences
     assert!(out.contains("no more because"), "{out}");
     let inspect = ok(&waferc(&["inspect", artifact.to_str().unwrap()]));
     assert!(inspect.contains("(3 copies; extra at w0 x"), "{inspect}");
-    validated_sequences(&artifact, &prompts, 3, 4);
+    validated_run(&artifact, &prompts, 3, 4);
     // With one sequence there is nothing to replicate for: the report says why.
     let out = ok(&compile(
         &model,
