@@ -838,7 +838,7 @@ fn default_pipeline_dumps_one_file_per_pass_each_round_tripping() {
     let mut files: Vec<_> =
         std::fs::read_dir(&dump).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     files.sort();
-    assert_eq!(files, ["00-frontend.ir", "01-rewrite.ir", "02-dce.ir"]);
+    assert_eq!(files, ["00-frontend.ir", "01-rewrite.ir", "02-dce.ir", "03-interleave-experts.ir"]);
     for file in &files {
         let text = std::fs::read_to_string(dump.join(file)).unwrap();
         let module = waferc_ir::text::parse(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
@@ -853,6 +853,11 @@ fn default_pipeline_dumps_one_file_per_pass_each_round_tripping() {
     assert!(rewrite["matvecs"][1].as_u64() < rewrite["matvecs"][0].as_u64(), "{rewrite}");
     let dce = changes("dce");
     assert!(dce["weight_bytes"][1].as_u64() < dce["weight_bytes"][0].as_u64(), "{dce}");
+    // A dense model has no experts to interleave: its dump equals dce's.
+    assert_eq!(
+        std::fs::read_to_string(dump.join("03-interleave-experts.ir")).unwrap(),
+        std::fs::read_to_string(dump.join("02-dce.ir")).unwrap()
+    );
 
     // --skip-pass leaves a pass out; a name not in the pipeline is a clean error.
     ok(&compile(
@@ -864,7 +869,7 @@ fn default_pipeline_dumps_one_file_per_pass_each_round_tripping() {
     let mut files: Vec<_> =
         std::fs::read_dir(&dump).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     files.sort();
-    assert_eq!(files, ["00-frontend.ir", "01-dce.ir"]);
+    assert_eq!(files, ["00-frontend.ir", "01-dce.ir", "02-interleave-experts.ir"]);
     let unknown = fails(&compile(&model, "grid:32x32", &dir.join("m.wafer"), &["--skip-pass", "fold"]));
     assert!(unknown.contains("--skip-pass fold") && unknown.contains("rewrite, dce"), "{unknown}");
     std::fs::remove_dir_all(&dir).unwrap();

@@ -6,6 +6,7 @@
 
 pub mod dce;
 pub mod error;
+pub mod interleave_experts;
 pub mod manager;
 pub mod quantize;
 pub mod registry;

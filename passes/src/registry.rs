@@ -6,6 +6,7 @@ use waferc_ir::{verify, Module};
 
 use crate::dce::Dce;
 use crate::error::PassError;
+use crate::interleave_experts::InterleaveExperts;
 use crate::manager::Pass;
 use crate::quantize::Quantize;
 use crate::rewrite::{PlanKind, Rewrite};
@@ -43,6 +44,16 @@ pub const PASSES: &[PassInfo] = &[
         usage: "dce",
         summary: "remove instructions, weights and KV caches the output does not depend on",
         build: |args, _| no_arguments("dce", "dce", args).map(|()| Box::new(Dce) as Box<dyn Pass>),
+    },
+    PassInfo {
+        name: "interleave-experts",
+        usage: "interleave-experts",
+        summary: "order each MoE block's experts stage by stage (every expert's gate/up before any expert's next \
+                  step), so experts sharing PEs overlap one's compute with another's deliveries",
+        build: |args, _| {
+            no_arguments("interleave-experts", "interleave-experts", args)
+                .map(|()| Box::new(InterleaveExperts) as Box<dyn Pass>)
+        },
     },
     PassInfo {
         name: "quantize",
@@ -100,8 +111,9 @@ pub fn lookup(name: &str) -> Option<&'static PassInfo> {
 }
 
 /// The pipeline `waferc compile` runs when `--passes` is not given: `rewrite` fuses matvecs
-/// (fewer schedule steps and routes) and leaves the unfused weights behind, which `dce` removes.
-pub const DEFAULT_PIPELINE: &str = "rewrite, dce";
+/// (fewer schedule steps and routes) and leaves the unfused weights behind, which `dce` removes;
+/// `interleave-experts` orders an MoE block's experts stage by stage (a dense model is unchanged).
+pub const DEFAULT_PIPELINE: &str = "rewrite, dce, interleave-experts";
 
 /// Whether `spec` without the passes in `skip` does different things under the tiled and the
 /// stacked plan: a driver that lowers under both then runs it once per kind.
@@ -204,7 +216,7 @@ mod tests {
     fn bad_pipelines_say_what_is_wrong() {
         assert_eq!(
             names("dce, fold"),
-            Err("unknown pass `fold` (known passes: verify, rewrite, dce, quantize)".into())
+            Err("unknown pass `fold` (known passes: verify, rewrite, dce, interleave-experts, quantize)".into())
         );
         assert_eq!(names("dce,,dce"), Err("bad pass pipeline `dce,,dce`: an empty step between commas".into()));
         assert_eq!(names("dce now"), Err("pass `dce`: takes no arguments, found `now` (usage: dce)".into()));

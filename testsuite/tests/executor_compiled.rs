@@ -377,6 +377,26 @@ fn stacked_experts_sharing_lanes_match_the_reference() {
     }
 }
 
+/// The experts of an MoE block interleaved stage by stage (`interleave-experts`), four to a
+/// lane: the program runs lane-mates' projections back to back, and the bits stay the
+/// reference's whichever experts the router picks together.
+#[test]
+fn stacked_interleaved_experts_sharing_lanes_match_the_reference() {
+    use waferc_passes::Pass;
+    let shape = Shape { moe: Some((32, 4)), ffn: 256, ..Shape::moe() };
+    let mut module = build(&shape, 8);
+    let before = waferc_ir::text::print(&module);
+    waferc_passes::interleave_experts::InterleaveExperts.run(&mut module).unwrap();
+    waferc_ir::verify(&module).unwrap();
+    assert_ne!(waferc_ir::text::print(&module), before, "the experts' instructions moved");
+    let plan =
+        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 4, kv_spread: 1 };
+    let program = compile_with(&module, "grid:128x128", CompileOptions { max_context: 64, plan, ..Default::default() });
+    waferc_passes::wafer::check(&program, &module).unwrap_or_else(|e| panic!("{plan}: {e}"));
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[4, 9, 30], &greedy(5)).unwrap_or_else(|e| panic!("{plan}: {e}"));
+}
+
 /// An attention output cut for its o projection in more pieces than a KV band's colours take
 /// (32 query heads of 64 over two KV heads: 64 one-chunk pieces) is merged into whole query
 /// heads, one segment each, rather than one segment per KV head; the bits stay the reference's.

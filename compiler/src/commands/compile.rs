@@ -52,9 +52,10 @@ pub struct CompileArgs {
     /// IR passes to run before lowering, comma-separated with their arguments
     /// (e.g. "quantize q8_0, dce"): `verify`, `rewrite [plan=tiled|stacked]` (its fusion choices
     /// costed for that plan kind; by default for the plan being lowered), `dce`,
+    /// `interleave-experts` (an MoE block's experts in program order stage by stage),
     /// `quantize FORMAT[:WHAT]...` (FORMAT q8_0|q4_0|q4_1; WHAT layers, embedding, lm_head joined
     /// by +, or all; a bare FORMAT is every matvec weight but a tied LM head).
-    /// Without it, the default pipeline runs: `rewrite, dce`.
+    /// Without it, the default pipeline runs: `rewrite, dce, interleave-experts`.
     #[arg(long)]
     pub passes: Option<String>,
     /// Leave this pass out of the pipeline (default or `--passes`); repeatable.
