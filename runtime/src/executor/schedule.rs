@@ -20,9 +20,21 @@ pub(crate) struct StepWork {
     pub(crate) compute: HashMap<Pe, u64>,
     pub(crate) routes: Vec<(RouteId, u32)>,
     /// Collect routes whose senders are only some of their sources (an MoE combine gathering
-    /// the chosen experts): each sender that did send, with its latency to the destination, in
-    /// send order. The route waits for the farthest and holds the links their messages cross.
-    pub(crate) senders: Vec<(RouteId, Pe, u64)>,
+    /// the chosen experts): each sender that did send, in send order. The route holds the links
+    /// their messages cross.
+    pub(crate) senders: Vec<Sender>,
+}
+
+/// One sender of a collect whose senders are only some of its sources ([`StepWork::senders`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Sender {
+    pub(crate) route: RouteId,
+    pub(crate) pe: Pe,
+    /// Cycles from the sender to the route's destination.
+    pub(crate) latency: u64,
+    /// The cycle the sent value was done: its message may leave then, before the step starts
+    /// (an MoE combine's early expert, while a later one still computes).
+    pub(crate) ready: u64,
 }
 
 /// One instruction's consecutive steps while it executes: which phase is current, what each
@@ -134,10 +146,11 @@ impl InstrRun {
         }
     }
 
-    /// Records that `sender`, `latency` cycles away, sent on `route` in the current step.
-    pub(super) fn reached(&mut self, route: RouteId, sender: Pe, latency: u64) {
+    /// Records that `pe`, `latency` cycles away, sent on `route` in the current step a value
+    /// done at cycle `ready`.
+    pub(super) fn reached(&mut self, route: RouteId, pe: Pe, latency: u64, ready: u64) {
         if let Some(c) = self.current {
-            self.work[c].senders.push((route, sender, latency));
+            self.work[c].senders.push(Sender { route, pe, latency, ready });
         }
     }
 

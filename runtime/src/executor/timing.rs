@@ -89,7 +89,13 @@
 //! chosen experts), instructions sharing PEs run one after the other, and overlapping
 //! instructions contend for links as above. The decode step's cycles are the end of its last
 //! step. An unchosen expert takes no time, and an MoE combine's gather waits only for the
-//! farthest chosen expert's message, not for the farthest expert's.
+//! farthest chosen expert's message, not for the farthest expert's. The combine starts when its
+//! last chosen expert is done, but each chosen expert's message leaves when its own output is
+//! (`CostModel::pipelined_collect_cycles`): it arrives the farthest chosen expert's latency
+//! later, and the messages queue one after another on the route's slowest link in arrival
+//! order, so an expert done early (a lane-mate of another chosen expert ran after it) has its
+//! message on the way, or in, while the later one computes. With every expert done together
+//! the gather costs what one multicast-free collect of all their messages does.
 //!
 //! The *critical path* is the chain of instructions that determined the step's end: from the
 //! instruction ending last, each instruction's start was the end of one operand's instruction or
@@ -131,6 +137,7 @@ use waferc_ir::wafer::{
 };
 
 use super::error::ExecError;
+use super::schedule::Sender;
 use super::{site_of, InstrRun};
 
 /// FMA slots of one transcendental (`exp`, `sqrt`, `sin`, `cos`): a model assumption.
@@ -476,18 +483,17 @@ impl CostModel {
     }
 
     /// Cycles of route `route` carrying `messages` messages: a collect whose sources do not all
-    /// send (the embedding: one table block; an MoE combine: the chosen experts) serialises only
-    /// the messages sent, and waits only for its farthest sender that did send (`reach`, an MoE
-    /// combine); a reduction whose trailing leaves do not send (attention blocks with no
-    /// position yet) is the critical path of the edges that do (a reduction whose edges are not
-    /// kept is timed whole: see [`CostModel::reduce_edges`]).
-    fn route_cycles(&self, route: &Route, messages: u32, reach: Option<u64>) -> u64 {
+    /// send (the embedding: one table block) serialises only the messages sent (an MoE
+    /// combine's, whose senders are listed, is [`CostModel::pipelined_collect_cycles`]); a
+    /// reduction whose trailing leaves do not send (attention blocks with no position yet) is
+    /// the critical path of the edges that do (a reduction whose edges are not kept is timed
+    /// whole: see [`CostModel::reduce_edges`]).
+    fn route_cycles(&self, route: &Route, messages: u32) -> u64 {
         let cost = self.routes[route.id as usize];
         match route.kind {
             RouteKind::Collect { .. } => {
                 let sent = (messages as u64 * route.message_bytes as u64) as f64 / cost.bytes_per_cycle;
-                let latency = reach.map_or(cost.latency, |reach| cost.latency.min(reach));
-                latency + cost.serial.min(sent.ceil() as u64)
+                cost.latency + cost.serial.min(sent.ceil() as u64)
             }
             RouteKind::Reduce { .. } => {
                 let Some((shape, leaves)) = self.partial_reduction(route, messages) else { return cost.latency };
@@ -503,6 +509,25 @@ impl CostModel {
             }
             _ => cost.latency + cost.serial,
         }
+    }
+
+    /// Cycles from `comm_start` of a collect whose senders each send one message when their
+    /// value is done (`ready`, in any order; sorted here), `reach` from the farthest of them: an
+    /// MoE combine's gather, whose early experts' messages leave while a later expert still
+    /// computes. Each message arrives `reach` after it leaves (the farthest sender's latency, for
+    /// all: a bound), and the messages queue one after another on the route's slowest link, in
+    /// arrival order. With every value done at `comm_start` this is [`CostModel::route_cycles`]'s
+    /// `reach` plus every message's serialisation; it is never less than one message's.
+    fn pipelined_collect_cycles(&self, route: &Route, reach: u64, ready: &mut [u64], comm_start: u64) -> u64 {
+        let cost = self.routes[route.id as usize];
+        let latency = cost.latency.min(reach);
+        let message = route.message_bytes as f64 / cost.bytes_per_cycle;
+        ready.sort_unstable();
+        let mut done = 0.0f64;
+        for &r in ready.iter() {
+            done = done.max((r + latency) as f64) + message;
+        }
+        (done.ceil() as u64).saturating_sub(comm_start).max(latency + message.ceil() as u64)
     }
 
     /// The runs of `route` that carry messages when `messages` were sent on it, each with the
@@ -919,26 +944,30 @@ impl Timeline {
         costs: &CostModel,
         instr: InstrIndex,
         routes: &[(RouteId, u32)],
-        senders: &[(RouteId, Pe, u64)],
+        senders: &[Sender],
         comm_start: u64,
     ) -> (u64, u64, Option<InstrIndex>) {
         // Per destination PE of the reductions and broadcasts so far, the latest end with
         // contention and without: later ones starting there wait on them. (Kept as the latest
         // per PE, not a list scanned per route: a large matvec has thousands of reductions.)
         let mut collective_ends: HashMap<Pe, (u64, u64)> = HashMap::default();
-        // Per route with senders listed: the latency from its farthest sender.
-        let mut reach_of: HashMap<RouteId, u64> = HashMap::default();
-        for &(r, _, latency) in senders {
-            let farthest = reach_of.entry(r).or_insert(latency);
-            *farthest = (*farthest).max(latency);
+        // Per route with senders listed: the latency from its farthest sender, and when each
+        // sender's value was done.
+        let mut reach_of: HashMap<RouteId, (u64, Vec<u64>)> = HashMap::default();
+        for s in senders {
+            let (farthest, ready) = reach_of.entry(s.route).or_insert((s.latency, Vec::new()));
+            *farthest = (*farthest).max(s.latency);
+            ready.push(s.ready);
         }
         let (mut end, mut free_end) = (comm_start, comm_start);
         // The longest wait of a route for a busy link, and who held that link.
         let mut longest: Option<(u64, InstrIndex)> = None;
         for &(id, messages) in routes {
             let route = &program.routes[id as usize];
-            let farthest = reach_of.get(&id).copied();
-            let cycles = costs.route_cycles(route, messages, farthest);
+            let (cycles, farthest) = match reach_of.get_mut(&id) {
+                Some((reach, ready)) => (costs.pipelined_collect_cycles(route, *reach, ready, comm_start), true),
+                None => (costs.route_cycles(route, messages), false),
+            };
             let collective = matches!(route.kind, RouteKind::Reduce { .. } | RouteKind::Statistic { .. });
             let (mut after, mut after_free) = (comm_start, comm_start);
             if collective {
@@ -950,11 +979,11 @@ impl Timeline {
                 }
             }
             match farthest {
-                Some(_) => {
-                    let of_route = senders.iter().filter(|s| s.0 == id).map(|s| s.1);
+                true => {
+                    let of_route = senders.iter().filter(|s| s.route == id).map(|s| s.pe);
                     costs.sender_links(route, of_route, &mut self.route_links);
                 }
-                None => self.gather_links(costs, route, messages),
+                false => self.gather_links(costs, route, messages),
             }
             let (start, holder) = self.occupy(costs, instr, route.kind.is_multicast(), after);
             if let Some(holder) = holder {
@@ -1052,7 +1081,7 @@ impl Timeline {
                     }
                 }
                 self.active_routes.extend_from_slice(routes);
-                self.active_senders.extend(work.senders.iter().map(|&(route, pe, _)| (route, pe)));
+                self.active_senders.extend(work.senders.iter().map(|s| (s.route, s.pe)));
             }
         }
         self.instrs[run.instr as usize] =
@@ -1347,6 +1376,24 @@ mod tests {
     fn costs() -> CostModel {
         let params = waferc_targets::Target::grid(6, 6).params();
         CostModel { links: LinkIndex::new(&params), params, routes: Vec::new(), reduce_edges: Vec::new() }
+    }
+
+    /// A gather's messages leave when their values are done and queue on the slowest link in
+    /// arrival order: all done at the step's start, it is the farthest latency plus every
+    /// message; done early, only what arrives after the others have gone is left.
+    #[test]
+    fn a_gather_from_senders_done_early_ends_sooner() {
+        let route = in_tree();
+        // 9 hops from the farthest sender; a 128-byte message is 32 cycles at 4 bytes a cycle.
+        let costs = CostModel { routes: vec![RouteCost { latency: 9, serial: 96, bytes_per_cycle: 4.0 }], ..costs() };
+        let cycles = |ready: &[u64], start| costs.pipelined_collect_cycles(&route, 9, &mut ready.to_vec(), start);
+        assert_eq!(cycles(&[100, 100, 100], 100), 9 + 3 * 32);
+        // Two done long before: theirs are in; the last one's latency and message are left.
+        assert_eq!(cycles(&[0, 100, 0], 100), 9 + 32);
+        // Done a little before: they queue, each behind the one before.
+        assert_eq!(cycles(&[95, 100, 90], 100), (90 + 9 + 3 * 32) - 100);
+        // Never less than one message, however early.
+        assert_eq!(cycles(&[0, 0, 0], 1000), 9 + 32);
     }
 
     #[test]

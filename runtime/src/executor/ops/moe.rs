@@ -94,7 +94,8 @@ impl Executor<'_> {
                     if let Some(overlap) = intersect(&source.elements, &segment.elements) {
                         let part = data.slice(relative(&overlap, source.elements.start));
                         self.send(state, run, id, source.pe, Payload::Data(part))?;
-                        run.reached(id, source.pe, self.costs.hop_latency(source.pe, segment.pe));
+                        let (ready, _) = self.done_cycle(state, value as InstrIndex, run.instr);
+                        run.reached(id, source.pe, self.costs.hop_latency(source.pe, segment.pe), ready);
                     }
                 }
             }
