@@ -23,7 +23,9 @@
 //! tile `rows x elements` MACs; a norm's segment its squares, then two multiplies per element;
 //! attention per block `positions x head_dim` MACs per query head for the scores, the same again
 //! for the weighted values, plus one exponential and one division per score; the combine one
-//! MAC per chosen expert per element; the router one slot per expert to find its top k, then an
+//! MAC per chosen expert per element, each expert's share worked as its message comes in (in
+//! expert order, the order the sum takes: NUMERICS.md), so the step after its gather counts only
+//! what is left when the gather ends; the router one slot per expert to find its top k, then an
 //! exponential and a division per weight (per chosen expert when it normalises,
 //! `kernels::router_topk`; else per expert); each edge of a reduction tree one add per element on
 //! the receiving PE. A step's compute time is its
@@ -91,7 +93,7 @@
 //! step. An unchosen expert takes no time, and an MoE combine's gather waits only for the
 //! farthest chosen expert's message, not for the farthest expert's. The combine starts when its
 //! last chosen expert is done, but each chosen expert's message leaves when its own output is
-//! (`CostModel::pipelined_collect_cycles`): it arrives the farthest chosen expert's latency
+//! (`CostModel::pipelined_collect`): it arrives the farthest chosen expert's latency
 //! later, and the messages queue one after another on the route's slowest link in arrival
 //! order, so an expert done early (a lane-mate of another chosen expert ran after it) has its
 //! message on the way, or in, while the later one computes. With every expert done together
@@ -289,6 +291,19 @@ pub struct TimingReport {
     pub steps: Vec<StepSpan>,
 }
 
+/// When a PE that works `cycles` on messages received at `received` (in the order it takes
+/// them, an equal share of the work each) is done, counted from `step_start`: it starts on the
+/// first at `instr_start` at the earliest, and on each once it is in and the one before is done.
+fn accumulated(cycles: u64, received: &[u64], instr_start: u64, step_start: u64) -> u64 {
+    if received.is_empty() {
+        return cycles;
+    }
+    let count = received.len() as u64;
+    let each = cycles / count;
+    let done = received.iter().fold(instr_start, |t, &r| t.max(r) + each) + cycles % count;
+    done.saturating_sub(step_start)
+}
+
 /// Dense numbering of a program's directed links: `((wafer x rows + y) x cols + x) x 4 +
 /// direction` for a link leaving PE `(x, y)` (direction 0 east, 1 west, 2 south, 3 north), then
 /// one per ordered pair of wafers. Vectors indexed by it stand in for maps keyed by `(Pe, Pe)`,
@@ -484,7 +499,7 @@ impl CostModel {
 
     /// Cycles of route `route` carrying `messages` messages: a collect whose sources do not all
     /// send (the embedding: one table block) serialises only the messages sent (an MoE
-    /// combine's, whose senders are listed, is [`CostModel::pipelined_collect_cycles`]); a
+    /// combine's, whose senders are listed, is [`CostModel::pipelined_collect`]); a
     /// reduction whose trailing leaves do not send (attention blocks with no position yet) is
     /// the critical path of the edges that do (a reduction whose edges are not kept is timed
     /// whole: see [`CostModel::reduce_edges`]).
@@ -511,23 +526,28 @@ impl CostModel {
         }
     }
 
-    /// Cycles from `comm_start` of a collect whose senders each send one message when their
-    /// value is done (`ready`, in any order; sorted here), `reach` from the farthest of them: an
-    /// MoE combine's gather, whose early experts' messages leave while a later expert still
-    /// computes. Each message arrives `reach` after it leaves (the farthest sender's latency, for
-    /// all: a bound), and the messages queue one after another on the route's slowest link, in
-    /// arrival order. With every value done at `comm_start` this is [`CostModel::route_cycles`]'s
-    /// `reach` plus every message's serialisation; it is never less than one message's.
-    fn pipelined_collect_cycles(&self, route: &Route, reach: u64, ready: &mut [u64], comm_start: u64) -> u64 {
+    /// A collect whose senders each send one message when their value is done (`ready`, one
+    /// per sender in send order), `reach` from the farthest of them: an MoE combine's gather,
+    /// whose early experts' messages leave while a later expert still computes. Each message
+    /// arrives `reach` after it leaves (the farthest sender's latency, for all: a bound), and the
+    /// messages queue one after another on the route's slowest link, in arrival order. Returns
+    /// the route's cycles from `comm_start` and the cycle each sender's message is in, in send
+    /// order. With every value done at `comm_start` the cycles are [`CostModel::route_cycles`]'s
+    /// `reach` plus every message's serialisation; they are never less than one message's.
+    fn pipelined_collect(&self, route: &Route, reach: u64, ready: &[u64], comm_start: u64) -> (u64, Vec<u64>) {
         let cost = self.routes[route.id as usize];
         let latency = cost.latency.min(reach);
         let message = route.message_bytes as f64 / cost.bytes_per_cycle;
-        ready.sort_unstable();
+        let mut order: Vec<usize> = (0..ready.len()).collect();
+        order.sort_by_key(|&i| (ready[i], i));
+        let mut received = vec![0u64; ready.len()];
         let mut done = 0.0f64;
-        for &r in ready.iter() {
-            done = done.max((r + latency) as f64) + message;
+        for i in order {
+            done = done.max((ready[i] + latency) as f64) + message;
+            received[i] = done.ceil() as u64;
         }
-        (done.ceil() as u64).saturating_sub(comm_start).max(latency + message.ceil() as u64)
+        let last = received.iter().copied().max().unwrap_or(comm_start);
+        (last.saturating_sub(comm_start).max(latency + message.ceil() as u64), received)
     }
 
     /// The runs of `route` that carry messages when `messages` were sent on it, each with the
@@ -870,6 +890,9 @@ pub(crate) struct Timeline {
     pe_attention_cycles: HashMap<Pe, u64>,
     active_routes: Vec<(RouteId, u32)>,
     active_senders: Vec<(RouteId, Pe)>,
+    /// Per destination of the current instruction's last gather with senders listed, the cycle
+    /// each sender's message was in, in send order: its next step accumulates them as they come.
+    received: HashMap<Pe, Vec<u64>>,
 }
 
 impl Timeline {
@@ -886,6 +909,7 @@ impl Timeline {
             pe_attention_cycles: HashMap::default(),
             active_routes: Vec::new(),
             active_senders: Vec::new(),
+            received: HashMap::default(),
         }
     }
 
@@ -964,10 +988,14 @@ impl Timeline {
         let mut longest: Option<(u64, InstrIndex)> = None;
         for &(id, messages) in routes {
             let route = &program.routes[id as usize];
-            let (cycles, farthest) = match reach_of.get_mut(&id) {
-                Some((reach, ready)) => (costs.pipelined_collect_cycles(route, *reach, ready, comm_start), true),
-                None => (costs.route_cycles(route, messages), false),
+            let (cycles, received) = match reach_of.get(&id) {
+                Some((reach, ready)) => {
+                    let (cycles, received) = costs.pipelined_collect(route, *reach, ready, comm_start);
+                    (cycles, Some(received))
+                }
+                None => (costs.route_cycles(route, messages), None),
             };
+            let farthest = received.is_some();
             let collective = matches!(route.kind, RouteKind::Reduce { .. } | RouteKind::Statistic { .. });
             let (mut after, mut after_free) = (comm_start, comm_start);
             if collective {
@@ -997,6 +1025,11 @@ impl Timeline {
                     latest.0 = latest.0.max(start + cycles);
                     latest.1 = latest.1.max(after_free + cycles);
                 }
+            }
+            if let (Some(received), Some(&destination)) = (received, route.destinations.first()) {
+                // Waiting for busy links delays every message alike.
+                let delay = start - after;
+                self.received.insert(destination, received.into_iter().map(|r| r + delay).collect());
             }
             end = end.max(start + cycles);
             free_end = free_end.max(after_free + cycles);
@@ -1041,12 +1074,22 @@ impl Timeline {
         let placement = &program.instrs[run.instr as usize];
         let is_attention = matches!(placement.work, Work::Attention(_));
         let first_span = self.spans.len();
+        let instr_start = at;
+        self.received.clear();
         let mut before_deliver = at;
         // Routes claim links in the order the schedule lists them for each step.
         run.sort_sent_as_listed();
         for ((index, step), work) in run.steps.iter().zip(&run.work) {
             let (compute, routes) = (&work.compute, &work.routes);
-            let compute_cycles = if worked { compute.values().copied().max().unwrap_or(0) } else { 0 };
+            // A step after a gather works on each message as it comes in (an MoE combine adds
+            // each chosen expert's weighted output, in expert order): only what is left once
+            // the step starts counts.
+            let received = std::mem::take(&mut self.received);
+            let busy = |(pe, &cycles): (&Pe, &u64)| match received.get(pe) {
+                Some(received) => accumulated(cycles, received, instr_start, at),
+                None => cycles,
+            };
+            let compute_cycles = if worked { compute.iter().map(busy).max().unwrap_or(0) } else { 0 };
             let (comm_cycles, wait_cycles, waited_on) = match worked && !routes.is_empty() {
                 true => self.communicate(program, costs, run.instr, routes, &work.senders, at + compute_cycles),
                 false => (0, 0, None),
@@ -1386,7 +1429,7 @@ mod tests {
         let route = in_tree();
         // 9 hops from the farthest sender; a 128-byte message is 32 cycles at 4 bytes a cycle.
         let costs = CostModel { routes: vec![RouteCost { latency: 9, serial: 96, bytes_per_cycle: 4.0 }], ..costs() };
-        let cycles = |ready: &[u64], start| costs.pipelined_collect_cycles(&route, 9, &mut ready.to_vec(), start);
+        let cycles = |ready: &[u64], start| costs.pipelined_collect(&route, 9, ready, start).0;
         assert_eq!(cycles(&[100, 100, 100], 100), 9 + 3 * 32);
         // Two done long before: theirs are in; the last one's latency and message are left.
         assert_eq!(cycles(&[0, 100, 0], 100), 9 + 32);
@@ -1394,6 +1437,28 @@ mod tests {
         assert_eq!(cycles(&[95, 100, 90], 100), (90 + 9 + 3 * 32) - 100);
         // Never less than one message, however early.
         assert_eq!(cycles(&[0, 0, 0], 1000), 9 + 32);
+        // Each sender's message is in when the queue has taken it, in send order.
+        let (_, received) = costs.pipelined_collect(&route, 9, &[100, 0, 95], 100);
+        // In by readiness: the second at 0 + 9 + 32, the third at 95 + 9 + 32, then the first.
+        assert_eq!(received, [136 + 32, 41, 95 + 9 + 32]);
+    }
+
+    /// Work on messages as they come in: each share starts once its message is in and the share
+    /// before is done, never before the instruction starts; only what is left at the step's
+    /// start counts.
+    #[test]
+    fn work_on_received_messages_counts_only_what_is_left() {
+        // Three messages of 100 cycles' work, all in at 500 when the step starts: all of it.
+        assert_eq!(accumulated(300, &[500, 500, 500], 0, 500), 300);
+        // In early, in order: done while they came in, but not before the instruction started.
+        assert_eq!(accumulated(300, &[10, 20, 30], 400, 500), 300 + 400 - 500);
+        assert_eq!(accumulated(300, &[10, 20, 30], 0, 500), 0);
+        // The first in last: the others wait for it (the order is the sum's).
+        assert_eq!(accumulated(300, &[500, 10, 20], 0, 500), 300);
+        assert_eq!(accumulated(300, &[10, 20, 500], 0, 500), 100);
+        // The remainder of an uneven split goes last; no messages: all of it.
+        assert_eq!(accumulated(301, &[10, 20, 500], 0, 500), 101);
+        assert_eq!(accumulated(300, &[], 0, 500), 300);
     }
 
     #[test]
