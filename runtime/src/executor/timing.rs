@@ -97,7 +97,8 @@
 //! later, and the messages queue one after another on the route's slowest link in arrival
 //! order, so an expert done early (a lane-mate of another chosen expert ran after it) has its
 //! message on the way, or in, while the later one computes. With every expert done together
-//! the gather costs what one multicast-free collect of all their messages does.
+//! the gather costs the farthest expert's latency plus every message's serialisation, as a
+//! collect of all their messages at once would.
 //!
 //! The *critical path* is the chain of instructions that determined the step's end: from the
 //! instruction ending last, each instruction's start was the end of one operand's instruction or
