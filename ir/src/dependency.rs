@@ -174,6 +174,21 @@ impl DataReaders {
     }
 }
 
+/// Per instruction, the MoE expert it computes for: an `expert_dispatch`'s expert, then that of
+/// any instruction reading such a value (through its first operand that has one); an
+/// `expert_combine` reads them all but belongs to none, nor does what reads only dense values.
+pub fn experts(module: &Module) -> Vec<Option<u32>> {
+    let mut expert: Vec<Option<u32>> = vec![None; module.body.len()];
+    for (handle, instr) in module.body.iter() {
+        expert[handle.index()] = match &instr.op {
+            Op::ExpertDispatch { expert, .. } => Some(*expert),
+            Op::ExpertCombine { .. } => None,
+            op => op.operands().into_iter().find_map(|o| expert.get(o.index()).copied().flatten()),
+        };
+    }
+    expert
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,7 +15,7 @@
 //! independent, and `expert_combine` adds them in expert index order, not program order
 //! (NUMERICS.md). A run where some instruction reads another expert's value is left as it is.
 
-use waferc_ir::{Handle, Module, Op};
+use waferc_ir::{Handle, Module};
 
 use crate::error::PassError;
 use crate::manager::Pass;
@@ -35,23 +35,9 @@ impl Pass for InterleaveExperts {
     }
 }
 
-/// The expert each instruction computes for: an `expert_dispatch`'s, and then that of any
-/// instruction reading such a value (the combine reads them all but belongs to none).
-fn experts(module: &Module) -> Vec<Option<u32>> {
-    let mut expert: Vec<Option<u32>> = vec![None; module.body.len()];
-    for (handle, instr) in module.body.iter() {
-        expert[handle.index()] = match &instr.op {
-            Op::ExpertDispatch { expert, .. } => Some(*expert),
-            Op::ExpertCombine { .. } => None,
-            op => op.operands().into_iter().find_map(|o| expert.get(o.index()).copied().flatten()),
-        };
-    }
-    expert
-}
-
 /// The new program order (old instruction indices), or `None` when nothing moves.
 fn interleaved_order(module: &Module) -> Option<Vec<usize>> {
-    let expert = experts(module);
+    let expert = waferc_ir::dependency::experts(module);
     let n = expert.len();
     let mut order: Vec<usize> = Vec::with_capacity(n);
     let mut i = 0;

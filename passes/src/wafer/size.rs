@@ -4,7 +4,7 @@
 use std::ops::Range;
 
 use waferc_ir::completion::Completion;
-use waferc_ir::dependency::DataReaders;
+use waferc_ir::dependency::{experts, DataReaders};
 use waferc_ir::wafer::{Plan, TargetParams};
 use waferc_ir::{DType, Module, Op, ValueType, Weight, BLOCK};
 use waferc_targets::Target;
@@ -46,29 +46,24 @@ impl Analysis {
     pub fn new(module: &Module) -> Analysis {
         let n = module.body.len();
         let DataReaders { source, readers } = DataReaders::new(module);
-        let mut expert = vec![None; n];
+        let expert = experts(module);
         let mut offset = vec![0u64; n];
         let mut router = vec![None; n];
         for (handle, instr) in module.body.iter() {
             let i = handle.index();
             match &instr.op {
-                Op::ExpertDispatch { routing, expert: e, .. } => {
-                    expert[i] = Some(*e);
-                    router[i] = Some(routing.index() as u32);
+                Op::ExpertDispatch { routing, .. } | Op::ExpertCombine { routing, .. } => {
+                    router[i] = Some(routing.index() as u32)
                 }
-                Op::ExpertCombine { routing, .. } => router[i] = Some(routing.index() as u32),
                 Op::Slice { x, offset: start, .. } => {
                     offset[i] = offset[x.index()] + *start as u64;
-                    expert[i] = expert[x.index()];
                     router[i] = router[x.index()];
                 }
-                // An instruction computed from an expert's value belongs to that expert (and its
-                // router); one reading only dense values, such as the residual add on a combine,
-                // belongs to none.
+                // An instruction computed from an expert's value belongs to that expert's router;
+                // one reading only dense values, such as the residual add on a combine, to none.
                 op => {
                     let from_expert = op.operands().into_iter().find(|o| expert[o.index()].is_some());
                     if let Some(operand) = from_expert {
-                        expert[i] = expert[operand.index()];
                         router[i] = router[operand.index()];
                     }
                 }

@@ -1090,7 +1090,12 @@ impl Timeline {
                 Some(received) => accumulated(cycles, received, instr_start, at),
                 None => cycles,
             };
-            let compute_cycles = if worked { compute.iter().map(busy).max().unwrap_or(0) } else { 0 };
+            let compute_cycles = match (worked, received.is_empty()) {
+                (false, _) => 0,
+                // Every other step (a matvec's has a PE per tile) looks nothing up.
+                (true, true) => compute.values().copied().max().unwrap_or(0),
+                (true, false) => compute.iter().map(busy).max().unwrap_or(0),
+            };
             let (comm_cycles, wait_cycles, waited_on) = match worked && !routes.is_empty() {
                 true => self.communicate(program, costs, run.instr, routes, &work.senders, at + compute_cycles),
                 false => (0, 0, None),
