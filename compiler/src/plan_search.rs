@@ -134,6 +134,7 @@ pub fn candidates(module: &Module) -> Vec<Plan> {
                 kv_copies: 1,
                 experts_per_lane: 1,
                 kv_spread: 1,
+                kv_slices: 1,
             });
         }
     }

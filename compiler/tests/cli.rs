@@ -895,7 +895,7 @@ fn plan_search_shares_lanes_from_every_refined_group_size() {
     let cycles = |plan: Plan| stacked.iter().find(|(p, _)| *p == plan).and_then(|(_, c)| *c);
     let with_lanes = |plan: Plan, e: u8| match plan {
         Plan::Stacked { layers_per_region, wafer_percent, kv_copies, kv_spread, .. } => {
-            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: e, kv_spread }
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane: e, kv_spread, kv_slices: 1 }
         }
         other => other,
     };

@@ -23,9 +23,34 @@ fn compiled_stacked(kv_copies: u8) -> (Module, WaferProgram) {
 /// As [`compiled_stacked`], each KV block spread over `kv_spread` PEs, on `grid`.
 fn compiled_stacked_spread(kv_copies: u8, kv_spread: u8, grid: &str) -> (Module, WaferProgram) {
     let module = build(&Shape::tiny());
-    let plan = Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies, experts_per_lane: 1, kv_spread };
+    let plan = Plan::Stacked {
+        layers_per_region: 1,
+        wafer_percent: 100,
+        kv_copies,
+        experts_per_lane: 1,
+        kv_spread,
+        kv_slices: 1,
+    };
     let options = CompileOptions { plan, ..CompileOptions::new(64) };
     let program = compile(&module, &Target::resolve(grid).unwrap(), &options).unwrap();
+    check(&program, &module).unwrap();
+    (module, program)
+}
+
+/// The tiny model with 64-element heads, the stacked plan with each KV head's cache in two
+/// slices of its head dimension, accepted by the checker.
+fn compiled_sliced() -> (Module, WaferProgram) {
+    let module = build(&Shape { head_dim: 64, ..Shape::tiny() });
+    let plan = Plan::Stacked {
+        layers_per_region: 1,
+        wafer_percent: 100,
+        kv_copies: 1,
+        experts_per_lane: 1,
+        kv_spread: 1,
+        kv_slices: 2,
+    };
+    let options = CompileOptions { plan, ..CompileOptions::new(64) };
+    let program = compile(&module, &Target::resolve("grid:16x32").unwrap(), &options).unwrap();
     check(&program, &module).unwrap();
     (module, program)
 }
@@ -268,6 +293,7 @@ fn bad_options_are_refused() {
             kv_copies: 3,
             experts_per_lane: 1,
             kv_spread: 1,
+            kv_slices: 1,
         },
         ..CompileOptions::new(64)
     };
@@ -344,6 +370,44 @@ fn kv_copies_that_do_not_partition_the_query_heads_are_caught() {
         .expect("an attention with a KV head in two copies");
     let err = problems(&program, &module);
     assert!(err.problems.iter().any(|p| p.instr == Some(instr) && p.message.contains("not the next ones")), "{err}");
+}
+
+#[test]
+fn kv_slices_that_do_not_cut_the_head_dimension_in_order_are_caught() {
+    let (module, mut program) = compiled_sliced();
+    // The second slice claims the first one's dims: the dims 32..64 are held by no block.
+    let instr = program
+        .instrs
+        .iter_mut()
+        .find_map(|p| {
+            let Work::Attention(att) = &mut p.work else { return None };
+            att.kv_heads_placed[1].dims = 0..32;
+            Some(p.instr)
+        })
+        .expect("an attention");
+    let err = problems(&program, &module);
+    assert!(err.problems.iter().any(|p| p.instr == Some(instr) && p.message.contains("holds dims")), "{err}");
+}
+
+#[test]
+fn a_kv_slice_score_sum_that_skips_a_slice_is_caught() {
+    let (module, mut program) = compiled_sliced();
+    // The first block's score sum starts at the second slice's block only: the first slice's
+    // part would be missing from every score.
+    let (instr, id) = program
+        .instrs
+        .iter()
+        .find_map(|p| match &p.work {
+            Work::Attention(att) => Some((p.instr, att.kv_heads_placed[0].score_reduce[0])),
+            _ => None,
+        })
+        .expect("an attention in slices");
+    program.routes[id as usize].sources.remove(0);
+    let err = problems(&program, &module);
+    assert!(
+        err.problems.iter().any(|p| p.instr == Some(instr) && p.message.contains("not the sum of its slices' scores")),
+        "{err}"
+    );
 }
 
 #[test]

@@ -155,6 +155,7 @@ fn stacked_tile_estimate_bounds_the_lowered_tiles() {
                 kv_copies: 1,
                 experts_per_lane,
                 kv_spread: 1,
+                kv_slices: 1,
             };
             let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
             let program = compile(&module, &target, &options).unwrap_or_else(|e| panic!("{shape:?} {plan}: {e}"));
@@ -182,8 +183,14 @@ fn an_overfilled_pe_is_reported_with_what_holds_it() {
 #[test]
 fn shared_expert_lanes_are_refused_for_a_dense_model() {
     let target = Target::resolve("grid:48x48").unwrap();
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 2, kv_spread: 1 };
+    let plan = Plan::Stacked {
+        layers_per_region: 1,
+        wafer_percent: 100,
+        kv_copies: 1,
+        experts_per_lane: 2,
+        kv_spread: 1,
+        kv_slices: 1,
+    };
     let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
     let err = compile(&build(&Shape::tiny()), &target, &options).unwrap_err().to_string();
     assert!(err.contains("stacked:1,100,share2") && err.contains("no MoE layer"), "{err}");

@@ -220,6 +220,30 @@ fn tile_partials_combine_to_the_whole_dot_for_every_aligned_split() {
     }
 }
 
+/// A KV head cut in 2, 4 or 8 slices of its head dimension: each slice's part of a score,
+/// combined by the chunk tree in dims order and scaled, is the whole head's score bit for bit.
+#[test]
+fn attention_score_parts_combine_to_the_whole_score() {
+    let mut rng = Rng(11);
+    for head_dim in [64usize, 128, 256] {
+        for _ in 0..50 {
+            let (q, k) = (wild_terms(&mut rng, head_dim), wild_terms(&mut rng, head_dim));
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            let whole = kernels::attention_score(&q, &k, scale);
+            for slices in [2usize, 4, 8].into_iter().filter(|&s| head_dim / s >= 32) {
+                let width = head_dim / slices;
+                let parts: Vec<f32> = (0..slices)
+                    .map(|s| {
+                        kernels::attention_score_part(&q[s * width..(s + 1) * width], &k[s * width..(s + 1) * width])
+                    })
+                    .collect();
+                let combined = kernels::scaled_score(kernels::tree_combine(&parts), scale);
+                assert_eq!(combined.to_bits(), whole.to_bits(), "head_dim {head_dim}, {slices} slices");
+            }
+        }
+    }
+}
+
 #[test]
 fn vector_tree_sum_is_an_elementwise_tree_sum() {
     let mut rng = Rng(5);

@@ -308,8 +308,14 @@ fn stacked_experts_sharing_lanes_match_the_reference() {
     const GRID: &str = "grid:128x128";
     // Per (layer, expert), the PEs holding its tiles; per PE, the experts it holds per layer.
     let tiles_of = |experts_per_lane| {
-        let plan =
-            Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane, kv_spread: 1 };
+        let plan = Plan::Stacked {
+            layers_per_region: 1,
+            wafer_percent: 100,
+            kv_copies: 1,
+            experts_per_lane,
+            kv_spread: 1,
+            kv_slices: 1,
+        };
         let program = compile_with(&module, GRID, CompileOptions { max_context: 64, plan, ..Default::default() });
         waferc_passes::wafer::check(&program, &module).unwrap_or_else(|e| panic!("{plan}: {e}"));
         let mut pes: std::collections::BTreeMap<(u32, u32), std::collections::BTreeSet<waferc_ir::wafer::Pe>> =
@@ -389,8 +395,14 @@ fn stacked_interleaved_experts_sharing_lanes_match_the_reference() {
     waferc_passes::interleave_experts::InterleaveExperts.run(&mut module).unwrap();
     waferc_ir::verify(&module).unwrap();
     assert_ne!(waferc_ir::text::print(&module), before, "the experts' instructions moved");
-    let plan =
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 4, kv_spread: 1 };
+    let plan = Plan::Stacked {
+        layers_per_region: 1,
+        wafer_percent: 100,
+        kv_copies: 1,
+        experts_per_lane: 4,
+        kv_spread: 1,
+        kv_slices: 1,
+    };
     let program = compile_with(&module, "grid:128x128", CompileOptions { max_context: 64, plan, ..Default::default() });
     waferc_passes::wafer::check(&program, &module).unwrap_or_else(|e| panic!("{plan}: {e}"));
     let blob = pack_tile_blob(&program, &module);
@@ -490,6 +502,58 @@ fn stacked_dense_keeps_heads_in_their_bands_and_gate_up_twins_together_bit_exact
     validate(&program, &module, Some(&blob), &[5, 21, 2], &greedy(5)).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// KV heads cut in slices of their head dimension: each slice's blocks hold its dims of every
+/// position, the slices' score parts are summed block by block before the softmax, the blocks
+/// compute less attention per step, and the logits stay the reference's bits.
+#[test]
+fn stacked_kv_slices_split_each_heads_dims_and_match_the_reference() {
+    let shape = Shape { head_dim: 128, ..Shape::dense() };
+    let module = rewrite_module(&build(&shape, 9), PlanKind::Stacked).unwrap();
+    let compile = |kv_slices| {
+        let plan = Plan::Stacked {
+            layers_per_region: 1,
+            wafer_percent: 100,
+            kv_copies: 1,
+            experts_per_lane: 1,
+            kv_spread: 1,
+            kv_slices,
+        };
+        compile_with(&module, "grid:24x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
+    };
+    let attention_compute = |program: &waferc_ir::wafer::WaferProgram| {
+        let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+        let timing = Executor::new(program, &module, None, options).unwrap().step(1).unwrap().timing;
+        let spans = timing.spans.iter().filter(|s| s.op == "attention");
+        spans.map(|s| s.compute_cycles).sum::<u64>()
+    };
+    let whole = compile(1);
+    for slices in [2u32, 4] {
+        let sliced = compile(slices as u8);
+        let mut attentions = 0;
+        for p in &sliced.instrs {
+            let waferc_ir::wafer::Work::Attention(att) = &p.work else { continue };
+            attentions += 1;
+            for head in 0..shape.kv_heads {
+                let dims: Vec<_> =
+                    att.kv_heads_placed.iter().filter(|h| h.kv_head == head).map(|h| h.dims.clone()).collect();
+                let width = shape.head_dim / slices;
+                let expected: Vec<_> = (0..slices).map(|s| s * width..(s + 1) * width).collect();
+                assert_eq!(dims, expected, "%{} KV head {head}'s slices cut its dims in order", p.instr);
+            }
+        }
+        assert!(attentions > 0);
+        assert!(
+            attention_compute(&sliced) < attention_compute(&whole),
+            "slice{slices} computes less attention per block: {} vs {}",
+            attention_compute(&sliced),
+            attention_compute(&whole)
+        );
+        let blob = pack_tile_blob(&sliced, &module);
+        validate(&sliced, &module, Some(&blob), &[7, 3, 40], &greedy(6))
+            .unwrap_or_else(|e| panic!("slice{slices}: {e}"));
+    }
+}
+
 /// KV heads held in copies: each copy's blocks serve one share of its head's query heads, the
 /// blocks compute less attention per step, and the logits stay the reference's bits.
 #[test]
@@ -499,8 +563,14 @@ fn stacked_kv_copies_split_each_heads_queries_and_match_the_reference() {
     assert_eq!(group, 2, "two query heads per KV head, one per copy");
     let module = rewrite_module(&build(&shape, 8), PlanKind::Stacked).unwrap();
     let compile = |kv_copies| {
-        let plan =
-            Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies, experts_per_lane: 1, kv_spread: 1 };
+        let plan = Plan::Stacked {
+            layers_per_region: 1,
+            wafer_percent: 100,
+            kv_copies,
+            experts_per_lane: 1,
+            kv_spread: 1,
+            kv_slices: 1,
+        };
         compile_with(&module, "grid:16x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
     };
     let (single, copied) = (compile(1), compile(2));
@@ -549,8 +619,14 @@ fn stacked_kv_blocks_spread_by_lane_match_the_reference() {
     let shape = Shape::dense();
     let module = rewrite_module(&build(&shape, 9), PlanKind::Stacked).unwrap();
     let compile = |kv_spread| {
-        let plan =
-            Plan::Stacked { layers_per_region: 1, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread };
+        let plan = Plan::Stacked {
+            layers_per_region: 1,
+            wafer_percent: 100,
+            kv_copies: 1,
+            experts_per_lane: 1,
+            kv_spread,
+            kv_slices: 1,
+        };
         compile_with(&module, "grid:16x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
     };
     // The busiest attention PE's arithmetic at position 40 (chunk 0 full, chunk 1 holding 9 rows).

@@ -288,7 +288,7 @@ fn tiny_moe(two_wafers: bool) -> WaferProgram {
         let region = b.region(
             pe,
             attention,
-            RegionKind::KvCache { kv_head: 0, positions: positions.clone(), lanes: Lanes::ALL },
+            RegionKind::KvCache { kv_head: 0, positions: positions.clone(), lanes: Lanes::ALL, dims: 0..64 },
             16384,
         );
         kv_blocks.push(KvBlock { pe, positions, lanes: Lanes::ALL, region });
@@ -330,6 +330,7 @@ fn tiny_moe(two_wafers: bool) -> WaferProgram {
             kv_head: 0,
             sequence: 0,
             query_heads: 0..1,
+            dims: 0..64,
             blocks: kv_blocks,
             q_routes: vec![q_delivery],
             k_routes: vec![],
@@ -339,6 +340,8 @@ fn tiny_moe(two_wafers: bool) -> WaferProgram {
             sum_reduce: None,
             sum_broadcast: None,
             out_reduce: None,
+            score_reduce: Vec::new(),
+            score_broadcast: Vec::new(),
         }],
         collects: vec![attention_collect],
     });

@@ -19,7 +19,14 @@ fn smollm2_on_wse3_is_bit_exact_and_matches_the_transformers_tokens() {
 #[test]
 fn smollm2_stacked_on_wse3_is_bit_exact() {
     bit_exact_on_wse3(
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 35, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 },
+        Plan::Stacked {
+            layers_per_region: 1,
+            wafer_percent: 35,
+            kv_copies: 1,
+            experts_per_lane: 1,
+            kv_spread: 1,
+            kv_slices: 1,
+        },
         false,
     );
 }
@@ -30,7 +37,14 @@ fn smollm2_stacked_on_wse3_is_bit_exact() {
 #[test]
 fn smollm2_rewritten_stacked_on_wse3_is_bit_exact() {
     bit_exact_on_wse3(
-        Plan::Stacked { layers_per_region: 1, wafer_percent: 35, kv_copies: 3, experts_per_lane: 1, kv_spread: 1 },
+        Plan::Stacked {
+            layers_per_region: 1,
+            wafer_percent: 35,
+            kv_copies: 3,
+            experts_per_lane: 1,
+            kv_spread: 1,
+            kv_slices: 1,
+        },
         true,
     );
 }

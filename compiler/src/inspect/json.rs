@@ -39,7 +39,8 @@ pub const PLACEMENT_SCHEMA: &str = "waferc.placement.v1";
 ///   `inter_wafer_bytes_per_cycle` (as in `waferc targets`).
 /// * `plan`: `{"kind": "tiled"}`, `{"kind": "mesh_gemv", "p", "group_num"}` or `{"kind":
 ///   "stacked", "layers_per_region", "wafer_percent", "kv_copies", "experts_per_lane",
-///   "kv_spread"}`.
+///   "kv_spread"}`, and `"kv_slices"` when each KV head's cache is cut in slices of its head
+///   dimension.
 /// * `max_context`: KV capacity in positions. `tile_blob_len`: bytes of packed weights.
 ///   `weights_present`: false for a shape-only compile.
 /// * `model`: `{"architecture", "num_layers", "vocab_size"}` when the module was given, else null.
@@ -62,7 +63,8 @@ pub const PLACEMENT_SCHEMA: &str = "waferc.placement.v1";
 /// * `kv_blocks[]`: one per attention KV block: `kv_head`, `query_heads` (which of the KV
 ///   head's query heads its placement serves: all, or a copy's share), `positions` (capacity),
 ///   `lanes` (`[first, end)` of each chunk's 8 lanes it holds: `[0, 8]` unless the plan spreads
-///   a block over PEs by lane), `pe`, `region`, `bytes`.
+///   a block over PEs by lane), `dims` (`[first, end)` of each head vector it holds: all of
+///   them unless the plan cuts the head dimension in slices), `pe`, `region`, `bytes`.
 /// * `segments[]`: one per piece of a vector result: `pe`, `elements`. An `expert_dispatch`'s
 ///   segments are its input's (the result aliases it; no SRAM of its own).
 /// * `routes[]`: `id`, `kind` (`operand`, `collect`, `reduce`, `statistic`, `routing`), `colour`,
@@ -82,7 +84,7 @@ pub const PLACEMENT_SCHEMA: &str = "waferc.placement.v1";
 /// * `pes[].regions[]`: `offset`, `bytes`, `instr` (null for the code reserve), `kind`
 ///   (`code`, `weight`, `kv_cache`, `operand`, `partial`, `output`, `scratch`); *if weight*
 ///   `weight`, `rows`, `cols` (element range of the last axis) and `blob` (byte range in the tile
-///   blob); *if kv_cache* `kv_head`, `positions`, `lanes`; *if operand* `value`, `elements`; *if partial*
+///   blob); *if kv_cache* `kv_head`, `positions`, `lanes`, `dims`; *if operand* `value`, `elements`; *if partial*
 ///   `elements` (`[0, n]`); *if output* `elements`.
 pub fn placement_json(program: &WaferProgram, module: Option<&Module>, filter: &Filter) -> serde_json::Value {
     let view = Analysis::new(program, module, filter);
@@ -234,6 +236,8 @@ struct PlanJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_copies: Option<u8>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    kv_slices: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     kv_spread: Option<u8>,
     #[serde(skip_serializing_if = "Option::is_none")]
     layers_per_region: Option<u16>,
@@ -251,6 +255,7 @@ impl PlanJson {
                 experts_per_lane: None,
                 kind: "tiled",
                 kv_copies: None,
+                kv_slices: None,
                 kv_spread: None,
                 layers_per_region: None,
                 p: None,
@@ -261,21 +266,25 @@ impl PlanJson {
                 experts_per_lane: None,
                 kind: "mesh_gemv",
                 kv_copies: None,
+                kv_slices: None,
                 kv_spread: None,
                 layers_per_region: None,
                 p: Some(p),
                 wafer_percent: None,
             },
-            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } => PlanJson {
-                group_num: None,
-                experts_per_lane: Some(experts_per_lane),
-                kind: "stacked",
-                kv_copies: Some(kv_copies),
-                kv_spread: Some(kv_spread),
-                layers_per_region: Some(layers_per_region),
-                p: None,
-                wafer_percent: Some(wafer_percent),
-            },
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread, kv_slices } => {
+                PlanJson {
+                    group_num: None,
+                    experts_per_lane: Some(experts_per_lane),
+                    kind: "stacked",
+                    kv_copies: Some(kv_copies),
+                    kv_slices: (kv_slices != 1).then_some(kv_slices),
+                    kv_spread: Some(kv_spread),
+                    layers_per_region: Some(layers_per_region),
+                    p: None,
+                    wafer_percent: Some(wafer_percent),
+                }
+            }
         }
     }
 }
@@ -482,6 +491,7 @@ fn lanes(lanes: Lanes) -> [u16; 2] {
 #[derive(Serialize)]
 struct KvBlockJson<'a> {
     bytes: u32,
+    dims: [u32; 2],
     expert: Option<u32>,
     instr: u32,
     kv_head: u32,
@@ -505,6 +515,7 @@ fn kv_blocks<'a>(view: &'a Analysis) -> impl Iterator<Item = KvBlockJson<'a>> + 
                 let region = region_at(view.program, block.pe, block.region);
                 KvBlockJson {
                     bytes: region.map_or(0, |(_, r)| r.bytes),
+                    dims: range(&head.dims),
                     expert: placement.expert,
                     instr,
                     kv_head: head.kv_head,
@@ -654,6 +665,8 @@ struct RegionJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     cols: Option<[u64; 2]>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    dims: Option<[u32; 2]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     elements: Option<[u64; 2]>,
     instr: Option<u32>,
     kind: &'static str,
@@ -682,6 +695,7 @@ impl RegionJson {
             elements: None,
             instr: region.instr,
             kind: "",
+            dims: None,
             kv_head: None,
             lanes: None,
             offset: region.offset,
@@ -699,8 +713,9 @@ impl RegionJson {
                 json.blob = blob.as_ref().map(range);
                 "weight"
             }
-            RegionKind::KvCache { kv_head, positions, lanes: held } => {
+            RegionKind::KvCache { kv_head, positions, lanes: held, dims } => {
                 json.kv_head = Some(*kv_head);
+                json.dims = Some(range(dims));
                 json.positions = Some(range(positions));
                 json.lanes = Some(lanes(*held));
                 "kv_cache"

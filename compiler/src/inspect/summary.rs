@@ -72,7 +72,7 @@ fn header(view: &Analysis, modeled_speed: Option<&str>, out: &mut String) {
     let plan = match view.program.plan {
         Plan::Tiled => "tiled".to_string(),
         Plan::MeshGemv { p, group_num } => format!("MeshGemv (p {p}, group_num {group_num})"),
-        Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } => {
+        Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread, kv_slices } => {
             let mut text = format!("stacked ({layers_per_region} layers per region, {wafer_percent}% of the wafer");
             if kv_copies > 1 {
                 text += &format!(", {kv_copies} copies of each KV head");
@@ -82,6 +82,9 @@ fn header(view: &Analysis, modeled_speed: Option<&str>, out: &mut String) {
             }
             if kv_spread > 1 {
                 text += &format!(", each KV block over {kv_spread} PEs by lane");
+            }
+            if kv_slices > 1 {
+                text += &format!(", each KV head's cache in {kv_slices} slices of its head dimension");
             }
             text + ")"
         }

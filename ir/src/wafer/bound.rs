@@ -107,7 +107,8 @@ pub fn distance_bound_ends(
 
 /// Which sources of a route send in a step, where not all do.
 enum Senders {
-    /// The first `n` (attention's reductions over KV blocks, in position order).
+    /// The first `n` (attention's reductions over KV blocks, in position order; none: the score
+    /// sums of a block holding no position yet).
     Leading(usize),
     /// These PEs (an MoE combine's gathers: the chosen experts' result segments).
     Only(Vec<Pe>),
@@ -123,6 +124,12 @@ fn active_attention_sources(program: &WaferProgram, position: u32) -> HashMap<Ro
             let holding = head.blocks.iter().take_while(|b| b.first_row() <= position).count().max(1);
             for id in [head.max_reduce, head.sum_reduce, head.out_reduce].into_iter().flatten() {
                 active.insert(id, Senders::Leading(holding));
+            }
+            // A block holding no position yet sums no scores across its slices.
+            let empty = head.blocks.iter().zip(head.score_reduce.iter().zip(&head.score_broadcast));
+            for (_, (&sum, &broadcast)) in empty.filter(|(b, _)| b.first_row() > position) {
+                active.insert(sum, Senders::Leading(0));
+                active.insert(broadcast, Senders::Leading(0));
             }
         }
     }
@@ -164,6 +171,9 @@ fn chosen_expert_senders(
 /// Cycles from a route's sources to its farthest destination, distance only; a reduction or a
 /// gather counts only its sending sources when given.
 fn route_span(program: &WaferProgram, route: &Route, senders: Option<&Senders>) -> u64 {
+    if let Some(Senders::Leading(0)) = senders {
+        return 0;
+    }
     match route.kind {
         // Many sources into one destination: the farthest sending source's distance.
         RouteKind::Reduce { .. } | RouteKind::Collect { .. } | RouteKind::Gather { .. } => {

@@ -160,15 +160,34 @@ pub enum Plan {
     /// after the other on its PEs. Each 32-position KV block is spread over `kv_spread` PEs
     /// (1, 2, 4 or 8), each holding the positions of an equal aligned run of the chunk's eight
     /// lanes ([`Lanes`]): a full block's scores and weighted values are then split between
-    /// them, at the price of their PEs (the SRAM is the same).
-    Stacked { layers_per_region: u16, wafer_percent: u8, kv_copies: u8, experts_per_lane: u8, kv_spread: u8 },
+    /// them, at the price of their PEs (the SRAM is the same). Each KV head's cache is cut in
+    /// `kv_slices` slices of its head dimension (1, 2, 4 or 8, each an aligned run of whole
+    /// 32-element chunks), each slice on blocks of its own holding `kv_slices` times the
+    /// positions ([`KvHeadPlacement::dims`]): the same PEs and SRAM, but a step's query and its
+    /// scores' work at a position are split between the slices, whose partial scores are summed
+    /// across them (the chunk tree's upper levels) before the softmax.
+    Stacked {
+        layers_per_region: u16,
+        wafer_percent: u8,
+        kv_copies: u8,
+        experts_per_lane: u8,
+        kv_spread: u8,
+        kv_slices: u8,
+    },
 }
 
 impl Plan {
     /// The stacked plan with `layers_per_region` layers a region over the whole wafer, and none
     /// of its options (no KV copies, an expert a lane, KV blocks on one PE each).
     pub fn stacked(layers_per_region: u16) -> Plan {
-        Plan::Stacked { layers_per_region, wafer_percent: 100, kv_copies: 1, experts_per_lane: 1, kv_spread: 1 }
+        Plan::Stacked {
+            layers_per_region,
+            wafer_percent: 100,
+            kv_copies: 1,
+            experts_per_lane: 1,
+            kv_spread: 1,
+            kv_slices: 1,
+        }
     }
 }
 
@@ -178,9 +197,9 @@ impl fmt::Display for Plan {
         match *self {
             Plan::Tiled => write!(f, "tiled"),
             Plan::MeshGemv { p, group_num } => write!(f, "meshgemv:{p},{group_num}"),
-            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } => {
+            Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread, kv_slices } => {
                 write!(f, "stacked:{layers_per_region}")?;
-                if wafer_percent != 100 || kv_copies != 1 || experts_per_lane != 1 || kv_spread != 1 {
+                if wafer_percent != 100 || kv_copies != 1 || experts_per_lane != 1 || kv_spread != 1 || kv_slices != 1 {
                     write!(f, ",{wafer_percent}")?;
                 }
                 if kv_copies != 1 {
@@ -192,6 +211,9 @@ impl fmt::Display for Plan {
                 if kv_spread != 1 {
                     write!(f, ",spread{kv_spread}")?;
                 }
+                if kv_slices != 1 {
+                    write!(f, ",slice{kv_slices}")?;
+                }
                 Ok(())
             }
         }
@@ -201,7 +223,7 @@ impl fmt::Display for Plan {
 impl std::str::FromStr for Plan {
     type Err = String;
 
-    /// The `--plan` spelling ([`Plan`]'s `Display`): `tiled`, `stacked:K[,P][,kvC][,shareE][,spreadL]`
+    /// The `--plan` spelling ([`Plan`]'s `Display`): `tiled`, `stacked:K[,P][,kvC][,shareE][,spreadL][,sliceD]`
     /// or `meshgemv:P,G`. The error says which field is wrong and shows a valid spelling.
     fn from_str(text: &str) -> Result<Plan, String> {
         if text == "tiled" {
@@ -217,13 +239,27 @@ impl std::str::FromStr for Plan {
                 Ok(p) if (1..=100).contains(&p) => p,
                 _ => return Err("P must be a percentage of the wafer from 1 to 100, as in stacked:1,25".into()),
             };
-            let (mut kv_copies, mut experts_per_lane, mut kv_spread) = (None, None, None);
+            let (mut kv_copies, mut experts_per_lane, mut kv_spread, mut kv_slices) = (None, None, None, None);
             for field in fields {
-                let prefixes = (field.strip_prefix("kv"), field.strip_prefix("share"), field.strip_prefix("spread"));
+                let prefixes = (
+                    field.strip_prefix("kv"),
+                    field.strip_prefix("share"),
+                    field.strip_prefix("spread"),
+                    field.strip_prefix("slice"),
+                );
                 let (slot, count) = match prefixes {
-                    (Some(c), _, _) => (&mut kv_copies, c),
-                    (_, Some(e), _) => (&mut experts_per_lane, e),
-                    (_, _, Some(l)) => {
+                    (Some(c), _, _, _) => (&mut kv_copies, c),
+                    (_, Some(e), _, _) => (&mut experts_per_lane, e),
+                    (_, _, _, Some(d)) => {
+                        if !matches!(d.parse::<u8>(), Ok(1 | 2 | 4 | 8)) {
+                            return Err(format!(
+                                "{field:?}: sliceD cuts each KV head's cache in D = 1, 2, 4 or 8 slices of its \
+                                 head dimension, as in stacked:4,100,slice4"
+                            ));
+                        }
+                        (&mut kv_slices, d)
+                    }
+                    (_, _, Some(l), _) => {
                         if !matches!(l.parse::<u8>(), Ok(1 | 2 | 4 | 8)) {
                             return Err(format!(
                                 "{field:?}: spreadL spreads each KV block over L = 1, 2, 4 or 8 PEs, as in \
@@ -234,7 +270,7 @@ impl std::str::FromStr for Plan {
                     }
                     _ => {
                         return Err(format!(
-                            "unknown field {field:?}: after K and P come kvC, shareE and spreadL, as in \
+                            "unknown field {field:?}: after K and P come kvC, shareE, spreadL and sliceD, as in \
                              stacked:2,100,kv8,share2"
                         ))
                     }
@@ -243,9 +279,9 @@ impl std::str::FromStr for Plan {
                     Ok(n) if n > 0 && slot.is_none() => *slot = Some(n),
                     _ => {
                         return Err(format!(
-                            "{field:?}: kvC (C copies of each KV head's cache), shareE (E experts a lane) and \
-                             spreadL (each KV block over L PEs) each take a whole number, once, as in \
-                             stacked:2,100,kv8,share2"
+                            "{field:?}: kvC (C copies of each KV head's cache), shareE (E experts a lane), \
+                             spreadL (each KV block over L PEs) and sliceD (each KV head's cache in D slices of \
+                             its head dimension) each take a whole number, once, as in stacked:2,100,kv8,share2"
                         ))
                     }
                 }
@@ -256,12 +292,15 @@ impl std::str::FromStr for Plan {
                 kv_copies: kv_copies.unwrap_or(1),
                 experts_per_lane: experts_per_lane.unwrap_or(1),
                 kv_spread: kv_spread.unwrap_or(1),
+                kv_slices: kv_slices.unwrap_or(1),
             });
         }
         let Some(args) = text.strip_prefix("meshgemv:") else {
-            return Err("expected `tiled`, `stacked:K[,P][,kvC][,shareE][,spreadL]` (e.g. stacked:2, stacked:1,25 or \
+            return Err(
+                "expected `tiled`, `stacked:K[,P][,kvC][,shareE][,spreadL][,sliceD]` (e.g. stacked:2, stacked:1,25 or \
                  stacked:4,100,kv2) or `meshgemv:P,G` (e.g. meshgemv:660,22)"
-                .into());
+                    .into(),
+            );
         };
         let parsed = args.split_once(',').and_then(|(p, g)| Some((p.trim().parse().ok()?, g.trim().parse().ok()?)));
         match parsed {
@@ -417,8 +456,9 @@ pub enum RegionKind {
     /// where they are in the tile blob follows from the order ([`WaferProgram::blob_ranges`]).
     Weight { weight: u32, rows: Range<u32>, cols: Range<u32> },
     /// KV cache of one KV head for the positions of `positions` in `lanes` (capacity; filled as
-    /// decoding goes): keys then values, each `held x head_dim` f32, position-major.
-    KvCache { kv_head: u32, positions: Range<u32>, lanes: Lanes },
+    /// decoding goes), elements `dims` of each head vector (all of `0..head_dim`, or a slice,
+    /// [`KvHeadPlacement::dims`]): keys then values, each `held x dims` f32, position-major.
+    KvCache { kv_head: u32, positions: Range<u32>, lanes: Lanes, dims: Range<u32> },
     /// An operand's elements received from routes, as f32 (`value` is the IR operand, which may
     /// be an `expert_dispatch` of the vector actually delivered). Attention's query buffer also
     /// receives the reductions' partials once the scores are computed, so it is sized for both;
@@ -727,6 +767,13 @@ pub struct KvHeadPlacement {
     /// (`0..heads / kv_heads`): all of them, or a share when the cache is held in copies
     /// (`Plan::Stacked::kv_copies`); the placements of one head and sequence partition them.
     pub query_heads: Range<u32>,
+    /// The elements of each head vector (of `0..head_dim`) these blocks hold and compute on: all
+    /// of them, or a slice (`Plan::Stacked::kv_slices`), an aligned power-of-two run of whole
+    /// 32-element chunks. The slices of one head, copy and sequence partition `0..head_dim`,
+    /// come one after another in `kv_heads_placed` in dims order, and have blocks of the same
+    /// positions: a slice's score at a position is the chunk tree's subtree over its dims, and
+    /// the slices' subtrees are summed across them ([`KvHeadPlacement::score_reduce`]).
+    pub dims: Range<u32>,
     /// In position order; equal power-of-two chunk runs.
     pub blocks: Vec<KvBlock>,
     /// Operand routes bringing this head's query heads, key and value to all its blocks.
@@ -741,16 +788,28 @@ pub struct KvHeadPlacement {
     pub sum_reduce: Option<RouteId>,
     pub sum_broadcast: Option<RouteId>,
     pub out_reduce: Option<RouteId>,
+    /// On a head's first slice when it has several (empty otherwise): per block, a reduction of
+    /// the slices' partial scores (block `b` of each slice, in dims order) to this slice's block
+    /// `b`, then a broadcast of the summed scores back to the other slices' block `b`.
+    pub score_reduce: Vec<RouteId>,
+    pub score_broadcast: Vec<RouteId>,
 }
 
 impl KvHeadPlacement {
-    /// KV head `kv_head` of sequence `sequence`, serving `query_heads` of its group, on
-    /// `blocks`, before routing adds its routes.
-    pub fn unrouted(kv_head: u32, sequence: u32, query_heads: Range<u32>, blocks: Vec<KvBlock>) -> Self {
+    /// KV head `kv_head` of sequence `sequence`, serving `query_heads` of its group with the
+    /// elements `dims` of each head vector, on `blocks`, before routing adds its routes.
+    pub fn unrouted(
+        kv_head: u32,
+        sequence: u32,
+        query_heads: Range<u32>,
+        dims: Range<u32>,
+        blocks: Vec<KvBlock>,
+    ) -> Self {
         KvHeadPlacement {
             kv_head,
             sequence,
             query_heads,
+            dims,
             blocks,
             q_routes: Vec::new(),
             k_routes: Vec::new(),
@@ -760,7 +819,21 @@ impl KvHeadPlacement {
             sum_reduce: None,
             sum_broadcast: None,
             out_reduce: None,
+            score_reduce: Vec::new(),
+            score_broadcast: Vec::new(),
         }
+    }
+
+    /// Whether these blocks hold every element of each head vector (no slices).
+    pub fn whole_dims(&self, head_dim: u64) -> bool {
+        self.dims.start == 0 && self.dims.end as u64 == head_dim
+    }
+
+    /// The elements of the queries (and of the attention's output) these blocks read and
+    /// produce, per query head served, in order: `dims` of each head.
+    pub fn query_pieces(&self, group: u64, head_dim: u64) -> impl Iterator<Item = Range<u64>> + '_ {
+        let dims = wide(&self.dims);
+        self.query_range(group).map(move |q| q * head_dim + dims.start..q * head_dim + dims.end)
     }
 
     /// How many query heads these blocks serve.
@@ -1107,6 +1180,9 @@ pub enum Phase {
     Broadcast,
     /// Local arithmetic after the reduction: the norm's scaling.
     Finish,
+    /// Attention with its head dimension in slices: the slices' partial scores summed across
+    /// them, then the sums broadcast back.
+    AttentionScore,
     /// Attention: maximum reduce, then its broadcast.
     AttentionMax,
     /// Attention: exponentials, their sum reduce, then its broadcast.
@@ -1186,6 +1262,7 @@ mod tests {
             kv_copies,
             experts_per_lane,
             kv_spread: 1,
+            kv_slices: 1,
         };
         let plans = [
             (Plan::Tiled, "tiled"),
@@ -1202,8 +1279,20 @@ mod tests {
                     kv_copies: 4,
                     experts_per_lane: 1,
                     kv_spread: 2,
+                    kv_slices: 1,
                 },
                 "stacked:4,100,kv4,spread2",
+            ),
+            (
+                Plan::Stacked {
+                    layers_per_region: 4,
+                    wafer_percent: 100,
+                    kv_copies: 1,
+                    experts_per_lane: 1,
+                    kv_spread: 1,
+                    kv_slices: 4,
+                },
+                "stacked:4,100,slice4",
             ),
         ];
         for (plan, text) in plans {
@@ -1218,6 +1307,8 @@ mod tests {
             ("stacked:1,100,share2,share4", "\"share4\""),
             ("stacked:1,100,spread3", "\"spread3\": spreadL spreads"),
             ("stacked:1,100,spread2,spread4", "\"spread4\""),
+            ("stacked:1,100,slice3", "\"slice3\": sliceD cuts"),
+            ("stacked:1,100,slice2,slice2", "\"slice2\""),
             ("stacked:1,100,copies2", "unknown field \"copies2\""),
             ("mesh:1", "expected `tiled`"),
         ] {

@@ -26,8 +26,8 @@ use std::ops::Range;
 use waferc_ir::completion::Completion;
 use waferc_ir::wafer::serial::SharedPes;
 use waferc_ir::wafer::{
-    wide, KvHeadPlacement, Lanes, MatVecPlacement, Pe, PeImage, Region, RegionKind, ResultLayout, Route, RouteKind,
-    WaferProgram, Work, LANES,
+    wide, AttentionPlacement, KvHeadPlacement, Lanes, MatVecPlacement, Pe, PeImage, ReduceOp, Region, RegionKind,
+    ResultLayout, Route, RouteId, RouteKind, WaferProgram, Work, LANES,
 };
 use waferc_ir::{DependencyGraph, Handle, Module, Op};
 // Fx hashing: the checker hashes millions of (value, PE) and route keys, and nothing it reports
@@ -840,6 +840,9 @@ impl<'a> Checker<'a> {
                 .map(|h| (h.sequence, h.kv_head, h.query_heads.start, h.query_heads.end))
                 .collect();
             heads.sort_unstable();
+            // A head's slices serve the same query heads: count them once.
+            heads.dedup();
+            self.kv_slices(p.instr, att);
             let mut covered: Vec<(u32, u32)> = Vec::new();
             let mut next = 0;
             for &(sequence, kv_head, start, end) in &heads {
@@ -874,6 +877,97 @@ impl<'a> Checker<'a> {
             }
             for head in &att.kv_heads_placed {
                 self.kv_blocks_cover_the_cache(p.instr, head, max_context);
+            }
+        }
+    }
+
+    /// The placements of one KV head, sequence and query heads (its slices, one after another in
+    /// `kv_heads_placed`) cut `0..head_dim` in equal aligned power-of-two runs of whole chunks, in
+    /// order, on blocks of the same positions; with several, the first names per block a sum of
+    /// the slices' partial scores over their block's PEs in slice order ending on its own, and a
+    /// broadcast from there to the others; no other slice names any.
+    fn kv_slices(&mut self, instr: u32, att: &AttentionPlacement) {
+        let hd = att.head_dim;
+        let mut k = 0;
+        while k < att.kv_heads_placed.len() {
+            let first = &att.kv_heads_placed[k];
+            let same = |h: &KvHeadPlacement| {
+                (h.sequence, h.kv_head, &h.query_heads) == (first.sequence, first.kv_head, &first.query_heads)
+            };
+            let count = att.kv_heads_placed[k..].iter().take_while(|h| same(h)).count();
+            let slices = &att.kv_heads_placed[k..k + count];
+            k += count;
+            let width = first.dims.end.saturating_sub(first.dims.start);
+            let chunks = width / 32;
+            let cut = slices.iter().enumerate().all(|(s, h)| {
+                h.dims == (s as u32 * width..(s as u32 + 1) * width) && h.blocks.len() == first.blocks.len()
+            });
+            // A whole head is one slice of any width; slices are runs of whole chunks.
+            let aligned =
+                width * count as u32 == hd && (count == 1 || (width.is_multiple_of(32) && chunks.is_power_of_two()));
+            let same_blocks = slices.iter().all(|h| {
+                h.blocks.iter().zip(&first.blocks).all(|(a, b)| (&a.positions, a.lanes) == (&b.positions, b.lanes))
+            });
+            if !cut || !aligned || !same_blocks {
+                let dims: Vec<_> = slices.iter().map(|h| h.dims.clone()).collect();
+                self.report(
+                    None,
+                    None,
+                    Some(instr),
+                    format!(
+                        "KV head {} of sequence {} holds dims {dims:?} of its {hd}: not equal aligned runs of whole \
+                         chunks covering them in order on blocks of the same positions",
+                        first.kv_head, first.sequence
+                    ),
+                );
+                continue;
+            }
+            if slices.iter().skip(1).any(|h| !h.score_reduce.is_empty() || !h.score_broadcast.is_empty()) {
+                self.report(
+                    None,
+                    None,
+                    Some(instr),
+                    format!("KV head {}: a slice other than the first names score routes", first.kv_head),
+                );
+            }
+            let wanted = if count > 1 { first.blocks.len() } else { 0 };
+            if first.score_reduce.len() != wanted || first.score_broadcast.len() != wanted {
+                self.report(
+                    None,
+                    None,
+                    Some(instr),
+                    format!(
+                        "KV head {} in {count} slices names {} score sums and {} broadcasts for its {wanted} blocks",
+                        first.kv_head,
+                        first.score_reduce.len(),
+                        first.score_broadcast.len()
+                    ),
+                );
+                continue;
+            }
+            for (b, (&reduce, &broadcast)) in first.score_reduce.iter().zip(&first.score_broadcast).enumerate() {
+                let pes: Vec<Pe> = slices.iter().map(|h| h.blocks[b].pe).collect();
+                let route = |id: RouteId| self.program.routes.get(id as usize);
+                let summed = route(reduce).is_some_and(|r| {
+                    matches!(r.kind, RouteKind::Reduce { op: ReduceOp::Sum, .. })
+                        && r.sources == pes
+                        && r.destinations == pes[..1]
+                });
+                let sent_back = route(broadcast).is_some_and(|r| {
+                    matches!(r.kind, RouteKind::Statistic { .. }) && r.sources == pes[..1] && r.destinations == pes[1..]
+                });
+                if !summed || !sent_back {
+                    self.report(
+                        Some(pes[0]),
+                        None,
+                        Some(instr),
+                        format!(
+                            "KV head {} block {b}: routes {reduce} and {broadcast} are not the sum of its slices' \
+                             scores on {pes:?} and its broadcast back",
+                            first.kv_head
+                        ),
+                    );
+                }
             }
         }
     }
@@ -922,7 +1016,7 @@ impl<'a> Checker<'a> {
                 );
             }
             let region = self.images.get(b.pe).and_then(|img| img.regions.get(b.region as usize));
-            let holds = matches!(region.map(|r| &r.kind), Some(RegionKind::KvCache { kv_head, positions, lanes }) if *kv_head == head.kv_head && *positions == b.positions && *lanes == b.lanes);
+            let holds = matches!(region.map(|r| &r.kind), Some(RegionKind::KvCache { kv_head, positions, lanes, dims }) if *kv_head == head.kv_head && *positions == b.positions && *lanes == b.lanes && *dims == head.dims);
             if !holds {
                 self.report(
                     Some(b.pe),
@@ -1333,6 +1427,7 @@ impl<'a> Checker<'a> {
                                 .into_iter()
                                 .flatten(),
                         );
+                        named.extend(h.score_reduce.iter().chain(&h.score_broadcast));
                     }
                 }
                 Work::Router { routing } | Work::Dispatch { routing } => named.push(*routing),

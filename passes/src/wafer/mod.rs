@@ -216,16 +216,20 @@ pub fn compile(module: &Module, target: &Target, options: &CompileOptions) -> Re
     let params = target.params();
     let analysis = size::Analysis::new(module);
     let full = size::size_module(module, &params, options, None, size::Grain::DENSE)?;
-    if let Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread } = options.plan {
+    if let Plan::Stacked { layers_per_region, wafer_percent, kv_copies, experts_per_lane, kv_spread, kv_slices } =
+        options.plan
+    {
         if layers_per_region == 0
             || !(1..=100).contains(&wafer_percent)
             || kv_copies == 0
             || experts_per_lane == 0
             || !matches!(kv_spread, 1 | 2 | 4 | 8)
+            || !matches!(kv_slices, 1 | 2 | 4 | 8)
         {
             return Err(WaferError::Options(format!(
                 "stacked needs at least 1 layer per region, 1 to 100 percent of the wafer, at least one copy \
-                 of each KV head, at least one expert per lane and KV blocks over 1, 2, 4 or 8 PEs, got {}",
+                 of each KV head, at least one expert per lane, KV blocks over 1, 2, 4 or 8 PEs and 1, 2, 4 or 8 \
+                 slices of a KV head, got {}",
                 options.plan
             )));
         }

@@ -564,7 +564,9 @@ impl<'a> Placer<'a> {
                         readers.push((r, c, m));
                     }
                 }
-                let Some(id) = self.operand_multicast(value, seg, destinations, None) else { continue };
+                let Some(id) = self.operand_multicast(value, seg, seg.elements.clone(), destinations, None) else {
+                    continue;
+                };
                 self.copy_inputs.push((value, id));
                 for (r, c, m) in readers {
                     push_unique(&mut self.replicas[r].copies[c][m].operand_routes, id);
@@ -934,7 +936,7 @@ impl<'a> Placer<'a> {
                 Shape::Attention { positions_per_block, blocks_per_head, segments },
             ) => {
                 let c = &module.caches[*cache];
-                let kv_heads = c.kv_heads;
+                let (kv_heads, head_dim) = (c.kv_heads, c.head_dim);
                 // A windowed cache keeps only the window's rows.
                 let rows = window.map_or(self.options.max_context as u64, u64::from);
                 let per = *positions_per_block as u64;
@@ -946,12 +948,18 @@ impl<'a> Placer<'a> {
                         let mut blocks = Vec::with_capacity(*blocks_per_head as usize);
                         for (b, pe) in (0..*blocks_per_head as u64).zip(self.take(wafer, *blocks_per_head as u64)?) {
                             let positions = (b * per) as u32..((b + 1) * per).min(rows) as u32;
-                            let requests =
-                                kv_block_requests(module, i, h, 0..*heads / kv_heads, positions.clone(), Lanes::ALL);
-                            let region = self.fill(pe, instr, requests)?[0];
+                            let block = KvBlockShape {
+                                kv_head: h,
+                                query_heads: 0..*heads / kv_heads,
+                                positions: positions.clone(),
+                                lanes: Lanes::ALL,
+                                dims: 0..head_dim,
+                            };
+                            let region = self.fill(pe, instr, kv_block_requests(module, i, &block))?[0];
                             blocks.push(KvBlock { pe, positions, lanes: Lanes::ALL, region });
                         }
-                        placed.push(KvHeadPlacement::unrouted(h as u32, sequence, 0..*heads / kv_heads, blocks));
+                        let whole = 0..head_dim;
+                        placed.push(KvHeadPlacement::unrouted(h as u32, sequence, 0..*heads / kv_heads, whole, blocks));
                     }
                 }
                 let layout = self.result_segments(wafer, instr, segments, |_| Vec::new())?;
@@ -1062,17 +1070,25 @@ impl<'a> Placer<'a> {
         let mut ids = Vec::with_capacity(layout.segments.len());
         let mut sent: HashMap<(Pe, route::Direction), u32> = HashMap::default();
         for seg in &layout.segments {
-            let mut sources = Vec::new();
-            let mut largest = 0;
+            // Each source sends one message, its pieces of the segment in order (a KV head's slice
+            // holds its dims of each query head: several pieces).
+            let mut sources: Vec<Pe> = Vec::new();
+            let mut sent_by: Vec<u64> = Vec::new();
             for (pe, elements) in pieces {
                 let overlap = elements.start.max(seg.elements.start)..elements.end.min(seg.elements.end);
                 if overlap.start < overlap.end {
-                    if sources.last() != Some(pe) {
-                        sources.push(*pe);
-                    }
-                    largest = largest.max(overlap.end - overlap.start);
+                    let at = match sources.iter().rposition(|s| s == pe) {
+                        Some(at) => at,
+                        None => {
+                            sources.push(*pe);
+                            sent_by.push(0);
+                            sources.len() - 1
+                        }
+                    };
+                    sent_by[at] += overlap.end - overlap.start;
                 }
             }
+            let largest = sent_by.iter().copied().max().unwrap_or(0);
             let path = match sources.as_slice() {
                 [only] if only.wafer == seg.pe.wafer && only.y / self.route_band == seg.pe.y / self.route_band => {
                     let load = |rows_first| {
@@ -1140,15 +1156,18 @@ impl<'a> Placer<'a> {
                     let blocks: Vec<Pe> = head.blocks.iter().map(|b| b.pe).collect();
                     let root = blocks[0];
                     let queries = head.query_count();
+                    let dims = (head.dims.end - head.dims.start) as u64;
                     if blocks.len() > 1 {
                         head.max_reduce = Some(self.reduce_route(i, ReduceOp::Max, queries, blocks.clone(), root));
                         head.max_broadcast = Some(self.statistic_route(i, queries, root, blocks[1..].to_vec()));
                         head.sum_reduce = Some(self.reduce_route(i, ReduceOp::Sum, queries, blocks.clone(), root));
                         head.sum_broadcast = Some(self.statistic_route(i, queries, root, blocks[1..].to_vec()));
-                        head.out_reduce = Some(self.reduce_route(i, ReduceOp::Sum, queries * hd, blocks, root));
+                        head.out_reduce = Some(self.reduce_route(i, ReduceOp::Sum, queries * dims, blocks, root));
                     }
-                    pieces.push((root, head.query_elements(group, hd)));
+                    pieces.extend(head.query_pieces(group, hd).map(|piece| (root, piece)));
                 }
+                self.score_routes(i, &mut att.kv_heads_placed);
+                pieces.sort_by_key(|(_, piece)| piece.start);
                 att.collects = self.collect_routes(i, &layout, &pieces);
             }
             Work::Router { routing } => {
@@ -1263,13 +1282,43 @@ impl<'a> Placer<'a> {
         mv.collects = self.collect_routes(i, layout, &pieces);
     }
 
-    /// One multicast of `seg` of value `value` to `destinations` (sorted, deduplicated, the
-    /// segment's own PE left out), crossing to other wafers on row `crossing` when given
-    /// (`route::multicast`); `None` when no destination is left.
+    /// The score sums of attention `i`'s KV heads held in slices of the head dimension: per
+    /// head, copy and sequence in several slices, per block, a sum of the slices' partial scores
+    /// (block `b` of each, in dims order) ending on the first slice's block, and a broadcast of
+    /// the sums back to the others, on the first slice's placement
+    /// ([`KvHeadPlacement::score_reduce`]). A message holds the block's scores for its query heads
+    /// at each of its positions.
+    fn score_routes(&mut self, i: usize, heads: &mut [KvHeadPlacement]) {
+        let mut k = 0;
+        while k < heads.len() {
+            let first = &heads[k];
+            let key = (first.sequence, first.kv_head, first.query_heads.clone());
+            let count = heads[k..].iter().take_while(|h| (h.sequence, h.kv_head, h.query_heads.clone()) == key).count();
+            if count > 1 {
+                let queries = first.query_count();
+                let (mut reduces, mut broadcasts) = (Vec::new(), Vec::new());
+                for b in 0..first.blocks.len() {
+                    let pes: Vec<Pe> = heads[k..k + count].iter().map(|h| h.blocks[b].pe).collect();
+                    let positions = &heads[k].blocks[b].positions;
+                    let scores = queries * (positions.end - positions.start) as u64;
+                    reduces.push(self.reduce_route(i, ReduceOp::Sum, scores, pes.clone(), pes[0]));
+                    broadcasts.push(self.statistic_route(i, scores, pes[0], pes[1..].to_vec()));
+                }
+                heads[k].score_reduce = reduces;
+                heads[k].score_broadcast = broadcasts;
+            }
+            k += count;
+        }
+    }
+
+    /// One multicast of `elements` (inside `seg`) of value `value` to `destinations` (sorted,
+    /// deduplicated, the segment's own PE left out), crossing to other wafers on row `crossing`
+    /// when given (`route::multicast`); `None` when no destination is left.
     fn operand_multicast(
         &mut self,
         value: usize,
         seg: &Segment,
+        elements: Range<u64>,
         mut destinations: Vec<Pe>,
         crossing: Option<u16>,
     ) -> Option<RouteId> {
@@ -1280,13 +1329,14 @@ impl<'a> Placer<'a> {
             return None;
         }
         let path = route::multicast(seg.pe, &destinations, self.route_band, crossing);
+        let bytes = (elements.end - elements.start) * F32;
         Some(self.add_route(
             value,
-            RouteKind::Operand { value: value as u32, elements: seg.elements.clone() },
+            RouteKind::Operand { value: value as u32, elements },
             vec![seg.pe],
             destinations,
             vec![path],
-            (seg.elements.end - seg.elements.start) * F32,
+            bytes,
         ))
     }
 
@@ -1308,10 +1358,12 @@ impl<'a> Placer<'a> {
             let mut per_reader = Vec::new();
             for &reader in &readers {
                 let reader = reader as usize;
-                let (mut pes, mut heads) = (Vec::new(), Vec::new());
-                self.reader_pes(i, reader, &self.placements[reader], &seg.elements, &mut pes, &mut heads);
-                if !pes.is_empty() {
-                    per_reader.push(SegmentReader { reader, pes, heads });
+                let (mut pes, mut heads, mut parts) = (Vec::new(), Vec::new(), Vec::new());
+                let placement = &self.placements[reader];
+                self.reader_pes(i, reader, placement, &seg.elements, &mut pes, &mut heads);
+                self.sliced_reader_pes(i, reader, placement, &seg.elements, &mut parts);
+                if !pes.is_empty() || !parts.is_empty() {
+                    per_reader.push(SegmentReader { reader, pes, heads, parts });
                 }
             }
             reads.push(per_reader);
@@ -1322,8 +1374,11 @@ impl<'a> Placer<'a> {
         let crossing = crossing_rows(&layout, self.params.grid_rows);
         for (k, seg) in layout.segments.iter().enumerate() {
             let mut destinations = Vec::new();
-            let mut reached: Vec<(usize, Option<(usize, usize)>)> = Vec::new();
-            for SegmentReader { reader, pes, heads } in &reads[k] {
+            let mut reached: Vec<Reached> = Vec::new();
+            // Per part of the segment that only some readers' PEs need (a KV head's slice of a
+            // head dimension): those PEs and the heads reached.
+            let mut by_part: BTreeMap<(u64, u64), (Vec<Pe>, Vec<Reached>)> = BTreeMap::new();
+            for SegmentReader { reader, pes, heads, parts } in &reads[k] {
                 let vector = gathers_operands(&self.placements[*reader]);
                 let before = destinations.len();
                 destinations.extend(pes.iter().filter(|&&pe| !(vector && gathered.contains(&(k, pe)))));
@@ -1331,17 +1386,31 @@ impl<'a> Placer<'a> {
                     reached.push((*reader, None));
                 }
                 reached.extend(heads);
+                for SlicedRead { elements, pes, head, role } in parts {
+                    let (to, heads) = by_part.entry((elements.start, elements.end)).or_default();
+                    to.extend(pes);
+                    if !heads.contains(&(*reader, None)) {
+                        heads.push((*reader, None));
+                    }
+                    heads.push((*reader, Some((*head, *role))));
+                }
             }
-            let Some(id) = self.operand_multicast(i, seg, destinations, Some(crossing[k])) else { continue };
-            self.placements[i].deliveries.push(id);
-            for (reader, head_role) in reached {
-                match head_role {
-                    None => push_unique(&mut self.placements[reader].operand_routes, id),
-                    Some((head, role)) => {
-                        if let Work::Attention(att) = &mut self.placements[reader].work {
-                            let h = &mut att.kv_heads_placed[head];
-                            let list = [&mut h.q_routes, &mut h.k_routes, &mut h.v_routes];
-                            push_unique(list.into_iter().nth(role).expect("three roles"), id);
+            let whole = (seg.elements.clone(), destinations, reached);
+            let parts = by_part.into_iter().map(|((start, end), (to, heads))| (start..end, to, heads));
+            for (elements, destinations, reached) in std::iter::once(whole).chain(parts) {
+                let Some(id) = self.operand_multicast(i, seg, elements, destinations, Some(crossing[k])) else {
+                    continue;
+                };
+                self.placements[i].deliveries.push(id);
+                for (reader, head_role) in reached {
+                    match head_role {
+                        None => push_unique(&mut self.placements[reader].operand_routes, id),
+                        Some((head, role)) => {
+                            if let Work::Attention(att) = &mut self.placements[reader].work {
+                                let h = &mut att.kv_heads_placed[head];
+                                let list = [&mut h.q_routes, &mut h.k_routes, &mut h.v_routes];
+                                push_unique(list.into_iter().nth(role).expect("three roles"), id);
+                            }
                         }
                     }
                 }
@@ -1463,6 +1532,12 @@ impl<'a> Placer<'a> {
                 for (role, operand) in [q, k, v].into_iter().enumerate() {
                     let Some(part) = part_of(*operand) else { continue };
                     for (head, placed) in att.kv_heads_placed.iter().enumerate() {
+                        // A slice's blocks take only their dims of the key and value
+                        // (`sliced_reader_pes`), but whole query heads: a multicast per query
+                        // head and slice ran a 70B band out of colours.
+                        if role > 0 && !placed.whole_dims(hd) {
+                            continue;
+                        }
                         let h = placed.kv_head as u64;
                         let range = if role == 0 { placed.query_elements(group, hd) } else { h * hd..(h + 1) * hd };
                         if overlaps(&range, &part) {
@@ -1479,6 +1554,42 @@ impl<'a> Placer<'a> {
                         ResultLayout::Routing { pe } => out.push(*pe),
                         ResultLayout::Vector(l) => out.extend(l.overlapping(part).map(|(s, _)| s.pe)),
                     }
+                }
+            }
+        }
+    }
+
+    /// Appends, for the KV heads of attention `reader` held in slices of the head dimension, the
+    /// part of `elements` of value `value` each slice's blocks read as key or value (in `value`'s
+    /// numbering), with the blocks' PEs: its dims of the KV head's. Each part gets a multicast of
+    /// its own, so a slice's blocks receive only their dims.
+    fn sliced_reader_pes(
+        &self,
+        value: usize,
+        reader: usize,
+        placement: &InstrPlacement,
+        elements: &Range<u64>,
+        out: &mut Vec<SlicedRead>,
+    ) {
+        let (Work::Attention(att), Op::Attention { k, v, .. }) =
+            (&placement.work, &self.module.body[waferc_ir::Handle::new(reader)].op)
+        else {
+            return;
+        };
+        let hd = att.head_dim as u64;
+        // Roles 1 and 2: the key and the value.
+        for (role, operand) in [(1, k), (2, v)] {
+            if self.analysis.source[operand.index()] as usize != value {
+                continue;
+            }
+            let shift = self.analysis.offset[operand.index()];
+            for (head, placed) in att.kv_heads_placed.iter().enumerate().filter(|(_, h)| !h.whole_dims(hd)) {
+                let (h, dims) = (placed.kv_head as u64, wide(&placed.dims));
+                let piece = h * hd + dims.start..h * hd + dims.end;
+                let (start, end) = (elements.start.max(piece.start + shift), elements.end.min(piece.end + shift));
+                if start < end {
+                    let pes = placed.blocks.iter().map(|b| b.pe).collect();
+                    out.push(SlicedRead { elements: start..end, pes, head, role });
                 }
             }
         }
@@ -1524,10 +1635,25 @@ impl<'a> Placer<'a> {
 
 /// One reader's PEs that need part of a segment (see [`Placer::deliver`]), with the attention
 /// heads and q/k/v roles they serve.
+/// A reader a delivery reaches, and for an attention the KV head placement and operand role
+/// (q, k, v) whose route list takes it.
+type Reached = (usize, Option<(usize, usize)>);
+
 struct SegmentReader {
     reader: usize,
     pes: Vec<Pe>,
-    heads: Vec<(usize, Option<(usize, usize)>)>,
+    heads: Vec<Reached>,
+    /// Parts of the segment only some of the reader's PEs need: [`Placer::sliced_reader_pes`].
+    parts: Vec<SlicedRead>,
+}
+
+/// A part of a segment (`elements`, in its value's numbering) that the blocks of one KV head's
+/// slice (`head`, its index in `kv_heads_placed`) read as operand `role` (q, k, v).
+struct SlicedRead {
+    elements: Range<u64>,
+    pes: Vec<Pe>,
+    head: usize,
+    role: usize,
 }
 
 /// Whether `p`'s PEs that read a vector operand are its own result segments (an elementwise op,
@@ -1580,6 +1706,13 @@ fn steps_of(p: &InstrPlacement) -> Vec<(Phase, Vec<RouteId>)> {
             let gather = |pick: &dyn Fn(&KvHeadPlacement) -> [Option<RouteId>; 2]| -> Vec<RouteId> {
                 heads.iter().flat_map(pick).flatten().collect()
             };
+            let scores: Vec<RouteId> = heads
+                .iter()
+                .flat_map(|h| h.score_reduce.iter().zip(&h.score_broadcast).flat_map(|(&r, &b)| [r, b]))
+                .collect();
+            if !scores.is_empty() {
+                step(Phase::AttentionScore, scores);
+            }
             step(Phase::AttentionMax, gather(&|h| [h.max_reduce, h.max_broadcast]));
             step(Phase::AttentionSum, gather(&|h| [h.sum_reduce, h.sum_broadcast]));
             step(Phase::AttentionOut, gather(&|h| [h.out_reduce, None]));
@@ -1691,44 +1824,87 @@ pub(super) fn embed_block_requests(
     vec![(weight, (rows.end - rows.start) * row_bytes), (RegionKind::Scratch, (cols.end - cols.start) * F32)]
 }
 
-/// A KV block's regions (the cache first): keys and values of the rows of `positions` in
-/// `lanes` for KV head `h`, the query heads `query_heads` of its group that the block serves (the
-/// same buffer later receives the reductions' partials), the new key and value, the scores and
-/// the block's own partials.
-pub(super) fn kv_block_requests(
-    module: &Module,
-    i: usize,
-    h: u64,
-    query_heads: Range<u32>,
-    positions: Range<u32>,
-    lanes: Lanes,
-) -> Vec<Request> {
+/// What one KV block holds: KV head `kv_head`'s rows of `positions` in `lanes`, elements `dims`
+/// of each, for the query heads `query_heads` of its group.
+pub(super) struct KvBlockShape {
+    pub kv_head: u64,
+    pub query_heads: Range<u32>,
+    pub positions: Range<u32>,
+    pub lanes: Lanes,
+    pub dims: Range<u32>,
+}
+
+/// A KV block's regions (the cache first): keys and values of its rows, its elements of each;
+/// its elements of the query heads it serves (one region per head when it holds a slice of the
+/// head dimension; the first buffer later receives the reductions' partials), the new key and
+/// value, the scores and the block's own partials.
+pub(super) fn kv_block_requests(module: &Module, i: usize, block: &KvBlockShape) -> Vec<Request> {
     let Op::Attention { q, k, v, cache, heads, sinks, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
         return Vec::new();
     };
     let c = &module.caches[*cache];
+    let (h, lanes) = (block.kv_head, block.lanes);
     let hd = c.head_dim as u64;
+    let dims = wide(&block.dims);
+    let d = dims.end - dims.start;
     let group = (*heads / c.kv_heads) as u64;
-    let n = lanes.held(&positions, positions.end) as u64;
-    let served = group_query_heads(h, group, &query_heads);
+    let n = lanes.held(&block.positions, block.positions.end) as u64;
+    let served = group_query_heads(h, group, &block.query_heads);
     let queries = served.end - served.start;
-    let q_range = served.start * hd..served.end * hd;
-    let kv_range = h * hd..(h + 1) * hd;
-    let first = positions.start == 0 && lanes.first == 0;
-    let mut requests = vec![
-        (RegionKind::KvCache { kv_head: h as u32, positions, lanes }, n * hd * 2 * F32),
-        (RegionKind::Operand { value: q.index() as u32, elements: q_range }, queries * (hd + 2) * F32),
-        (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, hd * F32),
-        (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, hd * F32),
+    let kv_range = h * hd + dims.start..h * hd + dims.end;
+    let first = block.positions.start == 0 && lanes.first == 0;
+    let cache =
+        RegionKind::KvCache { kv_head: h as u32, positions: block.positions.clone(), lanes, dims: block.dims.clone() };
+    let mut requests = vec![(cache, n * d * 2 * F32)];
+    // The queries: one run for whole heads; a slice's elements of each head, each a run of its own
+    // (the first also holds the per-head statistics the partials bring).
+    if d == hd {
+        let q_range = served.start * hd..served.end * hd;
+        requests.push((RegionKind::Operand { value: q.index() as u32, elements: q_range }, queries * (hd + 2) * F32));
+    } else {
+        for (k, head) in served.clone().enumerate() {
+            let elements = head * hd + dims.start..head * hd + dims.end;
+            let extra = if k == 0 { 2 * queries } else { 0 };
+            requests.push((RegionKind::Operand { value: q.index() as u32, elements }, (d + extra) * F32));
+        }
+    }
+    requests.extend([
+        (RegionKind::Operand { value: k.index() as u32, elements: kv_range.clone() }, d * F32),
+        (RegionKind::Operand { value: v.index() as u32, elements: kv_range }, d * F32),
         (RegionKind::Scratch, queries * n * F32),
-        (RegionKind::Partial { elements: (queries * (hd + 2)) as u32 }, queries * (hd + 2) * F32),
-    ];
+        (RegionKind::Partial { elements: (queries * (d + 2)) as u32 }, queries * (d + 2) * F32),
+    ]);
     // The sink logits of the block's query heads live on its first block, the reductions' root.
     if let (Some(sinks), true) = (sinks, first) {
         let bytes = module.weights[*sinks].ty.dtype.row_bytes(queries).unwrap_or(queries * F32);
         requests.push((RegionKind::Weight { weight: sinks.index() as u32, rows: 0..1, cols: narrow(served) }, bytes));
     }
     requests
+}
+
+/// Refuses to cut attention `i`'s head dimension in `slices` unless each slice is an aligned
+/// power-of-two run of whole 32-element chunks (the chunk tree's subtrees, which the slices'
+/// partial scores are), its KV blocks are whole (`spread` 1: a slice's score partials are
+/// summed per block across the slices), and it has no sinks (which join the softmax at the root
+/// block of each head, a placement of whole heads).
+pub(super) fn slices_suit(module: &Module, i: usize, slices: u64, spread: u64) -> Result<(), WaferError> {
+    if slices == 1 {
+        return Ok(());
+    }
+    let Op::Attention { cache, sinks, .. } = &module.body[waferc_ir::Handle::new(i)].op else {
+        return Ok(());
+    };
+    let hd = module.caches[*cache].head_dim as u64;
+    let problem = if !hd.is_multiple_of(slices * CHUNK) || !(hd / CHUNK).is_power_of_two() {
+        Some(format!("slice{slices} needs a head_dim of a power-of-two count of {CHUNK}-element chunks, at least {slices}; it is {hd}"))
+    } else if spread > 1 {
+        Some(format!("slice{slices} needs whole KV blocks, not spread{spread}"))
+    } else if sinks.is_some() {
+        Some(format!("slice{slices} does not cut a head dimension with attention sinks"))
+    } else {
+        None
+    };
+    problem.map_or(Ok(()), |message| Err(unsupported(module, i, message)))
 }
 
 /// An instruction the placer cannot place, with why.

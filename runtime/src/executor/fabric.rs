@@ -331,12 +331,40 @@ impl<'p> Executor<'p> {
         state: &mut StepState,
         run: &mut InstrRun,
         id: RouteId,
+        leaves: Vec<Data>,
+        sending: usize,
+    ) -> Result<(Pe, Data), ExecError> {
+        self.reduce_leading_carrying(state, run, id, leaves, sending, None)
+    }
+
+    /// [`Executor::reduce_leading`] with partials of `carried` elements where given, fewer than
+    /// the route is sized for (an attention block's score parts at the rows it holds so far):
+    /// the timing model charges the messages and the adds for what they carry.
+    pub(super) fn reduce_leading_carrying(
+        &self,
+        state: &mut StepState,
+        run: &mut InstrRun,
+        id: RouteId,
         mut leaves: Vec<Data>,
         sending: usize,
+        carried: Option<u32>,
     ) -> Result<(Pe, Data), ExecError> {
         let route = self.route(run, id)?;
         let RouteKind::Reduce { op, elements } = route.kind else {
             return Err(route_kind_error(run, route, "a reduction"));
+        };
+        let elements = match carried {
+            Some(carried) if carried <= elements => {
+                run.carried(id, carried);
+                carried
+            }
+            Some(carried) => {
+                return Err(ExecError::Malformed {
+                    site: run.site.clone(),
+                    problem: format!("reduction route {id} carries {elements} elements, not {carried}"),
+                })
+            }
+            None => elements,
         };
         if leaves.is_empty() || leaves.len() != route.sources.len() {
             return Err(ExecError::Malformed {
@@ -441,12 +469,19 @@ impl<'p> Executor<'p> {
                 }
                 _ => return Err(route_kind_error(run, route, "the delivery of a result segment")),
             };
-            let found = segments[next..].iter().position(|s| s.elements == *elements).map(|k| next + k);
+            // A route carries a whole segment or a part of one (a KV head slice's dims).
+            let within = |s: &Segment| s.elements.start <= elements.start && elements.end <= s.elements.end;
+            let found = segments[next..].iter().position(within).map(|k| next + k);
             let Some(index) = found.filter(|_| *value == run.instr) else {
                 return Err(route_kind_error(run, route, "the delivery of a result segment, in segment order"));
             };
-            next = index + 1;
-            self.send(state, run, id, segments[index].pe, Payload::Data(held[index].clone()))?;
+            next = index;
+            let segment = &segments[index];
+            let part = match segment.elements == *elements {
+                true => held[index].clone(),
+                false => held[index].slice(relative(elements, segment.elements.start)),
+            };
+            self.send(state, run, id, segment.pe, Payload::Data(part))?;
         }
         Ok(())
     }
@@ -462,14 +497,29 @@ impl<'p> Executor<'p> {
         mut parts: Vec<(Pe, Range<u64>)>,
     ) -> Result<Data, ExecError> {
         parts.sort_by_key(|(_, r)| r.start);
+        // Each sender sent one message: its parts, in order (a KV head's slice holds its dims of
+        // each query head, so it may have several in one segment).
+        let mut messages: Vec<(Pe, Data, usize)> = Vec::new();
+        for (sender, range) in &parts {
+            match messages.iter_mut().find(|(pe, _, _)| pe == sender) {
+                Some((_, _, len)) => *len += span(range) as usize,
+                None => messages.push((*sender, Data::Shape(0), span(range) as usize)),
+            }
+        }
+        for (sender, data, len) in &mut messages {
+            *data = self.receive_data(state, run, id, *sender, segment.pe, *len)?;
+            *len = 0;
+        }
         let mut covered = segment.elements.start;
         let mut out = Vec::new();
         for (sender, range) in &parts {
             if range.start != covered {
                 break;
             }
-            let data = self.receive_data(state, run, id, *sender, segment.pe, span(range) as usize)?;
-            out.extend_from_slice(data.values());
+            let Some((_, data, read)) = messages.iter_mut().find(|(pe, _, _)| pe == sender) else { break };
+            let take = span(range) as usize;
+            out.extend_from_slice(data.slice(*read..*read + take).values());
+            *read += take;
             covered = range.end;
         }
         if covered != segment.elements.end {

@@ -23,6 +23,10 @@ pub(crate) struct StepWork {
     /// the chosen experts): each sender that did send, in send order. The route holds the links
     /// their messages cross.
     pub(crate) senders: Vec<Sender>,
+    /// Routes whose messages this step carried fewer elements than the route is sized for,
+    /// with the elements each message carried: an attention's sums of its slices' score parts,
+    /// whose messages hold the scores of the rows a block holds so far.
+    pub(crate) carried: Vec<(RouteId, u32)>,
 }
 
 /// One sender of a collect whose senders are only some of its sources ([`StepWork::senders`]).
@@ -142,6 +146,18 @@ impl InstrRun {
                     slot.insert(routes.len());
                     routes.push((route, 1));
                 }
+            }
+        }
+    }
+
+    /// Records that every message on `route` in the current step carries `elements` elements,
+    /// fewer than the route is sized for ([`StepWork::carried`]).
+    pub(super) fn carried(&mut self, route: RouteId, elements: u32) {
+        if let Some(c) = self.current {
+            let carried = &mut self.work[c].carried;
+            match carried.iter_mut().find(|(id, _)| *id == route) {
+                Some((_, held)) => *held = elements,
+                None => carried.push((route, elements)),
             }
         }
     }

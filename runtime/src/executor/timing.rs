@@ -140,7 +140,7 @@ use waferc_ir::wafer::{
 };
 
 use super::error::ExecError;
-use super::schedule::Sender;
+use super::schedule::StepWork;
 use super::{site_of, InstrRun};
 
 /// FMA slots of one transcendental (`exp`, `sqrt`, `sin`, `cos`): a model assumption.
@@ -527,6 +527,18 @@ impl CostModel {
         }
     }
 
+    /// Cycles of route `route` (every source sending) when each message carries `elements`
+    /// elements, fewer than it is sized for (an attention's score sums: a block's scores at the
+    /// rows it holds so far): its cost with messages of that size, adds included.
+    fn carried_cycles(&self, program: &WaferProgram, route: &Route, elements: u32) -> u64 {
+        let short = carrying(route, elements);
+        match route_cost(program, &self.params, &short) {
+            Ok((cost, _)) if matches!(route.kind, RouteKind::Reduce { .. }) => cost.latency,
+            Ok((cost, _)) => cost.latency + cost.serial,
+            Err(_) => self.route_cycles(route, u32::MAX),
+        }
+    }
+
     /// A collect whose senders each send one message when their value is done (`ready`, one
     /// per sender in send order), `reach` from the farthest of them: an MoE combine's gather,
     /// whose early experts' messages leave while a later expert still computes. Each message
@@ -661,6 +673,16 @@ impl CostModel {
         }
         load
     }
+}
+
+/// `route` with messages of `elements` f32 elements (a reduction's adds, too).
+fn carrying(route: &Route, elements: u32) -> Route {
+    let kind = match route.kind {
+        RouteKind::Reduce { op, .. } => RouteKind::Reduce { op, elements },
+        RouteKind::Statistic { .. } => RouteKind::Statistic { elements },
+        ref other => other.clone(),
+    };
+    Route { kind, message_bytes: elements * 4, ..route.clone() }
 }
 
 /// Cycles to push `bytes` over the link `from -> to`.
@@ -924,10 +946,10 @@ impl Timeline {
         self.instrs[instr as usize].before_deliver
     }
 
-    /// Gathers the links `route` uses when `messages` were sent on it, with its bytes on each.
-    fn gather_links(&mut self, costs: &CostModel, route: &Route, messages: u32) {
+    /// Gathers the links `route` uses when `messages` of `bytes` each were sent on it, with
+    /// its bytes on each.
+    fn gather_links(&mut self, costs: &CostModel, route: &Route, messages: u32, bytes: u64) {
         let multicast = route.kind.is_multicast();
-        let bytes = route.message_bytes as u64;
         self.route_links.clear();
         for (run, carried) in costs.sending_runs(route, messages) {
             let per_link = if multicast { bytes } else { bytes * carried };
@@ -968,10 +990,10 @@ impl Timeline {
         program: &WaferProgram,
         costs: &CostModel,
         instr: InstrIndex,
-        routes: &[(RouteId, u32)],
-        senders: &[Sender],
+        sent: &StepWork,
         comm_start: u64,
     ) -> (u64, u64, Option<InstrIndex>) {
+        let (routes, senders, carried) = (&sent.routes, &sent.senders, &sent.carried);
         // Per destination PE of the reductions and broadcasts so far, the latest end with
         // contention and without: later ones starting there wait on them. (Kept as the latest
         // per PE, not a list scanned per route: a large matvec has thousands of reductions.)
@@ -989,12 +1011,14 @@ impl Timeline {
         let mut longest: Option<(u64, InstrIndex)> = None;
         for &(id, messages) in routes {
             let route = &program.routes[id as usize];
-            let (cycles, received) = match reach_of.get(&id) {
-                Some((reach, ready)) => {
+            let carried = carried.iter().find(|(r, _)| *r == id).map(|&(_, elements)| elements);
+            let (cycles, received) = match (reach_of.get(&id), carried) {
+                (Some((reach, ready)), _) => {
                     let (cycles, received) = costs.pipelined_collect(route, *reach, ready, comm_start);
                     (cycles, Some(received))
                 }
-                None => (costs.route_cycles(route, messages), None),
+                (None, Some(elements)) => (costs.carried_cycles(program, route, elements), None),
+                (None, None) => (costs.route_cycles(route, messages), None),
             };
             let farthest = received.is_some();
             let collective = matches!(route.kind, RouteKind::Reduce { .. } | RouteKind::Statistic { .. });
@@ -1012,7 +1036,10 @@ impl Timeline {
                     let of_route = senders.iter().filter(|s| s.route == id).map(|s| s.pe);
                     costs.sender_links(route, of_route, &mut self.route_links);
                 }
-                false => self.gather_links(costs, route, messages),
+                false => {
+                    let bytes = carried.map_or(route.message_bytes, |elements| elements * 4);
+                    self.gather_links(costs, route, messages, bytes as u64)
+                }
             }
             let (start, holder) = self.occupy(costs, instr, route.kind.is_multicast(), after);
             if let Some(holder) = holder {
@@ -1097,7 +1124,7 @@ impl Timeline {
                 (true, false) => compute.iter().map(busy).max().unwrap_or(0),
             };
             let (comm_cycles, wait_cycles, waited_on) = match worked && !routes.is_empty() {
-                true => self.communicate(program, costs, run.instr, routes, &work.senders, at + compute_cycles),
+                true => self.communicate(program, costs, run.instr, work, at + compute_cycles),
                 false => (0, 0, None),
             };
             let duration = compute_cycles + comm_cycles + wait_cycles;
@@ -1249,11 +1276,14 @@ impl<'a> Prefill<'a> {
         let mut attention: HashMap<Pe, (f64, f64)> = HashMap::default();
         for placement in &program.instrs {
             let Work::Attention(p) = &placement.work else { continue };
-            let append = self.costs.flops(2 * p.head_dim as u64) as f64;
-            // A block computes for the query heads its KV head's placement serves.
-            let blocks = p.kv_heads_placed.iter().flat_map(|kh| kh.blocks.iter().map(move |b| (kh.query_count(), b)));
-            for (queries, block) in blocks {
-                let per_position = attention_position_cycles(params, queries, p.head_dim as u64);
+            // A block computes for the query heads its KV head's placement serves, on its dims.
+            let blocks = p.kv_heads_placed.iter().flat_map(|kh| {
+                let dims = (kh.dims.end - kh.dims.start) as u64;
+                kh.blocks.iter().map(move |b| (kh.query_count(), dims, b))
+            });
+            for (queries, dims, block) in blocks {
+                let append = self.costs.flops(2 * dims) as f64;
+                let per_position = attention_position_cycles(params, queries, dims);
                 let appended = |tokens: u32| block.held_below(tokens);
                 let load = |tokens: u32| {
                     attended_positions(block, tokens) as f64 * per_position + appended(tokens) as f64 * append

@@ -287,7 +287,20 @@ pub fn sink_denominator(sum: f32, sink: f32, max: f32) -> f32 {
 
 /// One attention score, `tree_sum(q * k) * scale`.
 pub fn attention_score(q_head: &[f32], key: &[f32], scale: f32) -> f32 {
-    dot_f32(q_head, key) * scale
+    scaled_score(dot_f32(q_head, key), scale)
+}
+
+/// A slice's part of one attention score: `tree_sum` of `q * k` over the slice's dims. A slice
+/// is an aligned power-of-two run of whole chunks, so this is the chunk tree's subtree over them,
+/// and the slices' parts combined by the tree in dims order ([`super::tree_combine`]) are
+/// `tree_sum(q * k)` bit for bit.
+pub fn attention_score_part(q_slice: &[f32], key_slice: &[f32]) -> f32 {
+    dot_f32(q_slice, key_slice)
+}
+
+/// A score from its dot product `tree_sum(q * k)`: times `scale`.
+pub fn scaled_score(dot: f32, scale: f32) -> f32 {
+    dot * scale
 }
 
 /// `exp(s - m)` per score, `m` the maximum over all scores (the executor's KV blocks each hold

@@ -57,8 +57,8 @@ use waferc_ir::wafer::{
 use waferc_ir::{Module, Op, ValueType, BLOCK};
 
 use super::place::{
-    embed_block_requests, kv_block_requests, norm_requests, operand_requests, tile_requests, unsupported, Placer,
-    Request,
+    embed_block_requests, kv_block_requests, norm_requests, operand_requests, slices_suit, tile_requests, unsupported,
+    KvBlockShape, Placer, Request,
 };
 use super::size::{kv_block_bytes, Analysis};
 use super::{CompileOptions, WaferError};
@@ -229,6 +229,9 @@ struct KvShape {
     /// Copies of each head's cache (`Plan::Stacked::kv_copies`), each serving an equal share of
     /// its query heads.
     copies: u64,
+    /// Slices of each copy's head dimension (`Plan::Stacked::kv_slices`), each on blocks of its
+    /// own holding `head_dim / slices` elements of every position.
+    slices: u64,
     /// Positions the cache keeps: the capacity, or the window when it is shorter.
     positions: u64,
     positions_per_block: u64,
@@ -248,23 +251,28 @@ impl KvShape {
         let c = &module.caches[*cache];
         let (head_dim, q_per_kv) = (c.head_dim as u64, (*heads / c.kv_heads) as u64);
         // A count that does not divide the query heads is refused when the attention is placed.
-        let (copies, spread) = match options.plan {
-            Plan::Stacked { kv_copies, kv_spread, .. } => ((kv_copies as u64).max(1), (kv_spread as u64).max(1)),
-            _ => (1, 1),
+        let (copies, spread, slices) = match options.plan {
+            Plan::Stacked { kv_copies, kv_spread, kv_slices, .. } => {
+                ((kv_copies as u64).max(1), (kv_spread as u64).max(1), (kv_slices as u64).max(1))
+            }
+            _ => (1, 1, 1),
         };
+        // Slices that do not cut the head in whole chunks are refused when the attention is placed.
+        let dims = (head_dim / slices).max(1);
         // A windowed cache keeps only the window's rows.
         let positions = window.map_or(options.max_context as u64, |w| (w as u64).min(options.max_context as u64));
         let queries = (q_per_kv / copies).max(1);
         // Lane groups cut one chunk each (`Lanes`).
         let positions_per_block = match spread {
-            1 => max_positions_per_block(head_dim, queries, positions, usable)?,
-            _ => (kv_block_bytes(CHUNK / spread, head_dim, queries) <= usable).then_some(CHUNK)?,
+            1 => max_positions_per_block(dims, queries, positions, usable)?,
+            _ => (kv_block_bytes(CHUNK / spread, dims, queries) <= usable).then_some(CHUNK)?,
         };
         Some(KvShape {
             kv_heads: c.kv_heads as u64,
             head_dim,
             q_per_kv,
             copies,
+            slices,
             positions,
             positions_per_block,
             spread,
@@ -272,9 +280,12 @@ impl KvShape {
         })
     }
 
-    /// The shape with blocks of `positions` (at most [`max_positions_per_block`]'s).
+    /// The shape with blocks of `positions` (at most [`max_positions_per_block`]'s). A head cut in
+    /// slices takes blocks of at least 32 positions a slice, so its slices take no more PEs than
+    /// its whole head would: each block holds a slice's dims of `slices` times the positions.
     fn with_block(self, positions: u64) -> KvShape {
-        KvShape { positions_per_block: positions.min(self.positions_per_block), ..self }
+        let positions = positions.max(CHUNK * self.slices).min(self.positions_per_block);
+        KvShape { positions_per_block: positions, ..self }
     }
 
     /// Blocks of each head's copy: its chunk runs, each cut in its lane groups.
@@ -295,20 +306,27 @@ impl KvShape {
         self.q_per_kv / self.copies
     }
 
-    /// Bytes of one head's blocks, over its copies and sequences.
-    fn head_bytes(&self) -> u64 {
-        let block = kv_block_bytes(self.positions_per_block / self.spread, self.head_dim, self.queries_per_copy());
-        self.sequences * self.copies * self.blocks_per_head() * block
+    /// Elements of each head vector a slice holds.
+    fn slice_dims(&self) -> u64 {
+        self.head_dim / self.slices
     }
 
-    /// Columns of a KV strip `height` rows high holding every head's blocks (of every sequence
-    /// and copy) in a band of its own, each copy in rows of its own where the band has a row
-    /// for each ([`KvShape::row_copies`]).
+    /// Bytes of one head's blocks, over its copies, slices and sequences.
+    fn head_bytes(&self) -> u64 {
+        let block = kv_block_bytes(self.positions_per_block / self.spread, self.slice_dims(), self.queries_per_copy());
+        self.sequences * self.copies * self.slices * self.blocks_per_head() * block
+    }
+
+    /// Columns of a KV strip `height` rows high holding every head's blocks (of every sequence,
+    /// copy and slice) in a band of its own, each copy in rows of its own where the band has a
+    /// row for each ([`KvShape::row_copies`]), each slice in columns of its own
+    /// ([`KvShape::group_rect`]).
     fn columns(&self, height: u64) -> Option<u64> {
         let band = height / self.kv_heads.max(1);
         let row_copies = self.row_copies(band);
         let rows = band / row_copies;
-        (rows > 0).then(|| (self.sequences * self.copies / row_copies * self.blocks_per_head()).div_ceil(rows))
+        (rows > 0)
+            .then(|| self.slices * (self.sequences * self.copies / row_copies * self.blocks_per_head()).div_ceil(rows))
     }
 
     /// The copies of a head's cache that get rows of their own in its `band`-row band: all of
@@ -331,6 +349,15 @@ impl KvShape {
     fn copy_rows(&self, band: Rect, copy: u64) -> Rect {
         let row_copies = self.row_copies(band.h as u64);
         band.band(copy % row_copies, row_copies)
+    }
+
+    /// Where slice `slice` of copy `copy` sits in a head's `band`: the copy's rows, cut in
+    /// columns, a slice to each. Block `b` of every slice then sits at the same place in its
+    /// columns, so the sum of its slices' score parts runs along one row, beside the other rows'
+    /// (slices in rows of their own put the sums of a column's blocks on one line, and a strip
+    /// of the 70B's ran out of colours).
+    fn group_rect(&self, band: Rect, copy: u64, slice: u64) -> Rect {
+        self.copy_rows(band, copy).column(slice, self.slices)
     }
 
     /// The copy whose blocks serve query head `query` of a KV head's group.
@@ -2367,6 +2394,7 @@ impl Stacked<'_> {
                 format!("{} copies of a KV head cannot share its {} query heads evenly", kv.copies, kv.q_per_kv),
             ));
         }
+        slices_suit(module, i, kv.slices, kv.spread)?;
         // The attention's own columns of the strip, a band of rows per KV head: the head's
         // reductions, its q/k/v deliveries and its collect stay inside the band (its q, k and v
         // segments sit in the same rows, see `attention_head`), so no two heads' routes meet.
@@ -2376,31 +2404,48 @@ impl Stacked<'_> {
         let strip = Rect { x: strip.x + region.kv_column, w: columns, ..strip };
         region.kv_column += columns;
         let mut placed = Vec::with_capacity((kv.sequences * kv.kv_heads) as usize);
-        // Each sequence in flight, and each copy, gets blocks of its own, in its head's band:
-        // each copy in rows of its own where the band has enough (`KvShape::row_copies`), else
-        // the copies' blocks one after another in its columns.
+        // Each sequence in flight, and each copy and slice, gets blocks of its own, in its head's
+        // band: each copy in rows of its own where the band has enough (`KvShape::row_copies`),
+        // else the copies' blocks one after another in its columns; each slice in columns of its
+        // own (`KvShape::group_rect`).
         let queries = kv.queries_per_copy() as u32;
+        let dims = kv.slice_dims() as u32;
         for sequence in 0..kv.sequences {
             for h in 0..kv.kv_heads {
                 let band = strip.band(h, kv.kv_heads);
                 let row_copies = kv.row_copies(band.h as u64);
                 for copy in 0..kv.copies {
                     let query_heads = copy as u32 * queries..(copy as u32 + 1) * queries;
-                    let rows = kv.copy_rows(band, copy);
                     let (in_rows, of_rows) = (copy / row_copies, kv.copies / row_copies);
-                    let mut blocks = Vec::new();
-                    for b in 0..kv.blocks_per_head() {
-                        let (positions, lanes) = kv.block(b);
-                        // The copy's rows walked column by column from their middle row: its
-                        // first block (where its reductions end and its output leaves) has rows
-                        // both ways; other sequences' (and copies') blocks follow on in the walk.
-                        let cell = ((sequence * of_rows + in_rows) * kv.blocks_per_head()) + b;
-                        let pe = rows.walk_from_middle(cell);
-                        let requests = kv_block_requests(module, i, h, query_heads.clone(), positions.clone(), lanes);
-                        let index = self.placer.fill(pe, i as u32, requests)?[0];
-                        blocks.push(KvBlock { pe, positions, lanes, region: index });
+                    for slice in 0..kv.slices {
+                        let rows = kv.group_rect(band, copy, slice);
+                        let slice_dims = slice as u32 * dims..(slice as u32 + 1) * dims;
+                        let mut blocks = Vec::new();
+                        for b in 0..kv.blocks_per_head() {
+                            let (positions, lanes) = kv.block(b);
+                            // The slice's place walked column by column from its middle row: its
+                            // first block (where its reductions end and its output leaves) has
+                            // rows both ways; other sequences' (and copies') blocks follow on.
+                            let cell = ((sequence * of_rows + in_rows) * kv.blocks_per_head()) + b;
+                            let pe = rows.walk_from_middle(cell);
+                            let block = KvBlockShape {
+                                kv_head: h,
+                                query_heads: query_heads.clone(),
+                                positions: positions.clone(),
+                                lanes,
+                                dims: slice_dims.clone(),
+                            };
+                            let index = self.placer.fill(pe, i as u32, kv_block_requests(module, i, &block))?[0];
+                            blocks.push(KvBlock { pe, positions, lanes, region: index });
+                        }
+                        placed.push(KvHeadPlacement::unrouted(
+                            h as u32,
+                            sequence as u32,
+                            query_heads.clone(),
+                            slice_dims,
+                            blocks,
+                        ));
                     }
-                    placed.push(KvHeadPlacement::unrouted(h as u32, sequence as u32, query_heads, blocks));
                 }
             }
         }
@@ -2539,6 +2584,7 @@ mod tests {
             head_dim,
             q_per_kv: 3,
             copies: 3,
+            slices: 1,
             positions: 4096,
             positions_per_block: max_positions_per_block(head_dim, 1, 4096, usable).unwrap(),
             spread: 1,
