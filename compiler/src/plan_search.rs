@@ -20,6 +20,9 @@
 //! fastest plan of each wafer share, and last tries each share's fastest plan with each KV
 //! block spread over two, four, ... PEs by lane while each doubling is faster.
 //!
+//! The fastest stacked plan is then tried with each KV head's cache in two, four, ... slices of
+//! its head dimension while each doubling is faster.
+//!
 //! Each candidate is lowered from the module for its plan kind ([`Modules`]): the compile
 //! driver runs a plan-dependent pipeline (the default one, whose `rewrite` fuses matvecs only
 //! where the plan's cost says so) once per kind, so tiled candidates get the module costed for
@@ -323,7 +326,7 @@ pub fn search_keeping<T>(
     }
     // Lowers `double(plan)` from the plan at `index` (`cycles`) on, for as long as each is faster.
     let mut double_while_faster = |(mut cycles, mut index): (u64, usize),
-                                   double: fn(Plan) -> Option<Plan>,
+                                   double: &dyn Fn(Plan) -> Option<Plan>,
                                    plans: &mut Vec<Plan>,
                                    records: &mut Vec<Option<Record>>,
                                    best: &mut Option<Kept<T>>|
@@ -339,6 +342,27 @@ pub fn search_keeping<T>(
         }
         Ok(())
     };
+    // Then the fastest stacked plan, and the fastest without KV copies, with each KV head's
+    // cache in twice as many slices of its head dimension, for as long as that is faster: a
+    // step's scores and weighted values at a position are split between the slices' blocks (the
+    // same PEs and SRAM), at the price of summing the slices' score parts. Slices split what
+    // copies split without their SRAM, so the plan without copies is a start of its own
+    // (llama3.1-8b on wse3: `stacked:4,100,kv2` 345,217 cycles a token, with `slice2` 340,782,
+    // `slice4` 353,850; `stacked:4` with `slice4` 335,441; llama3.1-70b on wse3x4, which has no
+    // SRAM for copies: `stacked:4` 1,663,924, `slice4` 1,522,496).
+    let most_slices = max_kv_slices(modules.for_plan(&plans[0]));
+    let stacked = |records: &[Option<Record>], copies: bool| {
+        lowered(records)
+            .filter(|&(_, index)| matches!(plans[index], Plan::Stacked { kv_copies, .. } if copies || kv_copies == 1))
+            .min()
+    };
+    let mut starts: Vec<(u64, usize)> =
+        [stacked(&records, true), stacked(&records, false)].into_iter().flatten().collect();
+    starts.dedup();
+    for start in starts {
+        let slicing = |plan| slicing_twice(plan, most_slices);
+        double_while_faster(start, &slicing, &mut plans, &mut records, &mut best)?;
+    }
     // Then, in an MoE model, the fastest plan of each group size within `MOE_REFINE_WITHIN`
     // (KV copies included), with its experts' lanes shared by twice as many experts, for as long
     // as that is faster: each expert computes on more PEs, while two chosen experts of one lane
@@ -347,7 +371,7 @@ pub fn search_keeping<T>(
     // smaller group gives each expert fewer PEs, so sharing gains it more.
     if moe {
         for start in fastest_by(&plans, close_to_fastest(&records), group_size) {
-            double_while_faster(start, sharing_twice, &mut plans, &mut records, &mut best)?;
+            double_while_faster(start, &sharing_twice, &mut plans, &mut records, &mut best)?;
         }
     }
     // Then, for a step deep in the context (every lane of a block's first chunk holds a row),
@@ -359,7 +383,7 @@ pub fn search_keeping<T>(
     // at `spread8`). At position 0 a block has one row, so it never helps.
     if deep {
         for start in fastest_by(&plans, lowered(&records), wafer_share) {
-            double_while_faster(start, spread_twice, &mut plans, &mut records, &mut best)?;
+            double_while_faster(start, &spread_twice, &mut plans, &mut records, &mut best)?;
         }
     }
     let mut records: Vec<Record> = records.into_iter().map(|r| r.expect("every plan ran")).collect();
@@ -436,11 +460,39 @@ fn sharing_twice(mut plan: Plan) -> Option<Plan> {
 }
 
 /// `plan` with each KV block spread over twice as many PEs; `None` past a chunk's [`LANES`] or
-/// for a plan that is not stacked.
+/// for a plan that is not stacked or cuts its KV heads in slices.
 fn spread_twice(mut plan: Plan) -> Option<Plan> {
-    let Plan::Stacked { kv_spread, .. } = &mut plan else { return None };
+    let Plan::Stacked { kv_spread, kv_slices: 1, .. } = &mut plan else { return None };
     *kv_spread = kv_spread.checked_mul(2).filter(|&l| l as usize <= LANES)?;
     Some(plan)
+}
+
+/// `plan` with each KV head's cache in twice as many slices of its head dimension; `None` past
+/// `most` or for a plan that is not stacked or spreads its KV blocks.
+fn slicing_twice(mut plan: Plan, most: u8) -> Option<Plan> {
+    let Plan::Stacked { kv_slices, kv_spread: 1, .. } = &mut plan else { return None };
+    *kv_slices = kv_slices.checked_mul(2).filter(|&d| d <= most)?;
+    Some(plan)
+}
+
+/// The most slices the module's attentions can cut their head dimension in: each an aligned
+/// power-of-two run of whole 32-element chunks, at most 8 (1 with attention sinks, which the
+/// sliced placement does not take, or without attention).
+fn max_kv_slices(module: &Module) -> u8 {
+    let attentions = module.body.iter().filter_map(|(_, instr)| match &instr.op {
+        waferc_ir::Op::Attention { cache, sinks, .. } => Some((module.caches[*cache].head_dim, sinks.is_some())),
+        _ => None,
+    });
+    attentions
+        .map(|(head_dim, sinks)| {
+            let chunks = head_dim / 32;
+            match !sinks && head_dim.is_multiple_of(32) && chunks.is_power_of_two() {
+                true => chunks.min(8) as u8,
+                false => 1,
+            }
+        })
+        .min()
+        .unwrap_or(1)
 }
 
 /// The copy counts of each KV head's cache the search tries beyond one: the smallest that

@@ -504,10 +504,11 @@ fn stacked_dense_keeps_heads_in_their_bands_and_gate_up_twins_together_bit_exact
 
 /// KV heads cut in slices of their head dimension: each slice's blocks hold its dims of every
 /// position, the slices' score parts are summed block by block before the softmax, the blocks
-/// compute less attention per step, and the logits stay the reference's bits.
+/// compute less attention per step, and the logits stay the reference's bits. Eight query heads
+/// a KV head: in four slices, adjacent slices share their queries' multicasts.
 #[test]
 fn stacked_kv_slices_split_each_heads_dims_and_match_the_reference() {
-    let shape = Shape { head_dim: 128, ..Shape::dense() };
+    let shape = Shape { head_dim: 128, heads: 16, ..Shape::dense() };
     let module = rewrite_module(&build(&shape, 9), PlanKind::Stacked).unwrap();
     let compile = |kv_slices| {
         let plan = Plan::Stacked {

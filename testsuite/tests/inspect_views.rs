@@ -692,6 +692,7 @@ fn json_lists_kv_blocks_segments_routes_and_pes() {
     assert_eq!(kv[1]["positions"], serde_json::json!([32, 64]));
     assert_eq!(kv[1]["bytes"], 16384);
     assert_eq!(kv[1]["query_heads"], serde_json::json!([0, 1]), "the one query head its KV head has");
+    assert_eq!(kv[1]["dims"], serde_json::json!([0, 64]), "every element of the head vector");
 
     let segments: usize = program
         .instrs

@@ -67,11 +67,13 @@ pub struct CompileArgs {
     /// each candidate is lowered from its kind's module), or
     /// `tiled` (each matrix on its own tile grid, spread to fill the target), or
     /// `meshgemv:P,G` (WaferLLM: P x P blocks per matrix, two-level all-reduce with G groups), or
-    /// `stacked:K[,P][,kvC][,shareE][,spreadL]` (K consecutive layers per region, every matvec
-    /// tiled over the whole region; the regions span P percent of each wafer, default 100; each
-    /// KV head's cache is held in C copies, each serving an equal share of its query heads,
-    /// default 1; an MoE layer's experts share lanes E at a time, default 1; each 32-position KV
-    /// block is spread over L = 1, 2, 4 or 8 PEs by position mod 8, default 1).
+    /// `stacked:K[,P][,kvC][,shareE][,spreadL][,sliceD]` (K consecutive layers per region,
+    /// every matvec tiled over the whole region; the regions span P percent of each wafer,
+    /// default 100; each KV head's cache is held in C copies, each serving an equal share of its
+    /// query heads, default 1; an MoE layer's experts share lanes E at a time, default 1; each
+    /// 32-position KV block is spread over L = 1, 2, 4 or 8 PEs by position mod 8, default 1;
+    /// each KV head's cache is cut in D = 1, 2, 4 or 8 slices of its head dimension, each slice's
+    /// blocks computing its part of every score, default 1).
     #[arg(long, default_value = "auto")]
     pub plan: String,
     /// The position at which the plan search times each candidate's decode step: 0 (default)

@@ -36,7 +36,7 @@ use crate::weights::WeightBytes;
 pub const MAGIC: [u8; 8] = *b"WAFERC\0\x1a";
 /// Bumped on any change to the file layout, to the serialised types or to what they mean
 /// (5: a PE image's working regions may overlap).
-pub const FORMAT_VERSION: u32 = 8;
+pub const FORMAT_VERSION: u32 = 9;
 /// Magic, version, three lengths and the checksum.
 pub const PREFIX_LEN: usize = 8 + 4 + 8 + 8 + 8 + 8;
 

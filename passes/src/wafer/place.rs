@@ -1532,10 +1532,8 @@ impl<'a> Placer<'a> {
                 for (role, operand) in [q, k, v].into_iter().enumerate() {
                     let Some(part) = part_of(*operand) else { continue };
                     for (head, placed) in att.kv_heads_placed.iter().enumerate() {
-                        // A slice's blocks take only their dims of the key and value
-                        // (`sliced_reader_pes`), but whole query heads: a multicast per query
-                        // head and slice ran a 70B band out of colours.
-                        if role > 0 && !placed.whole_dims(hd) {
+                        // A slice's blocks need only their dims of each head: `sliced_reader_pes`.
+                        if !placed.whole_dims(hd) {
                             continue;
                         }
                         let h = placed.kv_head as u64;
@@ -1560,9 +1558,9 @@ impl<'a> Placer<'a> {
     }
 
     /// Appends, for the KV heads of attention `reader` held in slices of the head dimension, the
-    /// part of `elements` of value `value` each slice's blocks read as key or value (in `value`'s
-    /// numbering), with the blocks' PEs: its dims of the KV head's. Each part gets a multicast of
-    /// its own, so a slice's blocks receive only their dims.
+    /// part of `elements` of value `value` each slice's blocks read (in `value`'s numbering),
+    /// with the blocks' PEs: its dims of each query head, of the key and of the value. Each part
+    /// gets a multicast of its own, so a slice's blocks receive only their dims.
     fn sliced_reader_pes(
         &self,
         value: usize,
@@ -1571,25 +1569,31 @@ impl<'a> Placer<'a> {
         elements: &Range<u64>,
         out: &mut Vec<SlicedRead>,
     ) {
-        let (Work::Attention(att), Op::Attention { k, v, .. }) =
+        let (Work::Attention(att), Op::Attention { q, k, v, .. }) =
             (&placement.work, &self.module.body[waferc_ir::Handle::new(reader)].op)
         else {
             return;
         };
-        let hd = att.head_dim as u64;
-        // Roles 1 and 2: the key and the value.
-        for (role, operand) in [(1, k), (2, v)] {
+        let (hd, group) = (att.head_dim as u64, (att.heads / att.kv_heads) as u64);
+        for (role, operand) in [q, k, v].into_iter().enumerate() {
             if self.analysis.source[operand.index()] as usize != value {
                 continue;
             }
             let shift = self.analysis.offset[operand.index()];
             for (head, placed) in att.kv_heads_placed.iter().enumerate().filter(|(_, h)| !h.whole_dims(hd)) {
                 let (h, dims) = (placed.kv_head as u64, wide(&placed.dims));
-                let piece = h * hd + dims.start..h * hd + dims.end;
-                let (start, end) = (elements.start.max(piece.start + shift), elements.end.min(piece.end + shift));
-                if start < end {
-                    let pes = placed.blocks.iter().map(|b| b.pe).collect();
-                    out.push(SlicedRead { elements: start..end, pes, head, role });
+                // A query's dims in each query head served; a key's or value's in its KV head.
+                let (heads, dims) = match role {
+                    0 => (placed.query_range(group), query_delivery_dims(&dims, hd, placed.query_count())),
+                    _ => (h..h + 1, dims),
+                };
+                let pieces = heads.map(|q| q * hd + dims.start..q * hd + dims.end);
+                for piece in pieces {
+                    let (start, end) = (elements.start.max(piece.start + shift), elements.end.min(piece.end + shift));
+                    if start < end {
+                        let pes = placed.blocks.iter().map(|b| b.pe).collect();
+                        out.push(SlicedRead { elements: start..end, pes, head, role });
+                    }
                 }
             }
         }
@@ -1635,6 +1639,27 @@ impl<'a> Placer<'a> {
 
 /// One reader's PEs that need part of a segment (see [`Placer::deliver`]), with the attention
 /// heads and q/k/v roles they serve.
+/// The most query multicasts into one KV head's blocks when its cache is cut in slices: a
+/// multicast per query head and slice group. Each enters every shelf of the head's band along
+/// one row, so they all meet there: the 70B's 8 query heads a KV head in 4 slices, a multicast
+/// each, met 31 to a PE and ran out of colours.
+const MAX_SLICED_QUERY_ROUTES: u64 = 16;
+
+/// The dims of each query head that reach a KV head slice holding `dims` of `head_dim`, serving
+/// `queries` query heads: its own, or those of the run of adjacent slices it shares a multicast
+/// with (the fewest slices a run that keeps the head's query multicasts to
+/// [`MAX_SLICED_QUERY_ROUTES`]; each block then receives its run's dims and reads its own).
+fn query_delivery_dims(dims: &Range<u64>, head_dim: u64, queries: u64) -> Range<u64> {
+    let width = (dims.end - dims.start).max(1);
+    let slices = head_dim / width;
+    let mut run = 1;
+    while run < slices && queries * (slices / run) > MAX_SLICED_QUERY_ROUTES {
+        run *= 2;
+    }
+    let start = dims.start / (width * run) * (width * run);
+    start..start + width * run
+}
+
 /// A reader a delivery reaches, and for an attention the KV head placement and operand role
 /// (q, k, v) whose route list takes it.
 type Reached = (usize, Option<(usize, usize)>);

@@ -52,6 +52,12 @@
 //! an earlier such route's destination waits for it (a MeshGemv row reduce after its group
 //! reduces; a broadcast after its reduce).
 //!
+//! A route's messages are the size it was laid out for, except an attention's sums of its
+//! slices' score parts (the stacked plan's `sliceD`) and their broadcasts back: each of those
+//! messages holds a block's scores at the rows it holds so far (queries x rows), as the block's
+//! compute counts only those rows, so the route is timed, and holds its links, for messages of
+//! that size (`StepWork::carried`).
+//!
 //! # Link contention
 //!
 //! Every directed link (one per PE and direction, plus one per ordered pair of wafers) has a

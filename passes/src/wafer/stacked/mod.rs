@@ -2213,7 +2213,18 @@ impl Stacked<'_> {
                                         };
                                     }
                                     let top = (band.y - whole.y) as u64;
-                                    let row = if nth.is_multiple_of(2) { top } else { top + band.h as u64 - 1 };
+                                    let mut row = if nth.is_multiple_of(2) { top } else { top + band.h as u64 - 1 };
+                                    // A head cut in slices takes a multicast per query head and
+                                    // slice, each along its query's row to its slice's columns:
+                                    // the queries spread over the band's rows, so those running
+                                    // past other slices' columns do not all share one row (from
+                                    // its top and bottom rows, 32 of the 70B's met at one PE
+                                    // and ran out of colours).
+                                    if let (Some(kv), HeadRole::Query(Some(q))) = (kv.filter(|kv| kv.slices > 1), role)
+                                    {
+                                        let per_copy = kv.queries_per_copy().max(1);
+                                        row = top + band.h as u64 * (2 * (q % per_copy) + 1) / (2 * per_copy);
+                                    }
                                     // With room for the rope and norm that run in place on it.
                                     let room = bytes + self.in_place_bytes(i, &seg);
                                     let pe = self.band_pe(
