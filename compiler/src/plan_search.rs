@@ -20,8 +20,8 @@
 //! fastest plan of each wafer share, and last tries each share's fastest plan with each KV
 //! block spread over two, four, ... PEs by lane while each doubling is faster.
 //!
-//! The fastest stacked plan is then tried with each KV head's cache in two, four, ... slices of
-//! its head dimension while each doubling is faster.
+//! Where no plan with KV copies fits, the fastest stacked plan is then tried with each KV head's
+//! cache in two, four, ... slices of its head dimension while each doubling is faster.
 //!
 //! Each candidate is lowered from the module for its plan kind ([`Modules`]): the compile
 //! driver runs a plan-dependent pipeline (the default one, whose `rewrite` fuses matvecs only
@@ -342,24 +342,20 @@ pub fn search_keeping<T>(
         }
         Ok(())
     };
-    // Then the fastest stacked plan, and the fastest without KV copies, with each KV head's
-    // cache in twice as many slices of its head dimension, for as long as that is faster: a
-    // step's scores and weighted values at a position are split between the slices' blocks (the
-    // same PEs and SRAM), at the price of summing the slices' score parts. Slices split what
-    // copies split without their SRAM, so the plan without copies is a start of its own
-    // (llama3.1-8b on wse3: `stacked:4,100,kv2` 345,217 cycles a token, with `slice2` 340,782,
-    // `slice4` 353,850; `stacked:4` with `slice4` 335,441; llama3.1-70b on wse3x4, which has no
-    // SRAM for copies: `stacked:4` 1,663,924, `slice4` 1,522,496).
-    let most_slices = max_kv_slices(modules.for_plan(&plans[0]));
-    let stacked = |records: &[Option<Record>], copies: bool| {
-        lowered(records)
-            .filter(|&(_, index)| matches!(plans[index], Plan::Stacked { kv_copies, .. } if copies || kv_copies == 1))
-            .min()
-    };
-    let mut starts: Vec<(u64, usize)> =
-        [stacked(&records, true), stacked(&records, false)].into_iter().flatten().collect();
-    starts.dedup();
-    for start in starts {
+    // Then, where no plan with KV copies lowered (their SRAM does not fit), the fastest stacked
+    // plan with each KV head's cache in twice as many slices of its head dimension, for as long
+    // as that is faster: the slices split a step's scores and weighted values at a position as
+    // copies split them by query head, on the same PEs and SRAM, but their score sums carry a
+    // block's rows, which a long context and a batched prompt pay for. llama3.1-70b on wse3x4
+    // (no SRAM for copies): `stacked:4` 1,663,924 cycles a token, `slice4` 1,506,173. Where
+    // copies fit they are the better trade: llama3.1-8b on wse3, `stacked:4,100,slice4` 3,312
+    // modeled tok/s at position 0 against `kv2`'s 3,186, but 626 at position 1,024 against
+    // 1,090, and a 1,024-token prompt's first token in 35.2 ms against 16.2.
+    let copies_fit =
+        lowered(&records).any(|(_, index)| matches!(plans[index], Plan::Stacked { kv_copies, .. } if kv_copies > 1));
+    let fastest_stacked = lowered(&records).filter(|&(_, index)| group_size(&plans[index]).is_some()).min();
+    if let Some(start) = fastest_stacked.filter(|_| !copies_fit) {
+        let most_slices = max_kv_slices(modules.for_plan(&plans[0]));
         let slicing = |plan| slicing_twice(plan, most_slices);
         double_while_faster(start, &slicing, &mut plans, &mut records, &mut best)?;
     }
