@@ -41,15 +41,7 @@ fn compiled_stacked_spread(kv_copies: u8, kv_spread: u8, grid: &str) -> (Module,
 /// slices of its head dimension, accepted by the checker.
 fn compiled_sliced() -> (Module, WaferProgram) {
     let module = build(&Shape { head_dim: 64, ..Shape::tiny() });
-    let plan = Plan::Stacked {
-        layers_per_region: 1,
-        wafer_percent: 100,
-        kv_copies: 1,
-        experts_per_lane: 1,
-        kv_spread: 1,
-        kv_slices: 2,
-    };
-    let options = CompileOptions { plan, ..CompileOptions::new(64) };
+    let options = CompileOptions { plan: Plan::stacked(1).with_kv_slices(2), ..CompileOptions::new(64) };
     let program = compile(&module, &Target::resolve("grid:16x32").unwrap(), &options).unwrap();
     check(&program, &module).unwrap();
     (module, program)

@@ -511,14 +511,7 @@ fn stacked_kv_slices_split_each_heads_dims_and_match_the_reference() {
     let shape = Shape { head_dim: 128, heads: 16, ..Shape::dense() };
     let module = rewrite_module(&build(&shape, 9), PlanKind::Stacked).unwrap();
     let compile = |kv_slices| {
-        let plan = Plan::Stacked {
-            layers_per_region: 1,
-            wafer_percent: 100,
-            kv_copies: 1,
-            experts_per_lane: 1,
-            kv_spread: 1,
-            kv_slices,
-        };
+        let plan = Plan::stacked(1).with_kv_slices(kv_slices);
         compile_with(&module, "grid:24x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
     };
     let attention_compute = |program: &waferc_ir::wafer::WaferProgram| {

@@ -226,8 +226,9 @@ fn timing_only_moe_runs_a_uniform_routers_picks() {
 /// The model never times a step faster than the placement's own distance bound (only hops, no
 /// arithmetic, serialisation or contention), at any position (attention's empty blocks send
 /// nothing, and the bound counts only the blocks holding positions), on every plan kind (tiled,
-/// MeshGemv, stacked with one and with two layers per region, and the plan `compile`'s search
-/// picks), dense and MoE, on one wafer and on a two-wafer pipeline.
+/// MeshGemv, stacked with one and with two layers per region, with each KV head's cache in
+/// slices of its head dimension, and the plan `compile`'s search picks), dense and MoE, on one
+/// wafer and on a two-wafer pipeline.
 #[test]
 fn modeled_cycles_never_undercut_the_distance_bound() {
     let mesh = Plan::MeshGemv { p: 4, group_num: 2 };
@@ -241,6 +242,8 @@ fn modeled_cycles_never_undercut_the_distance_bound() {
         (Shape::moe(), "grid:32x32", Some(mesh)),
         (Shape::dense(), "two-grids", Some(Plan::Tiled)),
     ];
+    // Two slices of 32 dims: blocks of 64 positions, summing their slices' score parts.
+    cases.push((Shape { head_dim: 64, ..Shape::dense() }, "grid:64x48", Some(Plan::stacked(1).with_kv_slices(2))));
     for shape in [Shape::dense(), Shape::moe()] {
         for grid in ["grid:32x32", "grid:64x48"] {
             cases.extend([1, 2].map(|k| (shape.clone(), grid, Some(Plan::stacked(k)))));

@@ -178,7 +178,7 @@ pub enum Plan {
 
 impl Plan {
     /// The stacked plan with `layers_per_region` layers a region over the whole wafer, and none
-    /// of its options (no KV copies, an expert a lane, KV blocks on one PE each).
+    /// of its options (no KV copies, an expert a lane, KV blocks on one PE each, whole heads).
     pub fn stacked(layers_per_region: u16) -> Plan {
         Plan::Stacked {
             layers_per_region,
@@ -188,6 +188,15 @@ impl Plan {
             kv_spread: 1,
             kv_slices: 1,
         }
+    }
+
+    /// This plan with each KV head's cache in `slices` slices of its head dimension (a plan
+    /// that is not stacked has no such option, and comes back as it is).
+    pub fn with_kv_slices(mut self, slices: u8) -> Plan {
+        if let Plan::Stacked { kv_slices, .. } = &mut self {
+            *kv_slices = slices;
+        }
+        self
     }
 }
 
@@ -1283,17 +1292,7 @@ mod tests {
                 },
                 "stacked:4,100,kv4,spread2",
             ),
-            (
-                Plan::Stacked {
-                    layers_per_region: 4,
-                    wafer_percent: 100,
-                    kv_copies: 1,
-                    experts_per_lane: 1,
-                    kv_spread: 1,
-                    kv_slices: 4,
-                },
-                "stacked:4,100,slice4",
-            ),
+            (Plan::stacked(4).with_kv_slices(4), "stacked:4,100,slice4"),
         ];
         for (plan, text) in plans {
             assert_eq!(plan.to_string(), text);
