@@ -833,6 +833,13 @@ impl KvHeadPlacement {
         }
     }
 
+    /// Whether `other` holds another slice of the same KV head's cache (the same sequence and
+    /// query heads): a head's slices come one after another in `kv_heads_placed`, so
+    /// `chunk_by(KvHeadPlacement::same_head)` gives each head's slices together.
+    pub fn same_head(&self, other: &KvHeadPlacement) -> bool {
+        (self.sequence, self.kv_head, &self.query_heads) == (other.sequence, other.kv_head, &other.query_heads)
+    }
+
     /// Whether these blocks hold every element of each head vector (no slices).
     pub fn whole_dims(&self, head_dim: u64) -> bool {
         self.dims.start == 0 && self.dims.end as u64 == head_dim

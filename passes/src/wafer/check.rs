@@ -888,15 +888,8 @@ impl<'a> Checker<'a> {
     /// broadcast from there to the others; no other slice names any.
     fn kv_slices(&mut self, instr: u32, att: &AttentionPlacement) {
         let hd = att.head_dim;
-        let mut k = 0;
-        while k < att.kv_heads_placed.len() {
-            let first = &att.kv_heads_placed[k];
-            let same = |h: &KvHeadPlacement| {
-                (h.sequence, h.kv_head, &h.query_heads) == (first.sequence, first.kv_head, &first.query_heads)
-            };
-            let count = att.kv_heads_placed[k..].iter().take_while(|h| same(h)).count();
-            let slices = &att.kv_heads_placed[k..k + count];
-            k += count;
+        for slices in att.kv_heads_placed.chunk_by(KvHeadPlacement::same_head) {
+            let (first, count) = (&slices[0], slices.len());
             let width = first.dims.end.saturating_sub(first.dims.start);
             let chunks = width / 32;
             let cut = slices.iter().enumerate().all(|(s, h)| {

@@ -1289,25 +1289,18 @@ impl<'a> Placer<'a> {
     /// ([`KvHeadPlacement::score_reduce`]). A message holds the block's scores for its query heads
     /// at each of its positions.
     fn score_routes(&mut self, i: usize, heads: &mut [KvHeadPlacement]) {
-        let mut k = 0;
-        while k < heads.len() {
-            let first = &heads[k];
-            let key = (first.sequence, first.kv_head, first.query_heads.clone());
-            let count = heads[k..].iter().take_while(|h| (h.sequence, h.kv_head, h.query_heads.clone()) == key).count();
-            if count > 1 {
-                let queries = first.query_count();
-                let (mut reduces, mut broadcasts) = (Vec::new(), Vec::new());
-                for b in 0..first.blocks.len() {
-                    let pes: Vec<Pe> = heads[k..k + count].iter().map(|h| h.blocks[b].pe).collect();
-                    let positions = &heads[k].blocks[b].positions;
-                    let scores = queries * (positions.end - positions.start) as u64;
-                    reduces.push(self.reduce_route(i, ReduceOp::Sum, scores, pes.clone(), pes[0]));
-                    broadcasts.push(self.statistic_route(i, scores, pes[0], pes[1..].to_vec()));
-                }
-                heads[k].score_reduce = reduces;
-                heads[k].score_broadcast = broadcasts;
+        for slices in heads.chunk_by_mut(KvHeadPlacement::same_head).filter(|slices| slices.len() > 1) {
+            let queries = slices[0].query_count();
+            let (mut reduces, mut broadcasts) = (Vec::new(), Vec::new());
+            for b in 0..slices[0].blocks.len() {
+                let pes: Vec<Pe> = slices.iter().map(|h| h.blocks[b].pe).collect();
+                let positions = &slices[0].blocks[b].positions;
+                let scores = queries * (positions.end - positions.start) as u64;
+                reduces.push(self.reduce_route(i, ReduceOp::Sum, scores, pes.clone(), pes[0]));
+                broadcasts.push(self.statistic_route(i, scores, pes[0], pes[1..].to_vec()));
             }
-            k += count;
+            slices[0].score_reduce = reduces;
+            slices[0].score_broadcast = broadcasts;
         }
     }
 
@@ -1637,8 +1630,6 @@ impl<'a> Placer<'a> {
     }
 }
 
-/// One reader's PEs that need part of a segment (see [`Placer::deliver`]), with the attention
-/// heads and q/k/v roles they serve.
 /// The most query multicasts into one KV head's blocks when its cache is cut in slices: a
 /// multicast per query head and slice group. Each enters every shelf of the head's band along
 /// one row, so they all meet there: the 70B's 8 query heads a KV head in 4 slices, a multicast
@@ -1664,6 +1655,8 @@ fn query_delivery_dims(dims: &Range<u64>, head_dim: u64, queries: u64) -> Range<
 /// (q, k, v) whose route list takes it.
 type Reached = (usize, Option<(usize, usize)>);
 
+/// One reader's PEs that need part of a segment (see [`Placer::deliver`]), with the attention
+/// heads and q/k/v roles they serve.
 struct SegmentReader {
     reader: usize,
     pes: Vec<Pe>,

@@ -688,7 +688,12 @@ fn carrying(route: &Route, elements: u32) -> Route {
         RouteKind::Statistic { .. } => RouteKind::Statistic { elements },
         ref other => other.clone(),
     };
-    Route { kind, message_bytes: elements * 4, ..route.clone() }
+    Route { kind, message_bytes: f32_bytes(elements), ..route.clone() }
+}
+
+/// Bytes of a message of `elements` f32 values.
+fn f32_bytes(elements: u32) -> u32 {
+    elements * std::mem::size_of::<f32>() as u32
 }
 
 /// Cycles to push `bytes` over the link `from -> to`.
@@ -1043,7 +1048,7 @@ impl Timeline {
                     costs.sender_links(route, of_route, &mut self.route_links);
                 }
                 false => {
-                    let bytes = carried.map_or(route.message_bytes, |elements| elements * 4);
+                    let bytes = carried.map_or(route.message_bytes, f32_bytes);
                     self.gather_links(costs, route, messages, bytes as u64)
                 }
             }

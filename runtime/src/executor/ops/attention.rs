@@ -22,8 +22,6 @@ struct BlockWork {
     pe: Pe,
     /// Rows the block holds this step: its slots `0..held`.
     held: usize,
-    /// Rows it can hold (its scores' messages carry them all).
-    rows: usize,
     /// The lanes of its chunk it holds: its sums are their subtree of the lane combine.
     lanes: Lanes,
     scores: Vec<Vec<f32>>,
@@ -69,18 +67,12 @@ impl Executor<'_> {
         // The step's sequence attends over its own KV blocks only; a head's slices (placements of
         // the same KV head and query heads, one after another) run together.
         let placed: Vec<(usize, &KvHeadPlacement)> = p.heads_of(self.sequence).collect();
-        let mut next_group = 0;
-        while next_group < placed.len() {
-            let (_, first) = placed[next_group];
-            let same = |h: &KvHeadPlacement| (h.kv_head, &h.query_heads) == (first.kv_head, &first.query_heads);
-            let count = placed[next_group..].iter().take_while(|(_, h)| same(h)).count();
-            let slices = &placed[next_group..next_group + count];
-            next_group += count;
-            let mut slice_blocks = Vec::with_capacity(count);
+        for slices in placed.chunk_by(|(_, a), (_, b)| a.same_head(b)) {
+            let mut slice_blocks = Vec::with_capacity(slices.len());
             for &head in slices {
                 slice_blocks.push(self.block_scores(state, run, [q, k, v], head, p, rows, scale)?);
             }
-            if count > 1 {
+            if slices.len() > 1 {
                 self.sum_score_parts(state, run, slices, &mut slice_blocks, scale)?;
             }
             for (&(h_index, kh), mut blocks) in slices.iter().zip(slice_blocks) {
@@ -387,8 +379,7 @@ impl Executor<'_> {
             };
             let scaling = if whole { self.costs.flops((n * queries) as u64) } else { 0 };
             run.compute(block.pe, self.costs.fma((n * queries * dim) as u64) + scaling);
-            let held_rows = block.lanes.held(&block.positions, block.positions.end) as usize;
-            blocks.push(BlockWork { pe: block.pe, held: n, rows: held_rows, lanes: block.lanes, scores, local });
+            blocks.push(BlockWork { pe: block.pe, held: n, lanes: block.lanes, scores, local });
         }
         Ok(blocks)
     }
@@ -423,18 +414,13 @@ impl Executor<'_> {
         }
         run.begin(Phase::AttentionScore);
         for b in 0..first.blocks.len() {
-            let (held, rows) = (blocks[0][b].held, blocks[0][b].rows);
+            let held = blocks[0][b].held;
             if held == 0 {
                 continue;
             }
-            // The messages carry the rows held so far: a query head's parts at each, head by head.
+            // The messages carry the rows held so far: a query head's parts at each, head by head
+            // (`reduce_leading_carrying` refuses more than the route is sized for).
             let carried = queries * held;
-            if held > rows {
-                return Err(ExecError::Malformed {
-                    site: run.site.clone(),
-                    problem: format!("KV head {} block {b} holds {held} rows of {rows}", first.kv_head),
-                });
-            }
             let leaves: Vec<Data> =
                 blocks.iter().map(|slice| self.compute_data(carried, || slice[b].scores.concat())).collect();
             let (sum, broadcast) = (first.score_reduce[b], first.score_broadcast[b]);
