@@ -436,6 +436,30 @@ fn rope_rotates_halves_like_rotate_half() {
     }
 }
 
+/// A head rotated in parts of 32 elements, each with its twin half a head away (the stacked
+/// plan's rope pairs), gives the whole head's bits.
+#[test]
+fn rope_parts_give_the_whole_heads_bits() {
+    let mut rng = Rng(81);
+    for head_dim in [64usize, 128, 256] {
+        let freqs = kernels::rope_frequencies(head_dim, &Rope { theta: 500000.0, scaling: RopeScaling::None });
+        let x = rng.vector(head_dim, 3.0);
+        for position in [0usize, 5, 4095] {
+            let angles = RopeAngles::new(&freqs, position);
+            let mut whole = vec![0.0; head_dim];
+            kernels::rope(&x, &angles, &mut whole);
+            let half = head_dim / 2;
+            for start in (0..head_dim).step_by(32) {
+                let twin = if start < half { start + half } else { start - half };
+                let mut part = vec![0.0; 32];
+                kernels::rope_part(&x[start..start + 32], &x[twin..twin + 32], &angles, start, &mut part);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&part), bits(&whole[start..start + 32]), "head_dim {head_dim}, part {start}");
+            }
+        }
+    }
+}
+
 #[test]
 fn attention_matches_f64_with_grouped_kv_heads() {
     let mut rng = Rng(9);

@@ -1141,6 +1141,21 @@ impl Route {
     }
 }
 
+/// For a rope result segment `elements` that lies inside one half of a `head_dim` head (a part,
+/// not whole heads): the elements half a head away it rotates with. `None` for a segment of
+/// whole heads, or one that crosses a half's edge (which a placement never cuts).
+pub fn rope_twin(elements: &std::ops::Range<u64>, head_dim: u64) -> Option<std::ops::Range<u64>> {
+    let half = head_dim / 2;
+    if half == 0 || elements.is_empty() || elements.start / half != (elements.end - 1) / half {
+        return None;
+    }
+    let head_start = elements.start / head_dim * head_dim;
+    Some(match (elements.start - head_start) < half {
+        true => elements.start + half..elements.end + half,
+        false => elements.start - half..elements.end - half,
+    })
+}
+
 /// The root leaf of a reduction over `leaves` into `destination`: the destination's position
 /// among the leaves, or 0 when it is not one (then the first leaf forwards the total there).
 pub fn reduce_root(leaves: &[Pe], destination: Pe) -> usize {
@@ -1321,6 +1336,17 @@ mod tests {
             let error = bad.parse::<Plan>().expect_err(bad);
             assert!(error.contains(names), "{bad}: {error}");
         }
+    }
+
+    #[test]
+    fn rope_parts_rotate_with_the_part_half_a_head_away() {
+        assert_eq!(rope_twin(&(0..32), 128), Some(64..96));
+        assert_eq!(rope_twin(&(352..384), 128), Some(288..320));
+        assert_eq!(rope_twin(&(256..320), 128), Some(320..384));
+        // Whole heads, and a part across a half's edge, have none.
+        assert_eq!(rope_twin(&(0..128), 128), None);
+        assert_eq!(rope_twin(&(128..384), 128), None);
+        assert_eq!(rope_twin(&(32..96), 128), None);
     }
 
     #[test]

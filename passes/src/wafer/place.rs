@@ -7,7 +7,7 @@ use std::ops::Range;
 use waferc_ir::completion::Completion;
 use waferc_ir::wafer::covered_bytes;
 use waferc_ir::wafer::serial::SharedPes;
-use waferc_ir::wafer::{group_query_heads, narrow, replica_slots_in, wide, ExpertReplicas};
+use waferc_ir::wafer::{group_query_heads, narrow, replica_slots_in, rope_twin, wide, ExpertReplicas};
 use waferc_ir::wafer::{
     AttentionPlacement, EmbedBlock, GroupRoutes, InstrPlacement, KvBlock, KvHeadPlacement, Lanes, MatVecPlacement,
     NormPlacement, Pe, PeImage, Phase, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId, RouteKind,
@@ -722,11 +722,16 @@ impl<'a> Placer<'a> {
                 let (top, completion) = (self.params.sram_bytes_per_pe as u64, &self.analysis.completion);
                 // Per host segment: its PE, its elements and the regions it gains.
                 type Hosted = (Pe, Range<u64>, Vec<Region>);
+                // Segments sharing a PE (a rope's pairs: `suits`) each see the regions the ones
+                // before them gain there.
+                let mut gained: HashMap<Pe, Vec<Region>> = HashMap::default();
                 let placed: Option<Vec<Hosted>> = plan
                     .into_iter()
                     .map(|(pe, elements, wanted)| {
                         let image = &self.images[self.image_of.get(pe).expect("a host segment's PE has an image")];
                         let mut regions = image.regions.clone();
+                        let earlier = gained.entry(pe).or_default();
+                        regions.extend(earlier.iter().cloned());
                         let first = regions.len();
                         let mut clashes = Vec::new();
                         for (kind, bytes) in wanted {
@@ -734,7 +739,9 @@ impl<'a> Placer<'a> {
                             region.offset = region_offset(&regions, &region, top, completion, &mut clashes)? as u32;
                             regions.push(region);
                         }
-                        Some((pe, elements, regions.split_off(first)))
+                        let new = regions.split_off(first);
+                        earlier.extend(new.iter().cloned());
+                        Some((pe, elements, new))
                     })
                     .collect();
                 if let Some(placed) = placed {
@@ -1543,7 +1550,16 @@ impl<'a> Placer<'a> {
                 for part in op.operands().into_iter().filter_map(part_of) {
                     match &placement.result {
                         ResultLayout::Routing { pe } => out.push(*pe),
-                        ResultLayout::Vector(l) => out.extend(l.overlapping(part).map(|(s, _)| s.pe)),
+                        ResultLayout::Vector(l) => {
+                            out.extend(l.overlapping(part.clone()).map(|(s, _)| s.pe));
+                            // A part of a head's half also reads its twin half a head away.
+                            if let Op::Rope { head_dim, .. } = op {
+                                let twin_reads = |s: &&Segment| {
+                                    rope_twin(&s.elements, *head_dim as u64).is_some_and(|t| overlaps(&t, &part))
+                                };
+                                out.extend(l.segments.iter().filter(twin_reads).map(|s| s.pe));
+                            }
+                        }
                     }
                 }
             }
@@ -1931,14 +1947,20 @@ pub(super) fn unsupported(module: &Module, instr: usize, message: String) -> Waf
     WaferError::Unsupported { instr: instr as u32, op: ir.op.name(), layer: ir.layer, message }
 }
 
-/// Whether a vector op can compute on `layout`'s cut: rope needs whole heads per segment; a norm
+/// Whether a vector op can compute on `layout`'s cut: rope needs whole heads per segment, or a
+/// part of a head's half whose twin half a head away is on the same PE (`rope_twin`); a norm
 /// whole groups per segment, or equal aligned power-of-two chunk runs that tile its groups.
 fn suits(op: &Op, module: &Module, layout: &VectorLayout, len: u64) -> bool {
     let segs = &layout.segments;
     match op {
         Op::Rope { head_dim, .. } => {
             let hd = *head_dim as u64;
-            segs.iter().all(|s| s.elements.start % hd == 0 && s.elements.end % hd == 0)
+            segs.iter().all(|s| match rope_twin(&s.elements, hd) {
+                Some(twin) => segs
+                    .binary_search_by_key(&twin.start, |t| t.elements.start)
+                    .is_ok_and(|t| segs[t].pe == s.pe && segs[t].elements == twin),
+                None => s.elements.start % hd == 0 && s.elements.end % hd == 0,
+            })
         }
         Op::RmsNorm { weight, .. } => {
             let g = module.weights[*weight].ty.shape[0];

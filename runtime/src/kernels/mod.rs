@@ -11,7 +11,7 @@ mod weights;
 
 pub use ops::{
     add, attention, attention_head, attention_score, attention_score_part, expert_combine, matvec, matvec_rows, mul,
-    rms_inverse, rms_norm, rms_scale, rope, rope_frequencies, router_topk, scaled_score, silu, sink_denominator,
+    rms_inverse, rms_norm, rms_scale, rope, rope_frequencies, rope_part, router_topk, scaled_score, silu, sink_denominator,
     sink_max, softmax, softmax_normalize, softmax_numerators, softmax_with_sink, swiglu, AttentionShape, RopeAngles,
     RopeTable, Routing,
 };

@@ -180,6 +180,26 @@ pub fn rope(x: &[f32], angles: &RopeAngles, out: &mut [f32]) {
     }
 }
 
+/// Rope of a part of one head that lies in one of its halves: `own` is elements `start..start +
+/// n` of the head (`start` counted from the head's first element) and `twin` the `n` elements
+/// half a head away (`start + h` if `own` is in the first half, `start - h` if in the second).
+/// Each output element is the same expression [`rope`] computes for it, so a head cut in such
+/// parts rotates to the same bits.
+pub fn rope_part(own: &[f32], twin: &[f32], angles: &RopeAngles, start: usize, out: &mut [f32]) {
+    let half = angles.head_dim() / 2;
+    assert!(own.len() == twin.len() && own.len() == out.len(), "rope part lengths");
+    let first = start < half;
+    let base = if first { start } else { start - half };
+    assert!(base + own.len() <= half, "rope part {start}..{} crosses a half of {half}", start + own.len());
+    for (k, y) in out.iter_mut().enumerate() {
+        let (c, s) = (angles.cos[base + k], angles.sin[base + k]);
+        *y = match first {
+            true => own[k] * c - twin[k] * s,
+            false => own[k] * c + twin[k] * s,
+        };
+    }
+}
+
 /// Head counts of an attention op; KV rows are laid out `[position][kv_head][head_dim]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {

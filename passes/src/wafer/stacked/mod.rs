@@ -51,7 +51,7 @@ use std::ops::Range;
 use std::rc::Rc;
 
 use waferc_ir::wafer::{
-    narrow, AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, Lanes, MatVecPlacement,
+    narrow, rope_twin, AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, Lanes, MatVecPlacement,
     NormPlacement, Pe, Plan, RegionKind, ResultLayout, Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
 };
 use waferc_ir::{Module, Op, ValueType, BLOCK};
@@ -1387,6 +1387,33 @@ impl Stacked<'_> {
         (len.is_multiple_of(2) && product).then_some(half)
     }
 
+    /// The head dimension of the ropes reading matvec `i`'s result directly (through slices
+    /// only), when they all do, share one, and its half is more than a chunk: such a result is
+    /// cut in chunks placed in pairs ([`Stacked::segment_cut`]). `None` when a rope reads it
+    /// through a per-head norm (Qwen3's q and k norms: the norm's group would span PEs), or
+    /// nothing rotates it.
+    fn rope_pairs(&self, i: usize) -> Option<u64> {
+        let (module, analysis) = (self.placer.module, self.placer.analysis);
+        let chain = self.in_place_chain(i);
+        let mut dims = chain.iter().skip(1).map(|&(r, _)| match &module.body[waferc_ir::Handle::new(r)].op {
+            Op::Rope { head_dim, x, .. } if analysis.source[x.index()] as usize == i => Some(*head_dim as u64),
+            _ => None,
+        });
+        let first = dims.next()??;
+        let all_direct = dims.all(|d| d == Some(first));
+        (all_direct && first / 2 > CHUNK && (first / 2).is_multiple_of(CHUNK)).then_some(first)
+    }
+
+    /// For a chunk `seg` of matvec `i`'s result in the second half of a head a rope reads
+    /// directly ([`Stacked::rope_pairs`]), the PE of its twin half a head away when that PE has
+    /// room for `room` more bytes (the chunk and the rope on it): the rope then runs in place.
+    fn rope_partner_pe(&mut self, i: usize, seg: &Range<u64>, layout: &VectorLayout, room: u64) -> Option<Pe> {
+        let head_dim = self.rope_pairs(i)?;
+        let twin = rope_twin(seg, head_dim).filter(|twin| twin.start < seg.start)?;
+        let pe = layout.segments.iter().find(|s| s.elements == twin)?.pe;
+        self.claim_vector(pe, room, &HashSet::default()).then_some(pe)
+    }
+
     /// The PE of `seg`'s twin in the first half (see [`Stacked::multiplied_halves`]) when `seg`
     /// lies in the second half of a result read as multiplied `halves` and the twin's PE has
     /// room for `bytes` more.
@@ -2177,7 +2204,14 @@ impl Stacked<'_> {
                             // Queries, keys and values sit in their KV head's band of rows (see
                             // `attention`), each in a column of its own and as near its rows'
                             // tiles as the band allows, so their collects run side by side.
-                            let partner = self.partner_pe(halves, &seg, &layout, bytes);
+                            let rope_room = self.in_place_bytes(i, &seg);
+                            let partner = match self.rope_partner_pe(i, &seg, &layout, bytes + rope_room) {
+                                Some(pe) => {
+                                    *self.vector_bytes.entry(pe).or_default() -= rope_room;
+                                    Some(pe)
+                                }
+                                None => self.partner_pe(halves, &seg, &layout, bytes),
+                            };
                             let tile = tiles.get((r * g.col_blocks + c) as usize);
                             let pe = match (partner, self.attention_head(i, &seg), tile) {
                                 (Some(pe), _, _) => pe,
@@ -2359,10 +2393,16 @@ impl Stacked<'_> {
         }
     }
 
-    /// The result cut of a matvec's `len` rows: a head when rope reads it (rope and attention
-    /// then run on single heads), [`OUTPUT_SEGMENT_ELEMENTS`] (at least its `row_block` rows)
-    /// when nothing reads it, else [`vector_cut`].
+    /// The result cut of a matvec's `len` rows: when rope reads it, a chunk where rope reads it
+    /// directly and a head's half is several chunks (each chunk's twin half a head away then
+    /// goes to its PE, `rope_partner_pe`, so a head's rope runs on `head_dim / 64` PEs at once,
+    /// in place), else a head (rope, a per-head norm before it, and attention then run on single
+    /// heads); [`OUTPUT_SEGMENT_ELEMENTS`] (at least its `row_block` rows) when nothing reads it,
+    /// else [`vector_cut`].
     fn segment_cut(&self, i: usize, len: u64, row_block: u64) -> u64 {
+        if let Some(head_dim) = self.rope_pairs(i) {
+            return head_dim.min(CHUNK);
+        }
         let module = self.placer.module;
         if self.placer.analysis.readers[i].is_empty() {
             return OUTPUT_SEGMENT_ELEMENTS.max(row_block.next_power_of_two());

@@ -1,6 +1,6 @@
 //! Elementwise ops (silu, mul, add, swiglu, rope), each computed on its result segment's PE.
 
-use waferc_ir::wafer::{InstrIndex, Phase, Segment};
+use waferc_ir::wafer::{rope_twin, InstrIndex, Phase, Segment};
 use waferc_ir::Op;
 
 use crate::executor::{relative, span, timing, ExecError, Executor, Held, InstrRun, StepState};
@@ -44,16 +44,32 @@ impl Executor<'_> {
                     (data, timing::SILU_FLOPS + 4)
                 }
                 Op::Rope { x, head_dim, .. } => {
-                    // A head's halves rotate together: compute the whole heads the segment touches.
-                    let dim = *head_dim as u64;
-                    let heads = segment.elements.start / dim * dim..segment.elements.end.div_ceil(dim) * dim;
-                    let x = self.operand(state, run, segment.pe, x.index() as InstrIndex, heads.clone())?;
-                    let data = self.compute_data(n, || {
-                        let angles = angles.as_ref().expect("rope instructions have frequencies");
-                        let mut out = vec![0.0; span(&heads) as usize];
-                        kernels::rope(x.values(), angles, &mut out);
-                        out[relative(&segment.elements, heads.start)].to_vec()
-                    });
+                    let (dim, x) = (*head_dim as u64, x.index() as InstrIndex);
+                    let data = match rope_twin(&segment.elements, dim) {
+                        // A part of one half of a head: with its twin half a head away.
+                        Some(twin) => {
+                            let own = self.operand(state, run, segment.pe, x, segment.elements.clone())?;
+                            let other = self.operand(state, run, segment.pe, x, twin)?;
+                            self.compute_data(n, || {
+                                let angles = angles.as_ref().expect("rope instructions have frequencies");
+                                let mut out = vec![0.0; n];
+                                let start = (segment.elements.start % dim) as usize;
+                                kernels::rope_part(own.values(), other.values(), angles, start, &mut out);
+                                out
+                            })
+                        }
+                        // A head's halves rotate together: compute the whole heads the segment touches.
+                        None => {
+                            let heads = segment.elements.start / dim * dim..segment.elements.end.div_ceil(dim) * dim;
+                            let x = self.operand(state, run, segment.pe, x, heads.clone())?;
+                            self.compute_data(n, || {
+                                let angles = angles.as_ref().expect("rope instructions have frequencies");
+                                let mut out = vec![0.0; span(&heads) as usize];
+                                kernels::rope(x.values(), angles, &mut out);
+                                out[relative(&segment.elements, heads.start)].to_vec()
+                            })
+                        }
+                    };
                     (data, timing::ROPE_FLOPS)
                 }
                 _ => unreachable!("elementwise() is only called for silu, mul, add, swiglu and rope"),
