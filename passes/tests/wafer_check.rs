@@ -403,6 +403,35 @@ fn a_kv_slice_score_sum_that_skips_a_slice_is_caught() {
 }
 
 #[test]
+fn a_rope_part_away_from_its_twin_is_caught() {
+    // 128-element heads: the stacked plan cuts the queries and keys in chunks, each in the
+    // second half of a head on its twin's PE, so a head's rope runs on two PEs in place.
+    let module = build(&Shape { head_dim: 128, ..Shape::tiny() });
+    let options = CompileOptions { plan: Plan::stacked(1), ..CompileOptions::new(64) };
+    let mut program = compile(&module, &Target::resolve("grid:16x32").unwrap(), &options).unwrap();
+    check(&program, &module).unwrap();
+    // Move a rope's second-half part to the PE of the head's other pair.
+    let instr = program
+        .instrs
+        .iter_mut()
+        .find_map(|p| {
+            let (ResultLayout::Vector(layout), "rope") = (&mut p.result, p.op.as_str()) else { return None };
+            let parts = &mut layout.segments;
+            assert_eq!(parts[0].elements, 0..32, "rope parts of a chunk");
+            assert_eq!(parts[2].pe, parts[0].pe, "a part sits with its twin");
+            assert_ne!(parts[1].pe, parts[0].pe, "a head's pairs on two PEs");
+            parts[2].pe = parts[1].pe;
+            Some(p.instr)
+        })
+        .expect("a rope");
+    let err = problems(&program, &module);
+    assert!(
+        err.problems.iter().any(|p| p.instr == Some(instr) && p.message.contains("neither holds nor expects")),
+        "{err}"
+    );
+}
+
+#[test]
 fn kv_lane_groups_out_of_order_are_caught() {
     let (module, mut program) = compiled_stacked_spread(1, 2, "grid:32x32");
     // A chunk's second lane group first: its leaf would be the left operand of the lane combine.

@@ -5,7 +5,7 @@
 mod executor_common;
 
 use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
-use waferc_ir::wafer::{Plan, ResultLayout, WaferProgram};
+use waferc_ir::wafer::{Phase, Plan, ResultLayout, WaferProgram};
 use waferc_ir::Op;
 use waferc_passes::rewrite::rewrite_module;
 use waferc_passes::wafer::CompileOptions;
@@ -546,6 +546,41 @@ fn stacked_kv_slices_split_each_heads_dims_and_match_the_reference() {
         validate(&sliced, &module, Some(&blob), &[7, 3, 40], &greedy(6))
             .unwrap_or_else(|e| panic!("slice{slices}: {e}"));
     }
+}
+
+/// Rope on pairs of chunks: where rope reads the queries and keys directly and a head's half is
+/// several chunks, the stacked plan cuts them in chunks and puts each chunk of a head's second
+/// half on its twin's PE (half a head away), so a 128-element head rotates on two PEs at once,
+/// in place; the logits stay the reference's bits.
+#[test]
+fn stacked_rope_runs_on_pairs_of_chunks_and_matches_the_reference() {
+    let shape = Shape { head_dim: 128, heads: 4, kv_heads: 2, ..Shape::dense() };
+    let module = rewrite_module(&build(&shape, 11), PlanKind::Stacked).unwrap();
+    let options = CompileOptions { max_context: 64, plan: Plan::stacked(1), ..CompileOptions::default() };
+    let program = compile_with(&module, "grid:24x64", options);
+    let half = shape.head_dim as u64 / 2;
+    let mut ropes = 0;
+    for p in program.instrs.iter().filter(|p| p.op == "rope") {
+        ropes += 1;
+        let ResultLayout::Vector(layout) = &p.result else { panic!("rope %{} has a vector result", p.instr) };
+        for seg in &layout.segments {
+            assert_eq!(seg.elements.end - seg.elements.start, 32, "%{}: chunks", p.instr);
+            let within = seg.elements.start % (2 * half);
+            if within >= half {
+                let twin = layout.segments.iter().find(|t| t.elements.start == seg.elements.start - half).unwrap();
+                assert_eq!(twin.pe, seg.pe, "%{}: chunk {:?} sits with its twin", p.instr, seg.elements);
+            }
+        }
+    }
+    assert!(ropes > 0);
+    let options = ExecOptions { timing_only: true, ..ExecOptions::default() };
+    let timing = Executor::new(&program, &module, None, options).unwrap().step(1).unwrap().timing;
+    for span in timing.spans.iter().filter(|s| s.op == "rope" && s.phase == Phase::Compute) {
+        // Each PE rotates half a head: its two chunks.
+        assert_eq!(span.compute_cycles, 2 * 32 * waferc_runtime::executor::timing::ROPE_FLOPS, "{span:?}");
+    }
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[7, 3, 40], &greedy(6)).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// KV heads held in copies: each copy's blocks serve one share of its head's query heads, the

@@ -24,6 +24,7 @@ use std::fmt;
 use std::ops::Range;
 
 use waferc_ir::completion::Completion;
+use waferc_ir::wafer::rope_twin;
 use waferc_ir::wafer::serial::SharedPes;
 use waferc_ir::wafer::{
     wide, AttentionPlacement, KvHeadPlacement, Lanes, MatVecPlacement, Pe, PeImage, ReduceOp, Region, RegionKind,
@@ -279,6 +280,7 @@ pub fn check(program: &WaferProgram, module: &Module) -> Result<(), CheckError> 
                 c.replicas();
                 c.weights();
                 c.norm_groups();
+                c.rope_parts();
                 c.kv();
                 c.problems
             },
@@ -774,6 +776,70 @@ impl<'a> Checker<'a> {
                              32-element chunks like the group's other segments"
                         ),
                     );
+                }
+            }
+        }
+    }
+
+    /// A rope's result segments are whole heads, or parts of one half of a head whose PE holds
+    /// (or expects, as operand regions `operands` then checks arrive) both its elements and its
+    /// twin's half a head away: the two a part's rotation reads.
+    fn rope_parts(&mut self) {
+        let program = self.program;
+        for p in &program.instrs {
+            let (Op::Rope { x, head_dim, .. }, ResultLayout::Vector(layout)) =
+                (&self.module.body[Handle::new(p.instr as usize)].op, &p.result)
+            else {
+                continue;
+            };
+            let hd = *head_dim as u64;
+            // Where `x`'s data lies: through slices, in the value they cut.
+            let (mut source, mut shift) = (x.index(), 0u64);
+            while let Op::Slice { x, offset, .. } = &self.module.body[Handle::new(source)].op {
+                shift += *offset as u64;
+                source = x.index();
+            }
+            for seg in &layout.segments {
+                let Some(twin) = rope_twin(&seg.elements, hd) else {
+                    if !seg.elements.start.is_multiple_of(hd) || !seg.elements.end.is_multiple_of(hd) {
+                        self.report(
+                            Some(seg.pe),
+                            None,
+                            Some(p.instr),
+                            format!("rope segment {:?} is neither whole heads of {hd} nor inside a half", seg.elements),
+                        );
+                    }
+                    continue;
+                };
+                let regions = self.images.get(seg.pe).map_or(&[][..], |image| image.regions.as_slice());
+                let there = |wanted: &Range<u64>| {
+                    let held = wanted.start + shift..wanted.end + shift;
+                    regions.iter().any(|r| match &r.kind {
+                        RegionKind::Output { elements } => {
+                            r.instr == Some(source as u32) && elements.start <= held.start && held.end <= elements.end
+                        }
+                        RegionKind::Operand { value, elements } => {
+                            r.instr == Some(p.instr)
+                                && *value as usize == x.index()
+                                && elements.start <= wanted.start
+                                && wanted.end <= elements.end
+                        }
+                        _ => false,
+                    })
+                };
+                for (what, wanted) in [("its elements", &seg.elements), ("its twin", &twin)] {
+                    if !there(wanted) {
+                        self.report(
+                            Some(seg.pe),
+                            None,
+                            Some(p.instr),
+                            format!(
+                                "rope part {:?} reads {what} {wanted:?} of %{}, which its PE neither holds nor expects",
+                                seg.elements,
+                                x.index()
+                            ),
+                        );
+                    }
                 }
             }
         }

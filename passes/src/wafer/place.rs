@@ -1646,21 +1646,22 @@ impl<'a> Placer<'a> {
     }
 }
 
-/// The most query multicasts into one KV head's blocks when its cache is cut in slices: a
-/// multicast per query head and slice group. Each enters every shelf of the head's band along
+/// The most query multicasts into one KV head's blocks: one per query head and slice group when
+/// its cache is cut in slices, one per query head and source segment when rope runs on pairs of
+/// chunks (the stacked plan's `rope_pairs`). Each enters every shelf of the head's band along
 /// one row, so they all meet there: the 70B's 8 query heads a KV head in 4 slices, a multicast
 /// each, met 31 to a PE and ran out of colours.
-const MAX_SLICED_QUERY_ROUTES: u64 = 16;
+pub(super) const MAX_QUERY_ROUTES: u64 = 16;
 
 /// The dims of each query head that reach a KV head slice holding `dims` of `head_dim`, serving
 /// `queries` query heads: its own, or those of the run of adjacent slices it shares a multicast
 /// with (the fewest slices a run that keeps the head's query multicasts to
-/// [`MAX_SLICED_QUERY_ROUTES`]; each block then receives its run's dims and reads its own).
+/// [`MAX_QUERY_ROUTES`]; each block then receives its run's dims and reads its own).
 fn query_delivery_dims(dims: &Range<u64>, head_dim: u64, queries: u64) -> Range<u64> {
     let width = (dims.end - dims.start).max(1);
     let slices = head_dim / width;
     let mut run = 1;
-    while run < slices && queries * (slices / run) > MAX_SLICED_QUERY_ROUTES {
+    while run < slices && queries * (slices / run) > MAX_QUERY_ROUTES {
         run *= 2;
     }
     let start = dims.start / (width * run) * (width * run);

@@ -11,9 +11,9 @@ mod weights;
 
 pub use ops::{
     add, attention, attention_head, attention_score, attention_score_part, expert_combine, matvec, matvec_rows, mul,
-    rms_inverse, rms_norm, rms_scale, rope, rope_frequencies, rope_part, router_topk, scaled_score, silu, sink_denominator,
-    sink_max, softmax, softmax_normalize, softmax_numerators, softmax_with_sink, swiglu, AttentionShape, RopeAngles,
-    RopeTable, Routing,
+    rms_inverse, rms_norm, rms_scale, rope, rope_frequencies, rope_part, router_topk, scaled_score, silu,
+    sink_denominator, sink_max, softmax, softmax_normalize, softmax_numerators, softmax_with_sink, swiglu,
+    AttentionShape, RopeAngles, RopeTable, Routing,
 };
 pub use tree::{
     chunk_sum, combine_lanes, dot, dot_f32, dot_portable, dot_run, sum_squares, tree_combine, tree_sum, tree_sum_lanes,

@@ -51,14 +51,15 @@ use std::ops::Range;
 use std::rc::Rc;
 
 use waferc_ir::wafer::{
-    narrow, rope_twin, AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, Lanes, MatVecPlacement,
-    NormPlacement, Pe, Plan, RegionKind, ResultLayout, Segment, TargetParams, Tile, VectorLayout, WaferProgram, Work,
+    narrow, rope_twin, AttentionPlacement, EmbedBlock, InstrPlacement, KvBlock, KvHeadPlacement, Lanes,
+    MatVecPlacement, NormPlacement, Pe, Plan, RegionKind, ResultLayout, Segment, TargetParams, Tile, VectorLayout,
+    WaferProgram, Work,
 };
 use waferc_ir::{Module, Op, ValueType, BLOCK};
 
 use super::place::{
     embed_block_requests, kv_block_requests, norm_requests, operand_requests, slices_suit, tile_requests, unsupported,
-    KvBlockShape, Placer, Request,
+    KvBlockShape, Placer, Request, MAX_QUERY_ROUTES,
 };
 use super::size::{kv_block_bytes, Analysis};
 use super::{CompileOptions, WaferError};
@@ -1388,10 +1389,12 @@ impl Stacked<'_> {
     }
 
     /// The head dimension of the ropes reading matvec `i`'s result directly (through slices
-    /// only), when they all do, share one, and its half is more than a chunk: such a result is
-    /// cut in chunks placed in pairs ([`Stacked::segment_cut`]). `None` when a rope reads it
-    /// through a per-head norm (Qwen3's q and k norms: the norm's group would span PEs), or
-    /// nothing rotates it.
+    /// only), when they all do, share one, its half is more than a chunk, and the attentions
+    /// reading them take at most [`MAX_QUERY_ROUTES`] query multicasts a KV head so (one per
+    /// query head and chunk pair: Llama-3.1-8B's 4 query heads a KV head, 4 pairs each; the
+    /// 70B's 8 ran out of colours): such a result is cut in chunks placed in pairs
+    /// ([`Stacked::segment_cut`]). `None` when a rope reads it through a per-head norm (Qwen3's
+    /// q and k norms: the norm's group would span PEs), or nothing rotates it.
     fn rope_pairs(&self, i: usize) -> Option<u64> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
         let chain = self.in_place_chain(i);
@@ -1399,9 +1402,19 @@ impl Stacked<'_> {
             Op::Rope { head_dim, x, .. } if analysis.source[x.index()] as usize == i => Some(*head_dim as u64),
             _ => None,
         });
-        let first = dims.next()??;
-        let all_direct = dims.all(|d| d == Some(first));
-        (all_direct && first / 2 > CHUNK && (first / 2).is_multiple_of(CHUNK)).then_some(first)
+        let head_dim = dims.next()??;
+        let all_direct = dims.all(|d| d == Some(head_dim));
+        let pairs_fit = |&(r, _): &(usize, u64)| {
+            analysis.readers[r].iter().all(|&a| match &module.body[waferc_ir::Handle::new(a as usize)].op {
+                Op::Attention { cache, heads, .. } => {
+                    let q_per_kv = (*heads / module.caches[*cache].kv_heads.max(1)) as u64;
+                    q_per_kv * (head_dim / CHUNK) <= MAX_QUERY_ROUTES
+                }
+                _ => true,
+            })
+        };
+        let fits = chain.iter().skip(1).all(pairs_fit);
+        (all_direct && fits && head_dim / 2 > CHUNK && (head_dim / 2).is_multiple_of(CHUNK)).then_some(head_dim)
     }
 
     /// For a chunk `seg` of matvec `i`'s result in the second half of a head a rope reads
