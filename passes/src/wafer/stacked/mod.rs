@@ -1422,7 +1422,14 @@ impl Stacked<'_> {
     /// room for `room` more bytes (the chunk and the rope on it): the rope then runs in place.
     fn rope_partner_pe(&mut self, i: usize, seg: &Range<u64>, layout: &VectorLayout, room: u64) -> Option<Pe> {
         let head_dim = self.rope_pairs(i)?;
-        let twin = rope_twin(seg, head_dim).filter(|twin| twin.start < seg.start)?;
+        let module = self.placer.module;
+        // Only rows a rope rotates (the queries and keys, not the values beside them).
+        let rotated = self.in_place_chain(i).into_iter().skip(1).any(|(r, start)| {
+            let ir = &module.body[waferc_ir::Handle::new(r)];
+            let len = ir.ty.tensor().map_or(0, |t| t.elements());
+            matches!(ir.op, Op::Rope { .. }) && start <= seg.start && seg.end <= start + len
+        });
+        let twin = rope_twin(seg, head_dim).filter(|twin| rotated && twin.start < seg.start)?;
         let pe = layout.segments.iter().find(|s| s.elements == twin)?.pe;
         self.claim_vector(pe, room, &HashSet::default()).then_some(pe)
     }
