@@ -367,6 +367,13 @@ impl KvShape {
     }
 }
 
+/// The ropes that read a matvec's result directly, in chunk pairs ([`Stacked::rope_pairs`]):
+/// their head dimension and the rows of the result they rotate.
+struct RopePairs {
+    head_dim: u64,
+    rotated: Vec<Range<u64>>,
+}
+
 /// Rows of a matvec's result that an attention reads ([`Stacked::attention_head`]).
 struct HeadRows {
     attention: usize,
@@ -1388,48 +1395,48 @@ impl Stacked<'_> {
         (len.is_multiple_of(2) && product).then_some(half)
     }
 
-    /// The head dimension of the ropes reading matvec `i`'s result directly (through slices
-    /// only), when they all do, share one, its half is more than a chunk, and the attentions
-    /// reading them take at most [`MAX_QUERY_ROUTES`] query multicasts a KV head so (one per
-    /// query head and chunk pair: Llama-3.1-8B's 4 query heads a KV head, 4 pairs each; the
-    /// 70B's 8 ran out of colours): such a result is cut in chunks placed in pairs
-    /// ([`Stacked::segment_cut`]). `None` when a rope reads it through a per-head norm (Qwen3's
-    /// q and k norms: the norm's group would span PEs), or nothing rotates it.
-    fn rope_pairs(&self, i: usize) -> Option<u64> {
+    /// The ropes reading matvec `i`'s result directly (through slices only), when they all do,
+    /// share one head dimension whose half is more than a chunk, and the attentions reading them
+    /// take at most [`MAX_QUERY_ROUTES`] query multicasts a KV head so (one per query head and
+    /// chunk pair: Llama-3.1-8B's 4 query heads a KV head, 4 pairs each; the 70B's 8 ran out of
+    /// colours): such a result is cut in chunks placed in pairs ([`Stacked::segment_cut`]).
+    /// `None` when a rope reads it through a per-head norm (Qwen3's q and k norms: the norm's
+    /// group would span PEs), or nothing rotates it.
+    fn rope_pairs(&self, i: usize) -> Option<RopePairs> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
-        let chain = self.in_place_chain(i);
-        let mut dims = chain.iter().skip(1).map(|&(r, _)| match &module.body[waferc_ir::Handle::new(r)].op {
-            Op::Rope { head_dim, x, .. } if analysis.source[x.index()] as usize == i => Some(*head_dim as u64),
-            _ => None,
-        });
-        let head_dim = dims.next()??;
-        let all_direct = dims.all(|d| d == Some(head_dim));
-        let pairs_fit = |&(r, _): &(usize, u64)| {
-            analysis.readers[r].iter().all(|&a| match &module.body[waferc_ir::Handle::new(a as usize)].op {
+        let mut pairs: Option<RopePairs> = None;
+        for (r, start) in self.in_place_chain(i).into_iter().skip(1) {
+            let ir = &module.body[waferc_ir::Handle::new(r)];
+            let Op::Rope { head_dim, x, .. } = &ir.op else { return None };
+            let head_dim = *head_dim as u64;
+            let direct = analysis.source[x.index()] as usize == i;
+            let fits = analysis.readers[r].iter().all(|&a| match &module.body[waferc_ir::Handle::new(a as usize)].op {
                 Op::Attention { cache, heads, .. } => {
                     let q_per_kv = (*heads / module.caches[*cache].kv_heads.max(1)) as u64;
                     q_per_kv * (head_dim / CHUNK) <= MAX_QUERY_ROUTES
                 }
                 _ => true,
-            })
-        };
-        let fits = chain.iter().skip(1).all(pairs_fit);
-        (all_direct && fits && head_dim / 2 > CHUNK && (head_dim / 2).is_multiple_of(CHUNK)).then_some(head_dim)
+            });
+            let halves = head_dim / 2 > CHUNK && (head_dim / 2).is_multiple_of(CHUNK);
+            if !(direct && fits && halves) || pairs.as_ref().is_some_and(|p| p.head_dim != head_dim) {
+                return None;
+            }
+            let len = ir.ty.tensor().map_or(0, |t| t.elements());
+            pairs.get_or_insert(RopePairs { head_dim, rotated: Vec::new() }).rotated.push(start..start + len);
+        }
+        pairs
     }
 
     /// For a chunk `seg` of matvec `i`'s result in the second half of a head a rope reads
     /// directly ([`Stacked::rope_pairs`]), the PE of its twin half a head away when that PE has
     /// room for `room` more bytes (the chunk and the rope on it): the rope then runs in place.
     fn rope_partner_pe(&mut self, i: usize, seg: &Range<u64>, layout: &VectorLayout, room: u64) -> Option<Pe> {
-        let head_dim = self.rope_pairs(i)?;
-        let module = self.placer.module;
+        let pairs = self.rope_pairs(i)?;
         // Only rows a rope rotates (the queries and keys, not the values beside them).
-        let rotated = self.in_place_chain(i).into_iter().skip(1).any(|(r, start)| {
-            let ir = &module.body[waferc_ir::Handle::new(r)];
-            let len = ir.ty.tensor().map_or(0, |t| t.elements());
-            matches!(ir.op, Op::Rope { .. }) && start <= seg.start && seg.end <= start + len
-        });
-        let twin = rope_twin(seg, head_dim).filter(|twin| rotated && twin.start < seg.start)?;
+        if !pairs.rotated.iter().any(|rows| rows.start <= seg.start && seg.end <= rows.end) {
+            return None;
+        }
+        let twin = rope_twin(seg, pairs.head_dim).filter(|twin| twin.start < seg.start)?;
         let pe = layout.segments.iter().find(|s| s.elements == twin)?.pe;
         self.claim_vector(pe, room, &HashSet::default()).then_some(pe)
     }
@@ -2420,8 +2427,8 @@ impl Stacked<'_> {
     /// heads); [`OUTPUT_SEGMENT_ELEMENTS`] (at least its `row_block` rows) when nothing reads it,
     /// else [`vector_cut`].
     fn segment_cut(&self, i: usize, len: u64, row_block: u64) -> u64 {
-        if let Some(head_dim) = self.rope_pairs(i) {
-            return head_dim.min(CHUNK);
+        if self.rope_pairs(i).is_some() {
+            return CHUNK;
         }
         let module = self.placer.module;
         if self.placer.analysis.readers[i].is_empty() {
