@@ -583,6 +583,26 @@ fn stacked_rope_runs_on_pairs_of_chunks_and_matches_the_reference() {
     validate(&program, &module, Some(&blob), &[7, 3, 40], &greedy(6)).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// Where rope pairs' extra query multicasts leave a route without a colour, the stacked plan
+/// places the module again with whole heads: on routers of 10 colours (12 hold the pairs) the
+/// same module compiles, its rope on whole heads, and keeps the reference's bits.
+#[test]
+fn stacked_rope_pairs_without_colours_fall_back_to_whole_heads() {
+    let shape = Shape { head_dim: 128, heads: 4, kv_heads: 2, ..Shape::dense() };
+    let module = rewrite_module(&build(&shape, 11), PlanKind::Stacked).unwrap();
+    let options = CompileOptions { max_context: 64, plan: Plan::stacked(1), ..CompileOptions::default() };
+    let mut target = waferc_targets::Target::resolve("grid:24x64").unwrap();
+    target.colours_per_pe.value = 10;
+    let program = waferc_passes::wafer::compile(&module, &target, &options).unwrap_or_else(|e| panic!("{e}"));
+    waferc_passes::wafer::check(&program, &module).unwrap_or_else(|e| panic!("{e}"));
+    for p in program.instrs.iter().filter(|p| p.op == "rope") {
+        let ResultLayout::Vector(layout) = &p.result else { panic!("rope %{} has a vector result", p.instr) };
+        assert!(layout.segments.iter().all(|s| s.elements.end - s.elements.start == 128), "%{}: whole heads", p.instr);
+    }
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[7, 3, 40], &greedy(4)).unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// KV heads held in copies: each copy's blocks serve one share of its head's query heads, the
 /// blocks compute less attention per step, and the logits stay the reference's bits.
 #[test]

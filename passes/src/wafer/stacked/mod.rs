@@ -367,6 +367,65 @@ impl KvShape {
     }
 }
 
+/// Matvec `i` and the ops that run in place on its result (rope and a per-head norm, Qwen3's q
+/// and k norms, through slices), each with where its element 0 lies in `i`'s result.
+fn in_place_chain(module: &Module, analysis: &Analysis, i: usize) -> Vec<(usize, u64)> {
+    let mut chain = vec![(i, 0u64)];
+    let mut next = 0;
+    while let Some(&(value, base)) = chain.get(next) {
+        next += 1;
+        for &reader in &analysis.readers[value] {
+            let r = reader as usize;
+            let (Op::Rope { x, .. } | Op::RmsNorm { x, .. }) = &module.body[waferc_ir::Handle::new(r)].op else {
+                continue;
+            };
+            if analysis.source[x.index()] as usize == value {
+                chain.push((r, base + analysis.offset[x.index()]));
+            }
+        }
+    }
+    chain
+}
+
+/// The ropes that read matvec `i`'s result directly (through slices only), when they all do,
+/// share one head dimension whose half is more than a chunk, and the attentions reading them
+/// take at most [`MAX_QUERY_ROUTES`] query multicasts a KV head so (one per query head and chunk
+/// pair: Llama-3.1-8B's 4 query heads a KV head, 4 pairs each; the 70B's 8 ran out of colours):
+/// such a result is cut in chunks placed in pairs ([`Stacked::segment_cut`]). `None` when a rope
+/// reads it through a per-head norm (Qwen3's q and k norms: the norm's group would span PEs), or
+/// nothing rotates it.
+fn rope_pairs(module: &Module, analysis: &Analysis, i: usize) -> Option<RopePairs> {
+    let mut pairs: Option<RopePairs> = None;
+    for (r, start) in in_place_chain(module, analysis, i).into_iter().skip(1) {
+        let ir = &module.body[waferc_ir::Handle::new(r)];
+        let Op::Rope { head_dim, x, .. } = &ir.op else { return None };
+        let head_dim = *head_dim as u64;
+        let direct = analysis.source[x.index()] as usize == i;
+        let fits = analysis.readers[r].iter().all(|&a| match &module.body[waferc_ir::Handle::new(a as usize)].op {
+            Op::Attention { cache, heads, .. } => {
+                let q_per_kv = (*heads / module.caches[*cache].kv_heads.max(1)) as u64;
+                q_per_kv * (head_dim / CHUNK) <= MAX_QUERY_ROUTES
+            }
+            _ => true,
+        });
+        let halves = head_dim / 2 > CHUNK && (head_dim / 2).is_multiple_of(CHUNK);
+        if !(direct && fits && halves) || pairs.as_ref().is_some_and(|p| p.head_dim != head_dim) {
+            return None;
+        }
+        let len = ir.ty.tensor().map_or(0, |t| t.elements());
+        pairs.get_or_insert(RopePairs { head_dim, rotated: Vec::new() }).rotated.push(start..start + len);
+    }
+    pairs
+}
+
+/// Whether a stacked placement cuts matvec results in rope pairs ([`rope_pairs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RopePairing {
+    Allowed,
+    /// Whole heads: the pairs' extra query multicasts ran a band out of colours.
+    Off,
+}
+
 /// The ropes that read a matvec's result directly, in chunk pairs ([`Stacked::rope_pairs`]):
 /// their head dimension and the rows of the result they rotate.
 struct RopePairs {
@@ -977,7 +1036,9 @@ pub fn tiles_estimate(module: &Module, layers_per_region: u16, experts_per_lane:
     tiles
 }
 
-/// Places `module` with the stacked plan.
+/// Places `module` with the stacked plan: with rope pairs where [`rope_pairs`] allows them, and
+/// again with whole heads if a route then finds no colour (a pair's chunks take a query
+/// multicast each, and a small region's bands have few rows for them: Mixtral's `stacked:1`).
 pub(super) fn place(
     module: &Module,
     analysis: &Analysis,
@@ -985,6 +1046,25 @@ pub(super) fn place(
     options: &CompileOptions,
     layers_per_region: u16,
     wafer_percent: u8,
+) -> Result<WaferProgram, WaferError> {
+    let place = |pairing| place_with(module, analysis, params, options, (layers_per_region, wafer_percent), pairing);
+    let paired = (0..module.body.len()).any(|i| {
+        matches!(module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. })
+            && rope_pairs(module, analysis, i).is_some()
+    });
+    match place(RopePairing::Allowed) {
+        Err(WaferError::Colours { .. }) if paired => place(RopePairing::Off),
+        placed => placed,
+    }
+}
+
+fn place_with(
+    module: &Module,
+    analysis: &Analysis,
+    params: &TargetParams,
+    options: &CompileOptions,
+    (layers_per_region, wafer_percent): (u16, u8),
+    rope_pairing: RopePairing,
 ) -> Result<WaferProgram, WaferError> {
     let usable = params.usable_bytes_per_pe() as u64;
     let units = units(module, options, usable, layers_per_region);
@@ -1066,6 +1146,7 @@ pub(super) fn place(
         lane_cursors: HashMap::default(),
         lane_columns: HashMap::default(),
         layers_per_region: layers_per_region.max(1) as u64,
+        rope_pairing,
         experts_per_lane: match options.plan {
             Plan::Stacked { experts_per_lane, .. } => experts_per_lane.max(1) as u64,
             _ => 1,
@@ -1222,6 +1303,7 @@ struct Stacked<'a> {
     /// Per MoE block (its router's value), the columns of lanes its experts' lanes are cut in.
     lane_columns: HashMap<u32, u64>,
     layers_per_region: u64,
+    rope_pairing: RopePairing,
     /// Experts sharing each MoE lane (`Plan::Stacked::experts_per_lane`).
     experts_per_lane: u64,
     /// Bytes of vectors placed on fresh PEs (`fresh_pe`, `band_pe`) per PE, kept under
@@ -1395,36 +1477,12 @@ impl Stacked<'_> {
         (len.is_multiple_of(2) && product).then_some(half)
     }
 
-    /// The ropes reading matvec `i`'s result directly (through slices only), when they all do,
-    /// share one head dimension whose half is more than a chunk, and the attentions reading them
-    /// take at most [`MAX_QUERY_ROUTES`] query multicasts a KV head so (one per query head and
-    /// chunk pair: Llama-3.1-8B's 4 query heads a KV head, 4 pairs each; the 70B's 8 ran out of
-    /// colours): such a result is cut in chunks placed in pairs ([`Stacked::segment_cut`]).
-    /// `None` when a rope reads it through a per-head norm (Qwen3's q and k norms: the norm's
-    /// group would span PEs), or nothing rotates it.
+    /// [`rope_pairs`] of matvec `i`, unless this placement keeps whole heads.
     fn rope_pairs(&self, i: usize) -> Option<RopePairs> {
-        let (module, analysis) = (self.placer.module, self.placer.analysis);
-        let mut pairs: Option<RopePairs> = None;
-        for (r, start) in self.in_place_chain(i).into_iter().skip(1) {
-            let ir = &module.body[waferc_ir::Handle::new(r)];
-            let Op::Rope { head_dim, x, .. } = &ir.op else { return None };
-            let head_dim = *head_dim as u64;
-            let direct = analysis.source[x.index()] as usize == i;
-            let fits = analysis.readers[r].iter().all(|&a| match &module.body[waferc_ir::Handle::new(a as usize)].op {
-                Op::Attention { cache, heads, .. } => {
-                    let q_per_kv = (*heads / module.caches[*cache].kv_heads.max(1)) as u64;
-                    q_per_kv * (head_dim / CHUNK) <= MAX_QUERY_ROUTES
-                }
-                _ => true,
-            });
-            let halves = head_dim / 2 > CHUNK && (head_dim / 2).is_multiple_of(CHUNK);
-            if !(direct && fits && halves) || pairs.as_ref().is_some_and(|p| p.head_dim != head_dim) {
-                return None;
-            }
-            let len = ir.ty.tensor().map_or(0, |t| t.elements());
-            pairs.get_or_insert(RopePairs { head_dim, rotated: Vec::new() }).rotated.push(start..start + len);
+        match self.rope_pairing {
+            RopePairing::Allowed => rope_pairs(self.placer.module, self.placer.analysis, i),
+            RopePairing::Off => None,
         }
-        pairs
     }
 
     /// For a chunk `seg` of matvec `i`'s result in the second half of a head a rope reads
@@ -1451,25 +1509,9 @@ impl Stacked<'_> {
         self.claim_vector(pe, bytes, &HashSet::default()).then_some(pe)
     }
 
-    /// Matvec `i` and the ops that run in place on its result (rope and a per-head norm, Qwen3's q
-    /// and k norms, through slices), each with where its element 0 lies in `i`'s result.
+    /// [`in_place_chain`] of matvec `i`.
     fn in_place_chain(&self, i: usize) -> Vec<(usize, u64)> {
-        let (module, analysis) = (self.placer.module, self.placer.analysis);
-        let mut chain = vec![(i, 0u64)];
-        let mut next = 0;
-        while let Some(&(value, base)) = chain.get(next) {
-            next += 1;
-            for &reader in &analysis.readers[value] {
-                let r = reader as usize;
-                let (Op::Rope { x, .. } | Op::RmsNorm { x, .. }) = &module.body[waferc_ir::Handle::new(r)].op else {
-                    continue;
-                };
-                if analysis.source[x.index()] as usize == value {
-                    chain.push((r, base + analysis.offset[x.index()]));
-                }
-            }
-        }
-        chain
+        in_place_chain(self.placer.module, self.placer.analysis, i)
     }
 
     /// The bytes the ops that run in place on rows `rows` of matvec `i`'s result take on its
