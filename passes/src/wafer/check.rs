@@ -793,12 +793,7 @@ impl<'a> Checker<'a> {
                 continue;
             };
             let hd = *head_dim as u64;
-            // Where `x`'s data lies: through slices, in the value they cut.
-            let (mut source, mut shift) = (x.index(), 0u64);
-            while let Op::Slice { x, offset, .. } = &self.module.body[Handle::new(source)].op {
-                shift += *offset as u64;
-                source = x.index();
-            }
+            let (source, shift) = self.source(x.index());
             for seg in &layout.segments {
                 let Some(twin) = rope_twin(&seg.elements, hd) else {
                     if !seg.elements.start.is_multiple_of(hd) || !seg.elements.end.is_multiple_of(hd) {
@@ -816,7 +811,7 @@ impl<'a> Checker<'a> {
                     let held = wanted.start + shift..wanted.end + shift;
                     regions.iter().any(|r| match &r.kind {
                         RegionKind::Output { elements } => {
-                            r.instr == Some(source as u32) && elements.start <= held.start && held.end <= elements.end
+                            r.instr == Some(source) && elements.start <= held.start && held.end <= elements.end
                         }
                         RegionKind::Operand { value, elements } => {
                             r.instr == Some(p.instr)
@@ -1310,24 +1305,25 @@ impl<'a> Checker<'a> {
         }
     }
 
+    /// Which value's data value `v` is, and where in it: through expert_dispatch to the
+    /// dispatched vector, through slice to the sliced one.
+    fn source(&self, mut v: usize) -> (u32, u64) {
+        let mut shift = 0u64;
+        loop {
+            match &self.module.body[Handle::new(v)].op {
+                Op::ExpertDispatch { x, .. } => v = x.index(),
+                Op::Slice { x, offset, .. } => {
+                    shift += *offset as u64;
+                    v = x.index();
+                }
+                _ => return (v as u32, shift),
+            }
+        }
+    }
+
     /// Every operand region is fed: the PE holds the value itself, or an operand route of the
     /// value's source ends here and is listed by the instruction.
     fn operands(&mut self, routes: &HashMap<u32, &Route>) {
-        // Which value's data an operand is, and where in it: through expert_dispatch to the
-        // dispatched vector, through slice to the sliced one.
-        let source = |mut v: usize| {
-            let mut shift = 0u64;
-            loop {
-                match &self.module.body[Handle::new(v)].op {
-                    Op::ExpertDispatch { x, .. } => v = x.index(),
-                    Op::Slice { x, offset, .. } => {
-                        shift += *offset as u64;
-                        v = x.index();
-                    }
-                    _ => return (v as u32, shift),
-                }
-            }
-        };
         // Per destination PE's image (position in `program.pes`): the operand routes arriving
         // there (positions in `program.routes`), sorted by the value they carry, in route order
         // within one; the elements are the route's. One flat table indexed by image, of route
@@ -1410,7 +1406,7 @@ impl<'a> Checker<'a> {
                 let (RegionKind::Operand { value, elements }, Some(instr)) = (&region.kind, region.instr) else {
                     continue;
                 };
-                let (src, shift) = source(*value as usize);
+                let (src, shift) = self.source(*value as usize);
                 let elements = &(elements.start + shift..elements.end + shift);
                 // What the PE holds of the source's result itself, then what routes bring.
                 let mut held: Vec<Range<u64>> = image
