@@ -1,12 +1,10 @@
-mod wafer_common;
-
 use std::path::PathBuf;
 
-use wafer_common::{build, Shape};
 use waferc_ir::wafer::artifact::{self, Artifact, ArtifactError};
 use waferc_ir::wafer::region_bytes;
 use waferc_passes::wafer::{check, compile, CompileOptions};
 use waferc_targets::Target;
+use waferc_testsuite::models::{build, Shape};
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("waferc-artifact-{name}-{}", std::process::id()));
@@ -15,7 +13,7 @@ fn temp_dir(name: &str) -> PathBuf {
 }
 
 fn compiled(shape: &Shape) -> Artifact {
-    let module = build(shape);
+    let module = build(shape, 7);
     let program = compile(&module, &Target::resolve("grid:16x16").unwrap(), &CompileOptions::new(64)).unwrap();
     Artifact::new(program, module)
 }

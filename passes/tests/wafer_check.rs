@@ -1,14 +1,12 @@
-mod wafer_common;
-
-use wafer_common::{build, Shape};
 use waferc_ir::completion::Completion;
 use waferc_ir::wafer::{Pe, Plan, Region, RegionKind, ResultLayout, WaferProgram, Work};
 use waferc_ir::Module;
 use waferc_passes::wafer::{check, compile, CheckError, CompileOptions, WaferError};
 use waferc_targets::Target;
+use waferc_testsuite::models::{build, Shape};
 
 fn compiled() -> (Module, WaferProgram) {
-    let module = build(&Shape::tiny());
+    let module = build(&Shape::tiny(), 7);
     let program = compile(&module, &Target::resolve("grid:8x8").unwrap(), &CompileOptions::new(64)).unwrap();
     check(&program, &module).unwrap();
     (module, program)
@@ -22,7 +20,7 @@ fn compiled_stacked(kv_copies: u8) -> (Module, WaferProgram) {
 
 /// As [`compiled_stacked`], each KV block spread over `kv_spread` PEs, on `grid`.
 fn compiled_stacked_spread(kv_copies: u8, kv_spread: u8, grid: &str) -> (Module, WaferProgram) {
-    let module = build(&Shape::tiny());
+    let module = build(&Shape::tiny(), 7);
     let plan = Plan::Stacked {
         layers_per_region: 1,
         wafer_percent: 100,
@@ -40,7 +38,7 @@ fn compiled_stacked_spread(kv_copies: u8, kv_spread: u8, grid: &str) -> (Module,
 /// The tiny model with 64-element heads, the stacked plan with each KV head's cache in two
 /// slices of its head dimension, accepted by the checker.
 fn compiled_sliced() -> (Module, WaferProgram) {
-    let module = build(&Shape { head_dim: 64, ..Shape::tiny() });
+    let module = build(&Shape { head_dim: 64, ..Shape::tiny() }, 7);
     let options = CompileOptions { plan: Plan::stacked(1).with_kv_slices(2), ..CompileOptions::new(64) };
     let program = compile(&module, &Target::resolve("grid:16x32").unwrap(), &options).unwrap();
     check(&program, &module).unwrap();
@@ -216,17 +214,20 @@ fn shared_colours_and_broken_paths_are_caught() {
 
 #[test]
 fn a_module_that_does_not_fit_says_by_how_much_and_what_would() {
-    let module = build(&Shape {
-        layers: 4,
-        hidden: 512,
-        ffn: 2048,
-        vocab: 4096,
-        heads: 8,
-        kv_heads: 4,
-        head_dim: 64,
-        bytes: false,
-        ..Shape::tiny()
-    });
+    let module = build(
+        &Shape {
+            layers: 4,
+            hidden: 512,
+            ffn: 2048,
+            vocab: 4096,
+            heads: 8,
+            kv_heads: 4,
+            head_dim: 64,
+            bytes: false,
+            ..Shape::tiny()
+        },
+        7,
+    );
     let target = Target::resolve("grid:16x16").unwrap();
     match compile(&module, &target, &CompileOptions::new(256)) {
         Err(WaferError::DoesNotFit(report)) => {
@@ -245,17 +246,20 @@ fn a_module_that_does_not_fit_says_by_how_much_and_what_would() {
 #[test]
 fn quantisation_is_suggested_when_it_would_fit() {
     // bf16 weights just over a grid; q8_0/q4_0 halve or quarter them.
-    let module = build(&Shape {
-        layers: 2,
-        hidden: 1024,
-        ffn: 2048,
-        vocab: 2048,
-        heads: 8,
-        kv_heads: 4,
-        head_dim: 128,
-        bytes: false,
-        ..Shape::tiny()
-    });
+    let module = build(
+        &Shape {
+            layers: 2,
+            hidden: 1024,
+            ffn: 2048,
+            vocab: 2048,
+            heads: 8,
+            kv_heads: 4,
+            head_dim: 128,
+            bytes: false,
+            ..Shape::tiny()
+        },
+        7,
+    );
     let target = Target::resolve("grid:30x36").unwrap();
     match compile(&module, &target, &CompileOptions::new(64)) {
         Err(WaferError::DoesNotFit(report)) => {
@@ -268,7 +272,7 @@ fn quantisation_is_suggested_when_it_would_fit() {
 
 #[test]
 fn bad_options_are_refused() {
-    let module = build(&Shape::tiny());
+    let module = build(&Shape::tiny(), 7);
     let target = Target::resolve("grid:8x8").unwrap();
     assert!(matches!(compile(&module, &target, &CompileOptions::new(0)), Err(WaferError::Options(_))));
     let mesh = CompileOptions {
@@ -406,7 +410,7 @@ fn a_kv_slice_score_sum_that_skips_a_slice_is_caught() {
 fn a_rope_part_away_from_its_twin_is_caught() {
     // 128-element heads: the stacked plan cuts the queries and keys in chunks, each in the
     // second half of a head on its twin's PE, so a head's rope runs on two PEs in place.
-    let module = build(&Shape { head_dim: 128, ..Shape::tiny() });
+    let module = build(&Shape { head_dim: 128, ..Shape::tiny() }, 7);
     let options = CompileOptions { plan: Plan::stacked(1), ..CompileOptions::new(64) };
     let mut program = compile(&module, &Target::resolve("grid:16x32").unwrap(), &options).unwrap();
     check(&program, &module).unwrap();

@@ -1,13 +1,11 @@
-mod wafer_common;
-
-use wafer_common::{build, Shape};
 use waferc_ir::wafer::Plan;
 use waferc_passes::wafer::{check, compile, CompileOptions};
 use waferc_targets::Target;
+use waferc_testsuite::models::{build, Shape};
 
 #[test]
 fn tiny_llama_compiles_and_checks_on_8x8() {
-    let module = build(&Shape::tiny());
+    let module = build(&Shape::tiny(), 7);
     let target = Target::resolve("grid:8x8").unwrap();
     let program = compile(&module, &target, &CompileOptions::new(64)).unwrap();
     check(&program, &module).unwrap();
@@ -18,7 +16,7 @@ fn tiny_llama_compiles_and_checks_on_8x8() {
 
 #[test]
 fn llama8b_shape_compiles_for_wse3() {
-    let module = build(&Shape::llama8b());
+    let module = build(&Shape::llama8b(), 7);
     let target = Target::resolve("wse3").unwrap();
     let start = std::time::Instant::now();
     let program = compile(&module, &target, &CompileOptions::new(8192)).unwrap();
@@ -40,7 +38,7 @@ fn llama8b_shape_compiles_for_wse3() {
 
 #[test]
 fn llama70b_shape_compiles_for_wse3x4() {
-    let module = build(&Shape::llama70b());
+    let module = build(&Shape::llama70b(), 7);
     let target = Target::resolve("wse3x4").unwrap();
     let start = std::time::Instant::now();
     let program = compile(&module, &target, &CompileOptions::new(2048)).unwrap();
@@ -60,7 +58,7 @@ fn moe_qwen_style_and_mesh_plans_compile_and_check() {
         Shape { dtype: waferc_ir::DType::Q8_0, ..Shape::tiny() },
     ];
     for shape in shapes {
-        let module = build(&shape);
+        let module = build(&shape, 7);
         for plan in [Plan::Tiled, Plan::MeshGemv { p: 4, group_num: 2 }] {
             let options = CompileOptions { max_context: 100, plan, ..CompileOptions::default() };
             let program = compile(&module, &target, &options).unwrap_or_else(|e| panic!("{shape:?} {plan:?}: {e}"));
@@ -86,7 +84,7 @@ fn moe_shapes_at_scale_compile_and_check() {
     let mixtral = Shape { layers: 2, vocab: 32000, moe: Some((8, 2)), ..Shape::llama8b() };
     let target = Target::resolve("wse3").unwrap();
     for shape in [qwen3_moe, mixtral] {
-        let module = build(&shape);
+        let module = build(&shape, 7);
         let program = compile(&module, &target, &CompileOptions::new(4096)).unwrap();
         check(&program, &module).unwrap();
         // Experts never share a PE.
@@ -103,7 +101,7 @@ fn moe_shapes_at_scale_compile_and_check() {
 
 #[test]
 fn mesh_plan_compiles_the_8b_shape() {
-    let module = build(&Shape { layers: 4, ..Shape::llama8b() });
+    let module = build(&Shape { layers: 4, ..Shape::llama8b() }, 7);
     let target = Target::resolve("wse3").unwrap();
     let mesh = compile(
         &module,
@@ -147,7 +145,7 @@ fn stacked_tile_estimate_bounds_the_lowered_tiles() {
         (Shape { moe: Some((8, 2)), ..dense }, 2),
     ];
     for (shape, experts_per_lane) in cases {
-        let module = build(&shape);
+        let module = build(&shape, 7);
         for k in [1u16, 2] {
             let plan = Plan::Stacked {
                 layers_per_region: k,
@@ -170,7 +168,7 @@ fn stacked_tile_estimate_bounds_the_lowered_tiles() {
 /// stops at the first PE that overflows and says what already holds it.
 #[test]
 fn an_overfilled_pe_is_reported_with_what_holds_it() {
-    let module = build(&Shape::llama70b());
+    let module = build(&Shape::llama70b(), 7);
     let target = Target::resolve("wse3x4").unwrap();
     let plan = Plan::stacked(1);
     let err = compile(&module, &target, &CompileOptions { plan, ..CompileOptions::new(2048) }).unwrap_err().to_string();
@@ -192,9 +190,9 @@ fn shared_expert_lanes_are_refused_for_a_dense_model() {
         kv_slices: 1,
     };
     let options = CompileOptions { max_context: 64, plan, ..CompileOptions::default() };
-    let err = compile(&build(&Shape::tiny()), &target, &options).unwrap_err().to_string();
+    let err = compile(&build(&Shape::tiny(), 7), &target, &options).unwrap_err().to_string();
     assert!(err.contains("stacked:1,100,share2") && err.contains("no MoE layer"), "{err}");
-    compile(&build(&Shape { moe: Some((8, 2)), ..Shape::tiny() }), &target, &options)
+    compile(&build(&Shape { moe: Some((8, 2)), ..Shape::tiny() }, 7), &target, &options)
         .unwrap_or_else(|e| panic!("the MoE model takes {plan}: {e}"));
 }
 
@@ -204,7 +202,7 @@ fn shared_expert_lanes_are_refused_for_a_dense_model() {
 #[test]
 fn stacked_qk_norms_run_on_one_head_a_segment() {
     let shape = Shape { hidden: 128, heads: 32, kv_heads: 2, head_dim: 16, qk_norm: true, ..Shape::tiny() };
-    let unfused = build(&shape);
+    let unfused = build(&shape, 7);
     let fused = waferc_passes::rewrite::rewrite_module(&unfused, waferc_passes::PlanKind::Stacked).unwrap();
     let target = Target::resolve("grid:32x32").unwrap();
     let plan = Plan::stacked(1);
@@ -260,7 +258,7 @@ fn stacked_lm_head_reductions_share_no_link() {
         moe: Some((4, 2)),
         ..Shape::tiny()
     };
-    let module = build(&shape);
+    let module = build(&shape, 7);
     let target = Target::resolve("grid:64x64").unwrap();
     let plan = Plan::stacked(1);
     let program = compile(&module, &target, &CompileOptions { max_context: 64, plan, ..CompileOptions::default() })

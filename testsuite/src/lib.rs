@@ -1,4 +1,7 @@
-//! Tests live in `tests/`. This library holds what several of them share: where fixtures are.
+//! Tests live in `tests/`. This library holds what several of them, and the passes crate's tests,
+//! share: where fixtures are, and the hand-built decoder modules ([`models`]).
+
+pub mod models;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -4,13 +4,14 @@
 
 mod executor_common;
 
-use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
+use executor_common::{compile_for, compile_with, pack_tile_blob};
 use waferc_ir::wafer::{Phase, Plan, ResultLayout, WaferProgram};
 use waferc_ir::Op;
 use waferc_passes::rewrite::rewrite_module;
 use waferc_passes::wafer::CompileOptions;
 use waferc_passes::PlanKind;
 use waferc_runtime::executor::{validate, ExecOptions, Executor, ValidationOptions};
+use waferc_testsuite::models::{build, Shape};
 
 fn greedy(tokens: usize) -> ValidationOptions {
     ValidationOptions { max_new_tokens: tokens, ..ValidationOptions::default() }

@@ -3,10 +3,11 @@
 
 mod executor_common;
 
-use executor_common::{build, compile_for, pack_tile_blob, Shape};
+use executor_common::{compile_for, pack_tile_blob};
 use waferc_ir::wafer::{Lanes, Phase, RegionKind, WaferProgram, Work};
 use waferc_ir::Module;
 use waferc_runtime::executor::{validate, ExecError, ExecOptions, Executor, ValidationOptions};
+use waferc_testsuite::models::{build, Shape};
 
 fn dense() -> (Module, WaferProgram) {
     let module = build(&Shape::dense(), 11);

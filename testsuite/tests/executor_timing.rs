@@ -4,13 +4,14 @@
 
 mod executor_common;
 
-use executor_common::{build, compile_for, compile_with, pack_tile_blob, Shape};
+use executor_common::{compile_for, compile_with, pack_tile_blob};
 use waferc_ir::wafer::profile::{timing_only_experts, timing_picks};
 use waferc_ir::wafer::{distance_bound_cycles, distance_bound_ends, LayerProfile, Plan, RoutingProfile};
 use waferc_passes::rewrite::rewrite_module;
 use waferc_passes::wafer::CompileOptions;
 use waferc_passes::PlanKind;
 use waferc_runtime::executor::{ExecError, ExecOptions, Executor, StepTiming};
+use waferc_testsuite::models::{build, Shape};
 
 fn timings(
     program: &waferc_ir::wafer::WaferProgram,

@@ -168,7 +168,7 @@ fn mixtral_tiny_layer_filter_keeps_only_that_layer() {
 
 #[test]
 fn llama8b_shape_on_wse3_gives_views_of_bounded_size() {
-    let module = executor_common::build(&executor_common::Shape::llama8b(), 0);
+    let module = waferc_testsuite::models::build(&waferc_testsuite::models::Shape::llama8b(), 0);
     let program = executor_common::compile_for(&module, "wse3", 8192);
     let start = Instant::now();
     let text = summary_text(&program, Some(&module), &Filter::all(), None);
