@@ -17,7 +17,8 @@ use std::ops::Range;
 use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, Segment, VectorLayout};
 use waferc_ir::Op;
 
-use super::{nearest_first, Grid, Stacked, CHUNK, F32};
+use super::grid::Grid;
+use super::{nearest_first, Stacked, CHUNK, F32};
 use crate::wafer::place::unsupported;
 use crate::wafer::place::Request;
 use crate::wafer::WaferError;

@@ -16,7 +16,8 @@
 //! the lane computes (Qwen3-30B-A3B on a 240-column region: ten columns of lanes 24 wide beat
 //! eight of 30, whose gate/up used 24 columns; 791.9 -> 835.2 tok/s).
 
-use super::{panel_cap, Grid, PanelLayout, Rect, Span};
+use super::grid::{panel_cap, Grid, PanelLayout, Span};
+use super::regions::Rect;
 
 /// The fewest rows of an expert's lane while the area's width can be cut into columns of lanes
 /// ([`lane_columns`]), and the fewest columns such a lane keeps. With one-row lanes beside
