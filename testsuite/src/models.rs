@@ -23,6 +23,16 @@ impl Rng {
     pub fn signed(&mut self) -> f32 {
         ((self.next_u64() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
     }
+
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    /// `n` values uniform in [-scale, scale).
+    pub fn vector(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.signed() * scale).collect()
+    }
 }
 
 /// The dimensions and options of a built decoder.

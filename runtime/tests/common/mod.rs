@@ -1,33 +1,13 @@
-//! Test helpers: a deterministic RNG, GGUF block encoders, and an independent f64 decoding of
-//! weight bytes for the straightforward reference computations the kernels are checked against.
+//! Test helpers: a deterministic RNG (the test models' SplitMix64), GGUF block encoders, and an
+//! independent f64 decoding of weight bytes for the straightforward reference computations the
+//! kernels are checked against.
 
 #![allow(dead_code)] // each test binary uses a different subset
 
 use half::{bf16, f16};
 use waferc_ir::{DType, TensorType, WeightBytes};
 
-/// SplitMix64.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    pub fn signed(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-    }
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    pub fn vector(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.signed() * scale).collect()
-    }
-}
+pub use waferc_testsuite::models::Rng;
 
 /// Encodes `values` (a row-major `[rows, cols]` matrix or a vector) in `dtype`, rounding to the
 /// nearest representable stored value.
