@@ -63,7 +63,8 @@ const MOE_REFINE_WITHIN: f64 = 1.25;
 /// under this bound peak at 9.9 GB (Qwen3, 16 minutes at f2db40e, `share4` chosen) and 12.5 GB
 /// (Mixtral, 21 minutes at aba4932, `stacked:4,100,kv4,share2` chosen). Qwen3's
 /// `stacked:2,100,kv8,share8` (about 131 million) peaks at 14.1 GB pinned (at 5f931e2) and is
-/// the fastest of its plans (1,811 tok/s against `share4`'s 1,746), so the bound takes it in.
+/// the fastest of its plans (1,811 tok/s against `share4`'s 1,746), so the bound takes it in:
+/// the Qwen3 search then picks it, peaking at 15.1 GB (35 minutes beside other runs, 6b6e955).
 /// Larger candidates (Qwen3's `stacked:4,100,kv8,share4`, about 144 million; Mixtral's
 /// `stacked:4,100,kv4,share4`) are not tried; `--plan` pins one.
 const MAX_STACKED_TILES: u64 = 135_000_000;
