@@ -27,8 +27,8 @@ pub(super) const ARITHMETIC_SHARE_EXPONENT: f64 = 0.75;
 pub(super) const FLOOR_FILL: f64 = 0.4;
 
 /// The share of a PE's usable SRAM an embedding table's blocks may take on average: a row-block
-/// cut serves every band of the table ([`super::Stacked::embed`]), and the smallest band may have half
-/// the rows of the others.
+/// cut serves every band of the table ([`super::Stacked::embed`]), and the smallest band may
+/// have half the rows of the others.
 pub(super) const EMBED_TABLE_SHARE: f64 = TILE_SHARE / 2.0;
 
 /// A rectangle of PEs on one wafer.
