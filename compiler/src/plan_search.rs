@@ -66,7 +66,9 @@ const MOE_REFINE_WITHIN: f64 = 1.25;
 /// the fastest of its plans (1,811 tok/s against `share4`'s 1,746), so the bound takes it in:
 /// the Qwen3 search then picks it, peaking at 15.1 GB (35 minutes beside other runs, 6b6e955).
 /// Larger candidates (Qwen3's `stacked:4,100,kv8,share4`, about 144 million; Mixtral's
-/// `stacked:4,100,kv4,share4`) are not tried; `--plan` pins one.
+/// `stacked:4,100,kv4,share4`, about 145 million) are not tried; `--plan` pins one. (Mixtral's
+/// `stacked:2,...,share8`, about 131 million, is under the bound, but its search stops at
+/// `share4`, which runs out of colours.)
 const MAX_STACKED_TILES: u64 = 135_000_000;
 /// [`MAX_STACKED_TILES`] for a dense model, whose lowering holds less per tile (no lanes, no
 /// expert copies): llama3.1-70b `stacked:4` on wse3x4 (about 60 million tiles) peaks at 8.4 GB
