@@ -1,5 +1,5 @@
-//! Tests live in `tests/`. This library holds what several of them, and the passes crate's tests,
-//! share: where fixtures are, and the hand-built decoder modules ([`models`]).
+//! Tests live in `tests/`. This library holds what several of them, and the passes and runtime
+//! crates' tests, share: where fixtures are, and the hand-built decoder modules ([`models`]).
 
 pub mod models;
 

@@ -120,7 +120,7 @@ fn in_place_chain(module: &Module, analysis: &Analysis, i: usize) -> Vec<(usize,
         next += 1;
         for &reader in &analysis.readers[value] {
             let r = reader as usize;
-            let (Op::Rope { x, .. } | Op::RmsNorm { x, .. }) = &module.body[waferc_ir::Handle::new(r)].op else {
+            let (Op::Rope { x, .. } | Op::RmsNorm { x, .. }) = &module.body[Handle::new(r)].op else {
                 continue;
             };
             if analysis.source[x.index()] as usize == value {
@@ -141,11 +141,11 @@ fn in_place_chain(module: &Module, analysis: &Analysis, i: usize) -> Vec<(usize,
 fn rope_pairs(module: &Module, analysis: &Analysis, i: usize) -> Option<RopePairs> {
     let mut pairs: Option<RopePairs> = None;
     for (r, start) in in_place_chain(module, analysis, i).into_iter().skip(1) {
-        let ir = &module.body[waferc_ir::Handle::new(r)];
+        let ir = &module.body[Handle::new(r)];
         let Op::Rope { head_dim, x, .. } = &ir.op else { return None };
         let head_dim = *head_dim as u64;
         let direct = analysis.source[x.index()] as usize == i;
-        let fits = analysis.readers[r].iter().all(|&a| match &module.body[waferc_ir::Handle::new(a as usize)].op {
+        let fits = analysis.readers[r].iter().all(|&a| match &module.body[Handle::new(a as usize)].op {
             Op::Attention { cache, heads, .. } => {
                 let q_per_kv = (*heads / module.caches[*cache].kv_heads.max(1)) as u64;
                 q_per_kv * (head_dim / CHUNK) <= MAX_QUERY_ROUTES
@@ -239,8 +239,7 @@ pub(super) fn place(
 ) -> Result<WaferProgram, WaferError> {
     let place = |pairing| place_with(module, analysis, params, options, (layers_per_region, wafer_percent), pairing);
     let paired = (0..module.body.len()).any(|i| {
-        matches!(module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. })
-            && rope_pairs(module, analysis, i).is_some()
+        matches!(module.body[Handle::new(i)].op, Op::MatVec { .. }) && rope_pairs(module, analysis, i).is_some()
     });
     match place(RopePairing::Allowed) {
         Err(WaferError::Colours { .. }) if paired => place(RopePairing::Off),
@@ -319,7 +318,7 @@ fn place_with(
         .map(|u| {
             u.instrs
                 .clone()
-                .map(|i| match &module.body[waferc_ir::Handle::new(i)].op {
+                .map(|i| match &module.body[Handle::new(i)].op {
                     Op::MatVec { weight, .. } => weight_bytes(module, *weight),
                     _ => 0,
                 })
@@ -369,7 +368,7 @@ fn place_with(
     }
     for (u, unit) in units.iter().enumerate() {
         for i in unit.instrs.clone() {
-            if matches!(module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. }) {
+            if matches!(module.body[Handle::new(i)].op, Op::MatVec { .. }) {
                 let tiles = stacked.place_tiles(i, u)?;
                 stacked.placed_tiles.insert(i, tiles);
             }
@@ -508,7 +507,7 @@ impl Stacked<'_> {
             ValueType::Routing { .. } => false,
         };
         let product = analysis.readers[i].iter().any(|&r| {
-            let Op::Mul { a, b } = &module.body[waferc_ir::Handle::new(r as usize)].op else { return false };
+            let Op::Mul { a, b } = &module.body[Handle::new(r as usize)].op else { return false };
             let Op::Silu { x } = &module.body[*a].op else { return false };
             half_long(*x) && half_long(*b) && offset_in_i(*x) == Some(0) && offset_in_i(*b) == Some(half)
         });
@@ -562,7 +561,7 @@ impl Stacked<'_> {
             .into_iter()
             .skip(1)
             .filter_map(|(r, start)| {
-                let ir = &module.body[waferc_ir::Handle::new(r)];
+                let ir = &module.body[Handle::new(r)];
                 let len = ir.ty.tensor().map_or(0, |t| t.elements());
                 (start <= rows.start && rows.end <= start + len)
                     .then(|| super::size::vector_bytes(module, &ir.op, rows.end - rows.start))
@@ -622,7 +621,7 @@ impl Stacked<'_> {
     fn combined_residual(&self, i: usize) -> Option<VectorLayout> {
         let (module, analysis) = (self.placer.module, self.placer.analysis);
         analysis.readers[i].iter().find_map(|&r| {
-            let Op::Add { a, b } = &module.body[waferc_ir::Handle::new(r as usize)].op else { return None };
+            let Op::Add { a, b } = &module.body[Handle::new(r as usize)].op else { return None };
             let other = if a.index() == i { *b } else { *a };
             match &self.placer.placements[analysis.source[other.index()] as usize].result {
                 ResultLayout::Vector(v) => Some(v.clone()),
@@ -767,7 +766,7 @@ impl Stacked<'_> {
     fn lm_head_side_by_side(&self, i: usize) -> bool {
         let module = self.placer.module;
         module.has_moe()
-            && matches!(module.body[waferc_ir::Handle::new(i)].op, Op::MatVec { .. })
+            && matches!(module.body[Handle::new(i)].op, Op::MatVec { .. })
             && self.placer.analysis.readers[i].is_empty()
             && self.regions[self.unit_of[i]].as_ref().is_some_and(|r| !r.tight)
     }
@@ -780,7 +779,7 @@ impl Stacked<'_> {
             return true;
         }
         let analysis = self.placer.analysis;
-        self.placer.module.body[waferc_ir::Handle::new(i)].op.operands().into_iter().any(|operand| {
+        self.placer.module.body[Handle::new(i)].op.operands().into_iter().any(|operand| {
             let source = analysis.source[operand.index()] as usize;
             match self.placer.placements.get(source).map(|p| &p.result) {
                 Some(ResultLayout::Vector(layout)) => layout.segments.len() as u64 > MAX_SEGMENTS,
@@ -811,7 +810,7 @@ impl Stacked<'_> {
         let (Some(expert), Some(router)) = (analysis.expert[i], analysis.router[i]) else { return (area, 1) };
         // A lane per `experts_per_lane` experts (`lanes`): experts of different lanes run side by
         // side and never share a PE.
-        let experts = match self.placer.module.body[waferc_ir::Handle::new(router as usize)].ty {
+        let experts = match self.placer.module.body[Handle::new(router as usize)].ty {
             ValueType::Routing { experts, .. } => (experts as u64).div_ceil(self.experts_per_lane),
             _ => 1,
         };
@@ -858,7 +857,7 @@ impl Stacked<'_> {
 
     fn place_instr(&mut self, i: usize, unit: usize) -> Result<InstrPlacement, WaferError> {
         let module = self.placer.module;
-        let ir = &module.body[waferc_ir::Handle::new(i)];
+        let ir = &module.body[Handle::new(i)];
         let len = match &ir.ty {
             ValueType::Tensor(t) => t.elements(),
             ValueType::Routing { .. } => 0,
@@ -911,7 +910,7 @@ impl Stacked<'_> {
         bias: Option<Handle<Weight>>,
     ) -> Result<(ResultLayout, Work), WaferError> {
         let module = self.placer.module;
-        let ir = &module.body[waferc_ir::Handle::new(i)];
+        let ir = &module.body[Handle::new(i)];
         let instr = i as u32;
         let (rows, cols) = (module.weights[weight].ty.shape[0], module.weights[weight].ty.shape[1]);
         let PlacedTiles { area, grid: g, aligned, halves, blocks, tiles } = self
@@ -970,9 +969,9 @@ impl Stacked<'_> {
                 // queued there (Qwen3-30B-A3B `share4`, whose lanes hold four experts'
                 // tiles: 1.4k cycles a collect).
                 let combined = self.placer.analysis.expert[i].is_some()
-                    && self.placer.analysis.readers[i].iter().any(|&r| {
-                        matches!(module.body[waferc_ir::Handle::new(r as usize)].op, Op::ExpertCombine { .. })
-                    });
+                    && self.placer.analysis.readers[i]
+                        .iter()
+                        .any(|&r| matches!(module.body[Handle::new(r as usize)].op, Op::ExpertCombine { .. }));
                 let spread = g.col_blocks < count && combined;
                 for (j, seg) in segments.into_iter().enumerate() {
                     let middle = (seg.start + seg.end - 1) / 2;
@@ -1069,7 +1068,7 @@ impl Stacked<'_> {
     }
 
     fn instr_placement(&self, i: usize, result: ResultLayout, work: Work) -> InstrPlacement {
-        let ir = &self.placer.module.body[waferc_ir::Handle::new(i)];
+        let ir = &self.placer.module.body[Handle::new(i)];
         InstrPlacement {
             instr: i as u32,
             op: ir.op.name().to_string(),
@@ -1099,14 +1098,14 @@ impl Stacked<'_> {
         let readers = &self.placer.analysis.readers;
         // Rope reads the result directly, or through a per-head norm (Qwen3's q and k norms),
         // which runs on the same segments.
-        let through_norm = |r: u32| match &module.body[waferc_ir::Handle::new(r as usize)].op {
+        let through_norm = |r: u32| match &module.body[Handle::new(r as usize)].op {
             Op::RmsNorm { .. } => readers[r as usize].as_slice(),
             _ => &[],
         };
         readers[i]
             .iter()
             .chain(readers[i].iter().flat_map(|&r| through_norm(r)))
-            .filter_map(|&r| match &module.body[waferc_ir::Handle::new(r as usize)].op {
+            .filter_map(|&r| match &module.body[Handle::new(r as usize)].op {
                 Op::Rope { head_dim, .. } => Some(*head_dim as u64),
                 _ => None,
             })
@@ -1122,7 +1121,7 @@ impl Stacked<'_> {
         &mut self,
         i: usize,
         unit: usize,
-        table: waferc_ir::Handle<waferc_ir::Weight>,
+        table: Handle<Weight>,
         len: u64,
     ) -> Result<(ResultLayout, Work), WaferError> {
         let module = self.placer.module;
