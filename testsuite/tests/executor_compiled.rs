@@ -993,3 +993,28 @@ fn a_coarse_crossing_gathers_its_fine_operands_bit_exactly() {
     let blob = pack_tile_blob(&program, &module);
     validate(&program, &module, Some(&blob), &[2, 8], &greedy(2)).unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// Where the weights fill the wafer (here PEs of 24 KiB), the embedding's table is cut in bands
+/// of as many PEs each, so each band's row blocks are as long: in bands of whole rows of its
+/// area, a smaller band's PEs held longer blocks, and this grid's embedding overflowed one
+/// (`PE(w0, x0, y0) would need 31488 bytes`). The logits keep their bits.
+#[test]
+fn a_tight_embedding_gives_its_bands_as_many_pes_and_matches_the_reference() {
+    let toml = "name = \"tight\"\nbase = \"wse3\"\ngrid_cols = 20\ngrid_rows = 17\nsram_bytes_per_pe = 24576\n";
+    let target = waferc_targets::Target::from_toml(toml, "tight.toml").unwrap();
+    let shape = Shape { hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, ffn: 512, vocab: 2048, ..Shape::dense() };
+    let module = build(&shape, 3);
+    let options = CompileOptions { max_context: 64, plan: Plan::stacked(1), ..CompileOptions::default() };
+    let program = waferc_passes::wafer::compile(&module, &target, &options).unwrap_or_else(|e| panic!("{e}"));
+    let mut blocks_per_band: std::collections::BTreeMap<u64, usize> = Default::default();
+    for p in &program.instrs {
+        if let waferc_ir::wafer::Work::Embed { blocks, .. } = &p.work {
+            blocks.iter().for_each(|b| *blocks_per_band.entry(b.elements.start).or_default() += 1);
+        }
+    }
+    assert!(blocks_per_band.len() > 1, "one band: nothing to share out");
+    let (fewest, most) = (blocks_per_band.values().min().unwrap(), blocks_per_band.values().max().unwrap());
+    assert!(most - fewest <= 1, "blocks per band: {blocks_per_band:?}");
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[5, 2000], &greedy(3)).unwrap_or_else(|e| panic!("{e}"));
+}

@@ -67,7 +67,9 @@ use super::{CompileOptions, WaferError};
 pub use grid::tiles_estimate;
 use grid::{matvec_shape, PanelLayout, PlacedTiles};
 use kv::block_for_region;
-use regions::{area_shares, block_size, exact_rectangles, rectangles, unit_wafers, units, weight_bytes, Rect, Unit};
+use regions::{
+    area_shares, block_size, exact_rectangles, rectangles, unit_wafers, units, weight_bytes, CellRun, Rect, Unit,
+};
 
 const CHUNK: u64 = BLOCK as u64;
 const F32: u64 = 4;
@@ -1114,9 +1116,12 @@ impl Stacked<'_> {
     }
 
     /// The table spread over the whole area: the result is cut in at most [`EMBED_SEGMENTS`]
-    /// segments, each with a horizontal band of the area holding its table slice in row blocks
-    /// as small as the band allows, and the segment on the band's next PE. Bands keep each
-    /// segment's gather (from the block holding the token's row) apart from the others'.
+    /// segments, each with a band of the area holding its table slice in row blocks as small as
+    /// the band allows, and the segment on the band's next PE. Bands keep each segment's gather
+    /// (from the block holding the token's row) apart from the others'. They are horizontal, or
+    /// where the PEs have no room to spare runs of whole columns with as many PEs each
+    /// ([`Rect::cell_run`]): every band holds the same bytes, and the 70B's `stacked:5` cut its
+    /// 125-row area in bands of 7 and 8 rows, whose smaller ones' PEs overflowed.
     fn embed(
         &mut self,
         i: usize,
@@ -1135,12 +1140,14 @@ impl Stacked<'_> {
         let chunks = len.div_ceil(CHUNK).div_ceil(count);
         let chunks = if tight { chunks.next_power_of_two() } else { chunks };
         let segments = super::size::segments(len, chunks * CHUNK);
-        let bands: Vec<Rect> = (0..segments.len() as u64).map(|j| area.band(j, segments.len() as u64)).collect();
+        let n = segments.len() as u64;
+        let bands: Vec<CellRun> =
+            (0..n).map(|j| if tight { area.cell_run(j, n) } else { area.band(j, n).cells() }).collect();
         // One row-block cut for every segment (the table is a grid of row blocks x column
         // segments), as fine as the smallest band allows beside its segment's PE; where the PEs
         // have no room to spare, each band's own cut, as fine as its PEs allow.
-        let smallest = bands.iter().map(Rect::pes).min().unwrap_or(1);
-        let rows_per_block = |band: &Rect| {
+        let smallest = bands.iter().map(CellRun::pes).min().unwrap_or(1);
+        let rows_per_block = |band: &CellRun| {
             let pes = if tight { band.pes() } else { smallest };
             rows.div_ceil(pes.saturating_sub(1).max(1))
         };

@@ -78,6 +78,40 @@ impl Rect {
         let (top, bottom) = (h * index / count, h * (index + 1) / count);
         Rect { y: self.y + top as u16, h: (bottom - top).max(1) as u16, ..*self }
     }
+
+    /// Every cell of the rectangle, as one run of its walk.
+    pub(super) fn cells(&self) -> CellRun {
+        CellRun { area: *self, start: 0, len: self.pes() }
+    }
+
+    /// Run `index` of `count` runs cutting the rectangle's walk ([`Rect::walk`]) into shares
+    /// whose PEs differ by one at most: whole columns with a part of one at either end. Whole
+    /// rows cannot share out PEs so evenly (a band of 7 rows against one of 8 holds a seventh
+    /// more on each PE where every band holds the same bytes).
+    pub(super) fn cell_run(&self, index: u64, count: u64) -> CellRun {
+        let pes = self.pes();
+        let (start, end) = (pes * index / count, pes * (index + 1) / count);
+        CellRun { area: *self, start, len: (end - start).max(1) }
+    }
+}
+
+/// A run of consecutive cells of a rectangle's walk ([`Rect::walk`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct CellRun {
+    area: Rect,
+    start: u64,
+    len: u64,
+}
+
+impl CellRun {
+    pub(super) fn pes(&self) -> u64 {
+        self.len
+    }
+
+    /// Cell `cell` of the run, wrapping around.
+    pub(super) fn walk(&self, cell: u64) -> Pe {
+        self.area.walk(self.start + cell % self.len.max(1))
+    }
 }
 
 /// A run of instructions placed together, and what it holds.
@@ -363,6 +397,25 @@ pub(super) fn stretch_strips(rects: &mut [Rect], rows: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Runs of the walk share out a rectangle's PEs within one of each other, every PE in one
+    /// run; bands of whole rows cannot (the 70B's `stacked:5` embedding area, 398x125 in 16:
+    /// bands of 7 and 8 rows, 2,786 and 3,184 PEs).
+    #[test]
+    fn cell_runs_share_out_a_rectangle_evenly() {
+        let area = Rect { wafer: 0, x: 3, y: 5, w: 398, h: 125 };
+        let runs: Vec<CellRun> = (0..16).map(|j| area.cell_run(j, 16)).collect();
+        let sizes: Vec<u64> = runs.iter().map(CellRun::pes).collect();
+        assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1, "{sizes:?}");
+        let mut seen: Vec<Pe> = runs.iter().flat_map(|run| (0..run.pes()).map(|c| run.walk(c))).collect();
+        assert_eq!(seen.len() as u64, area.pes());
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len() as u64, area.pes(), "a PE in two runs");
+        assert!(seen.iter().all(|pe| (3..401).contains(&pe.x) && (5..130).contains(&pe.y)));
+        let bands: Vec<u64> = (0..16).map(|j| area.band(j, 16).pes()).collect();
+        assert_eq!((bands.iter().min(), bands.iter().max()), (Some(&2_786), Some(&3_184)));
+    }
 
     /// On a tight wafer every unit gets its share of the block, whatever strip it falls in: the
     /// 70B's `stacked:4` put five 4-layer units in two equal strips, three in one, and those
