@@ -1007,14 +1007,27 @@ fn a_tight_embedding_gives_its_bands_as_many_pes_and_matches_the_reference() {
     let options = CompileOptions { max_context: 64, plan: Plan::stacked(1), ..CompileOptions::default() };
     let program = waferc_passes::wafer::compile(&module, &target, &options).unwrap_or_else(|e| panic!("{e}"));
     let mut blocks_per_band: std::collections::BTreeMap<u64, usize> = Default::default();
+    let mut columns_per_band: std::collections::BTreeMap<u64, std::collections::BTreeSet<u16>> = Default::default();
     for p in &program.instrs {
         if let waferc_ir::wafer::Work::Embed { blocks, .. } = &p.work {
-            blocks.iter().for_each(|b| *blocks_per_band.entry(b.elements.start).or_default() += 1);
+            for b in blocks {
+                *blocks_per_band.entry(b.elements.start).or_default() += 1;
+                columns_per_band.entry(b.elements.start).or_default().insert(b.pe.x);
+            }
         }
     }
     assert!(blocks_per_band.len() > 1, "one band: nothing to share out");
     let (fewest, most) = (blocks_per_band.values().min().unwrap(), blocks_per_band.values().max().unwrap());
     assert!(most - fewest <= 1, "blocks per band: {blocks_per_band:?}");
+    // The bands are runs of columns (a wafer the weights do not fill keeps bands of whole rows,
+    // each across every column of the area, and would not test the runs).
+    let all: std::collections::BTreeSet<u16> = columns_per_band.values().flatten().copied().collect();
+    assert!(
+        columns_per_band.values().all(|columns| 2 * columns.len() < all.len()),
+        "bands span {:?} of {} columns",
+        columns_per_band.values().map(|c| c.len()).collect::<Vec<_>>(),
+        all.len()
+    );
     let blob = pack_tile_blob(&program, &module);
     validate(&program, &module, Some(&blob), &[5, 2000], &greedy(3)).unwrap_or_else(|e| panic!("{e}"));
 }
