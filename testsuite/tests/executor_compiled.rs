@@ -1000,9 +1000,7 @@ fn a_coarse_crossing_gathers_its_fine_operands_bit_exactly() {
 /// (`PE(w0, x0, y0) would need 31488 bytes`). The logits keep their bits.
 #[test]
 fn a_tight_embedding_gives_its_bands_as_many_pes_and_matches_the_reference() {
-    let toml = "name = \"tight\"\nbase = \"wse3\"\ngrid_cols = 20\ngrid_rows = 17\nsram_bytes_per_pe = 24576\n";
-    let target = waferc_targets::Target::from_toml(toml, "tight.toml").unwrap();
-    let shape = Shape { hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, ffn: 512, vocab: 2048, ..Shape::dense() };
+    let (target, shape) = tight_grid();
     let module = build(&shape, 3);
     let options = CompileOptions { max_context: 64, plan: Plan::stacked(1), ..CompileOptions::default() };
     let program = waferc_passes::wafer::compile(&module, &target, &options).unwrap_or_else(|e| panic!("{e}"));
@@ -1028,6 +1026,51 @@ fn a_tight_embedding_gives_its_bands_as_many_pes_and_matches_the_reference() {
         columns_per_band.values().map(|c| c.len()).collect::<Vec<_>>(),
         all.len()
     );
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[5, 2000], &greedy(3)).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A 20x17 grid of 24 KiB PEs and a shape whose weights fill it beyond the tiles' share (a
+/// tight wafer, as the 70B's on wse3x4).
+fn tight_grid() -> (waferc_targets::Target, Shape) {
+    let toml = "name = \"tight\"\nbase = \"wse3\"\ngrid_cols = 20\ngrid_rows = 17\nsram_bytes_per_pe = 24576\n";
+    let target = waferc_targets::Target::from_toml(toml, "tight.toml").unwrap();
+    (target, Shape { hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, ffn: 512, vocab: 2048, ..Shape::dense() })
+}
+
+/// On a tight wafer the residual leaving a region for the one beside it (the next strip of the
+/// snake) goes in few segments, each on a row of its own, so their multicasts run side by side
+/// and share no link: the 70B's `stacked:5` found room for them only in its region's last row,
+/// and its 16 messages queued along it (7.2k cycles a crossing). The logits keep their bits.
+#[test]
+fn a_tight_residual_crossing_beside_leaves_on_rows_of_its_own() {
+    let (target, shape) = tight_grid();
+    let module = build(&Shape { layers: 2, ..shape }, 3);
+    let options = CompileOptions { max_context: 64, plan: Plan::stacked(1), ..CompileOptions::default() };
+    let program = waferc_passes::wafer::compile(&module, &target, &options).unwrap_or_else(|e| panic!("{e}"));
+    let mut crossings = 0;
+    for p in program.instrs.iter().filter(|p| p.op == "add") {
+        let ResultLayout::Vector(layout) = &p.result else { continue };
+        let span = |xs: &mut dyn Iterator<Item = u16>| xs.fold((u16::MAX, 0), |(lo, hi), x| (lo.min(x), hi.max(x)));
+        let (own_lo, own_hi) = span(&mut layout.segments.iter().map(|s| s.pe.x));
+        let (to_lo, to_hi) =
+            span(&mut p.deliveries.iter().flat_map(|&r| program.routes[r as usize].destinations.iter().map(|d| d.x)));
+        if !(own_hi < to_lo || to_hi < own_lo) {
+            continue;
+        }
+        crossings += 1;
+        let rows: std::collections::BTreeSet<u16> = layout.segments.iter().map(|s| s.pe.y).collect();
+        assert_eq!(rows.len(), layout.segments.len(), "{}: segments share rows", p.instr);
+        let mut links: std::collections::BTreeMap<_, u32> = Default::default();
+        for &r in &p.deliveries {
+            program.routes[r as usize]
+                .link_messages()
+                .into_keys()
+                .for_each(|link| *links.entry(link).or_default() += 1);
+        }
+        assert!(links.values().all(|&n| n == 1), "{}: deliveries share a link", p.instr);
+    }
+    assert_eq!(crossings, 1, "one region beside another");
     let blob = pack_tile_blob(&program, &module);
     validate(&program, &module, Some(&blob), &[5, 2000], &greedy(3)).unwrap_or_else(|e| panic!("{e}"));
 }

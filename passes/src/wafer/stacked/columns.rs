@@ -18,7 +18,7 @@ use waferc_ir::wafer::{Pe, RegionKind, ResultLayout, Segment, VectorLayout};
 use waferc_ir::Op;
 
 use super::grid::Grid;
-use super::{nearest_first, Stacked, CHUNK, F32};
+use super::{nearest_first, Stacked, CHUNK, F32, MAX_SEGMENTS};
 use crate::wafer::place::unsupported;
 use crate::wafer::place::Request;
 use crate::wafer::WaferError;
@@ -68,6 +68,31 @@ struct Consumers {
 /// The vector ops that run on their operand's segments (elementwise ops and norms).
 fn runs_in_place(op: &Op) -> bool {
     matches!(op, Op::Silu { .. } | Op::Mul { .. } | Op::Add { .. } | Op::SwiGlu { .. } | Op::RmsNorm { .. })
+}
+
+/// Column `j` (of [`MAX_SEGMENTS`], from the west edge) of an area `width` wide where the few
+/// segments of a vector crossing regions go: evenly spread, and where
+/// [`Stacked::balance_columns`] has the grids leave room for them.
+pub(super) fn landing_column(j: u64, width: u64) -> u64 {
+    (2 * j + 1) * width / (2 * MAX_SEGMENTS)
+}
+
+/// Which row of its column each segment of an aligned layout takes
+/// ([`Stacked::aligned_layout`]).
+pub(super) enum SegmentRows {
+    /// The area's middle row: a norm on the segments then reduces and broadcasts along one row.
+    Middle,
+    /// The row its operand's data comes from when that row crosses the area (a region beside
+    /// this one: the data moves straight along rows), else the middle row (a region above or
+    /// below: the data moves straight down the columns).
+    Arrival,
+    /// Segment `k` of `n` at the middle of the `k`-th of `n` equal parts of these rows (from the
+    /// area's north edge), rows the region beside shares, so each segment's multicast to it runs
+    /// along a row of its own; and in a landing column ([`landing_column`]), where the grids
+    /// left room, not its cut's column (its readers are in the other region). In one row, the
+    /// 70B's `stacked:5` residual crossing to the next strip sent its 16 segments down the same
+    /// links, 7.2k cycles of waiting.
+    Landing(Range<u64>),
 }
 
 impl Stacked<'_> {
@@ -283,30 +308,35 @@ impl Stacked<'_> {
         ))
     }
 
-    /// Fresh segments for `cut` (from [`Stacked::aligned_cut`]), each in its column: in the
-    /// area's middle row if `middle_row` (a norm on the segments then reduces and broadcasts
-    /// along one row), else in the row its operand's data comes from when that row crosses the
-    /// area (a region beside this one: the data moves straight along rows), else in the middle
-    /// row too (a region above or below: the data moves straight down the columns).
+    /// Fresh segments for `cut` (from [`Stacked::aligned_cut`]), each in its column, in the row
+    /// `rows` gives it (see [`SegmentRows`]).
     pub(super) fn aligned_layout(
         &mut self,
         i: usize,
         unit: usize,
         cut: Vec<(Range<u64>, u64)>,
-        middle_row: bool,
+        rows: SegmentRows,
         extra: &dyn Fn(&Range<u64>) -> Vec<Request>,
     ) -> Result<VectorLayout, WaferError> {
         let area = self.area_of(i, unit).0;
         let mut layout = VectorLayout::default();
         let mut taken = HashSet::default();
-        for (seg, dx) in cut {
-            let arrival = match middle_row {
-                true => None,
-                false => self
+        let count = cut.len() as u64;
+        for (k, (seg, dx)) in cut.into_iter().enumerate() {
+            let row = match &rows {
+                SegmentRows::Middle => area.h as u64 / 2,
+                SegmentRows::Arrival => self
                     .operand_pe(i, seg.start)
-                    .filter(|pe| pe.wafer == area.wafer && (area.y..area.y + area.h).contains(&pe.y)),
+                    .filter(|pe| pe.wafer == area.wafer && (area.y..area.y + area.h).contains(&pe.y))
+                    .map_or(area.h as u64 / 2, |pe| (pe.y - area.y) as u64),
+                SegmentRows::Landing(shared) => {
+                    shared.start + (2 * k as u64 + 1) * (shared.end - shared.start) / (2 * count.max(1))
+                }
             };
-            let row = arrival.map_or(area.h as u64 / 2, |pe| (pe.y - area.y) as u64);
+            let dx = match &rows {
+                SegmentRows::Landing(_) => landing_column(k as u64 * MAX_SEGMENTS / count.max(1), area.w as u64),
+                _ => dx,
+            };
             let mut requests = vec![(RegionKind::Output { elements: seg.clone() }, (seg.end - seg.start) * F32)];
             requests.extend(extra(&seg));
             let bytes = requests.iter().map(|(_, b)| b).sum();
@@ -316,6 +346,18 @@ impl Stacked<'_> {
             layout.segments.push(Segment { pe, elements: seg });
         }
         Ok(layout)
+    }
+
+    /// The rows (from its area's north edge) that instruction `i`'s region shares with a
+    /// reader's region beside it on the same wafer, if it has such a reader and they share any.
+    pub(super) fn rows_shared_with_reader_beside(&self, i: usize) -> Option<Range<u64>> {
+        let own = self.regions[self.unit_of[i]].as_ref()?.area;
+        self.placer.analysis.readers[i].iter().find_map(|&r| {
+            let other = self.regions[self.unit_of[r as usize]].as_ref()?.area;
+            let beside = other.wafer == own.wafer && (other.x + other.w <= own.x || own.x + own.w <= other.x);
+            let (top, bottom) = (own.y.max(other.y), (own.y + own.h).min(other.y + other.h));
+            (beside && top < bottom).then(|| (top - own.y) as u64..(bottom - own.y) as u64)
+        })
     }
 
     /// Whether instruction `i` reads a value placed in an earlier unit whose region lies beside

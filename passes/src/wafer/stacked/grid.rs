@@ -302,27 +302,36 @@ pub(super) struct PlacedTiles {
     pub(super) tiles: Vec<Tile>,
 }
 
-/// `rows` cut in row blocks of at most `rows_per_tile` rows. With `(slots, Some((j, n)))` (a
+/// `rows` cut in row blocks of at most `rows_per_tile` rows. With `(slots, Some(rank))` (a
 /// tight wafer) they are `slots` blocks (fewer when `rows` has fewer rows) of about equal length,
 /// so every slot of the grid holds a tile and none a longer one than it needs: blocks of
 /// `rows_per_tile` leave the last slots idle (the 70B's o and down projections on a 416x390
-/// area: 8-row blocks filled 342 of its 390 rows, so the rest held a tile of each). The longer
-/// blocks lie where `k * r / count + j / n` reaches a new integer (`r` the rows left over), so
-/// the grids of a unit's `n` layers, at phases `j / n`, put them in different slots. Blocks of
-/// `rows_per_tile` when that cannot keep within it.
-pub(super) fn row_runs(
+/// area: 8-row blocks filled 342 of its 390 rows, so the rest held a tile of each). The `r` rows
+/// left over go one each to the `r` blocks of least `rank(k)` (see [`Stacked::longer_block_rank`]).
+/// Blocks of `rows_per_tile` when that cannot keep within it.
+pub(super) fn row_runs<K: Ord>(
     rows: Range<u64>,
     rows_per_tile: u64,
-    (slots, even): (u64, Option<(u64, u64)>),
+    (slots, rank): (u64, Option<&dyn Fn(u64) -> K>),
 ) -> Vec<Range<u64>> {
     let len = rows.end - rows.start;
     let count = slots.min(len).max(1);
-    match even {
-        Some((j, n)) if len.div_ceil(count) <= rows_per_tile => {
+    match rank {
+        Some(rank) if len.div_ceil(count) <= rows_per_tile => {
             let (q, r) = (len / count, len % count);
-            // Rows before block `k`: `k * q` plus the longer blocks among the first `k`.
-            let start = |k: u64| rows.start + k * q + (k * r * n + j * count) / (count * n);
-            (0..count).map(|k| start(k)..start(k + 1)).collect()
+            let mut by_rank: Vec<u64> = (0..count).collect();
+            by_rank.sort_by_cached_key(|&k| (rank(k), k));
+            let mut longer = vec![false; count as usize];
+            by_rank[..r as usize].iter().for_each(|&k| longer[k as usize] = true);
+            let mut start = rows.start;
+            longer
+                .into_iter()
+                .map(|long| {
+                    let run = start..start + q + long as u64;
+                    start = run.end;
+                    run
+                })
+                .collect()
         }
         _ => (rows.start..rows.end)
             .step_by(rows_per_tile.max(1) as usize)
@@ -464,7 +473,7 @@ impl Stacked<'_> {
             .max()
             .unwrap_or(0);
         for j in 0..MAX_SEGMENTS.min(width as u64) {
-            load[((2 * j + 1) * width as u64 / (2 * MAX_SEGMENTS)) as usize] += landing;
+            load[columns::landing_column(j, width as u64) as usize] += landing;
         }
         for (bytes, i, g) in grids {
             let taken = (g.col_blocks * g.panels) as usize;
@@ -666,10 +675,10 @@ impl Stacked<'_> {
         let rpt = g.rows_per_tile;
         let halves = self.multiplied_halves(i, rows).filter(|&half| 2 * half.div_ceil(rpt) <= g.panels * g.height);
         let blocks = aligned.is_none().then(|| self.band_blocks(i, rows, &g, area)).flatten();
-        // On a tight wafer every slot of the grid takes a block (see `row_runs`), at a phase of
-        // its own per layer of the unit.
+        // On a tight wafer every slot of the grid takes a block (see `row_runs`), the longer
+        // ones where the PEs are emptiest so far.
         let local = module.body[waferc_ir::Handle::new(i)].layer.map_or(0, |l| l as u64 % self.layers_per_region);
-        let even = self.region(unit).tight.then_some((local, self.layers_per_region));
+        let tight = self.region(unit).tight;
         let blocks = blocks.unwrap_or_else(|| {
             let cuts = match halves {
                 Some(half) => [0..half, half..rows],
@@ -677,11 +686,14 @@ impl Stacked<'_> {
             };
             let cuts = &cuts[..1 + halves.is_some() as usize];
             let sides = cuts.len() as u64;
-            let slots = (g.panels * g.height / sides, even);
             let mut blocks = Vec::new();
             for (side, cut) in cuts.iter().enumerate() {
-                for (j, run) in row_runs(cut.clone(), rpt, slots).into_iter().enumerate() {
-                    blocks.push((run, g.slot(j as u64 * sides + side as u64)));
+                let slot = |k: u64| g.slot(k * sides + side as u64);
+                let rank = |k: u64| self.longer_block_rank(&g, area, slot(k), local);
+                let rank: Option<&dyn Fn(u64) -> _> = tight.then_some(&rank);
+                for (j, run) in row_runs(cut.clone(), rpt, (g.panels * g.height / sides, rank)).into_iter().enumerate()
+                {
+                    blocks.push((run, slot(j as u64)));
                 }
             }
             blocks
@@ -698,6 +710,19 @@ impl Stacked<'_> {
             }
         }
         Ok(PlacedTiles { area, grid: g, aligned, halves, blocks, tiles })
+    }
+
+    /// Where a tight grid's longer row blocks go first (least first, see [`row_runs`]): to the
+    /// slots whose PEs (the block's row over its column blocks) hold the fewest bytes so far, so
+    /// the unit's grids, placed one after another, even out their PEs' sums; ties by PE row,
+    /// turned by `1/n` of the height in each of the unit's `n` layers. Over grid slots alone
+    /// (a slot's position in grid order), a PE took the longer block in layer after layer by
+    /// chance, since `balance_columns` gives each layer's grid columns of its own: the 70B's
+    /// `stacked:5` overflowed a PE holding three 6-row down blocks where the mean is 5.3.
+    pub(super) fn longer_block_rank(&self, g: &Grid, area: Rect, (panel, row): (u64, u64), layer: u64) -> (u64, u64) {
+        let fullest = (0..g.col_blocks).map(|c| self.placer.used_bytes(area.at(g.column(c, panel), row))).max();
+        let turn = layer * g.height / self.layers_per_region;
+        (fullest.unwrap_or(0), ((row + g.height - turn % g.height) % g.height) * g.panels + panel)
     }
 
     /// The row blocks of matvec `i` (`rows` rows, tiled as `g` over `area`), each with its
@@ -781,25 +806,25 @@ mod tests {
     }
 
     /// On a tight wafer a matvec's rows fill every slot of its grid, no block longer than the
-    /// grid's rows per tile, and the grids of a unit's layers put their longer blocks in
-    /// different slots: the 70B's o projection (8,192 rows over 3 panels of 390 rows) in
-    /// 8-row blocks filled 1,024 of its 1,170 slots.
+    /// grid's rows per tile, and the rows left over go to the slots of least rank: the 70B's o
+    /// projection (8,192 rows over 3 panels of 390 rows) in 8-row blocks filled 1,024 of its
+    /// 1,170 slots.
     #[test]
     fn tight_row_blocks_fill_every_slot() {
         let (rows, slots, rows_per_tile) = (8_192u64, 1_170u64, 8u64);
-        assert_eq!(row_runs(0..rows, rows_per_tile, (slots, None)).len(), 1_024);
-        let mut longer_slots = Vec::new();
-        for j in 0..4 {
-            let runs = row_runs(0..rows, rows_per_tile, (slots, Some((j, 4))));
-            assert_eq!(runs.len() as u64, slots);
-            assert!(runs.windows(2).all(|w| w[0].end == w[1].start), "runs leave a gap");
-            assert_eq!((runs[0].start, runs[runs.len() - 1].end), (0, rows));
-            assert!(runs.iter().all(|r| (7..=8).contains(&(r.end - r.start))));
-            longer_slots.push(runs.iter().position(|r| r.end - r.start == 8).unwrap());
-        }
-        longer_slots.dedup();
-        assert_eq!(longer_slots.len(), 4, "the layers' longer blocks share a slot: {longer_slots:?}");
+        assert_eq!(row_runs(0..rows, rows_per_tile, (slots, None::<&dyn Fn(u64) -> u64>)).len(), 1_024);
+        // Ranked by how full each slot's PEs are, here the slot's index backwards.
+        let fullness = |k: u64| slots - k;
+        let runs = row_runs(0..rows, rows_per_tile, (slots, Some(&fullness as &dyn Fn(u64) -> u64)));
+        assert_eq!(runs.len() as u64, slots);
+        assert!(runs.windows(2).all(|w| w[0].end == w[1].start), "runs leave a gap");
+        assert_eq!((runs[0].start, runs[runs.len() - 1].end), (0, rows));
+        assert!(runs.iter().all(|r| (7..=8).contains(&(r.end - r.start))));
+        // 8,192 = 7 * 1,170 + 2: the two emptiest slots, the last two, take a row more.
+        let longer: Vec<usize> = (0..runs.len()).filter(|&k| runs[k].end - runs[k].start == 8).collect();
+        assert_eq!(longer, [1_168, 1_169]);
         // Halves of a short matrix: fewer blocks than slots, one row each.
-        assert_eq!(row_runs(10..14, 1, (8, Some((0, 1)))), vec![10..11, 11..12, 12..13, 13..14]);
+        let any = |_: u64| 0u64;
+        assert_eq!(row_runs(10..14, 1, (8, Some(&any as &dyn Fn(u64) -> u64))), vec![10..11, 11..12, 12..13, 13..14]);
     }
 }

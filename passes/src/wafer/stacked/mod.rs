@@ -64,6 +64,7 @@ use super::place::{
 };
 use super::size::Analysis;
 use super::{CompileOptions, WaferError};
+use columns::SegmentRows;
 pub use grid::tiles_estimate;
 use grid::{matvec_shape, PanelLayout, PlacedTiles};
 use kv::block_for_region;
@@ -704,11 +705,24 @@ impl Stacked<'_> {
         // and their routes ran out of the router's 24 colours both ways). Elsewhere the
         // multicasts run side by side along rows, and more segments are faster (SmolLM2's
         // `stacked:1` 10,017 -> 7,654 tok/s with 16).
-        if self.crosses_regions_in_few_segments(i) && self.cut_too_fine_to_cross(i, len) {
+        // Bound for a region beside on the same wafer, the segments leave along rows of their
+        // own (`SegmentRows::Landing`), even where the usual layout has few enough.
+        let crosses = self.crosses_regions_in_few_segments(i);
+        let beside = self.rows_shared_with_reader_beside(i).filter(|_| crosses);
+        if crosses && (beside.is_some() || self.cut_too_fine_to_cross(i, len)) {
             let fewest = len.div_ceil(MAX_SEGMENTS);
-            return match self.aligned_cut(i, len, 0) {
-                Some(cut) => self.aligned_layout(i, unit, merge_pieces(cut, fewest), false, requests),
-                None => self.fresh_layout(i, unit, &super::size::segments(len, cut.max(fewest)), requests),
+            return match (self.aligned_cut(i, len, 0), beside) {
+                (Some(cut), Some(shared)) => {
+                    self.aligned_layout(i, unit, merge_pieces(cut, fewest), SegmentRows::Landing(shared), requests)
+                }
+                (Some(cut), None) => {
+                    self.aligned_layout(i, unit, merge_pieces(cut, fewest), SegmentRows::Arrival, requests)
+                }
+                (None, Some(shared)) => {
+                    let cut = super::size::segments(len, cut.max(fewest)).into_iter().map(|seg| (seg, 0)).collect();
+                    self.aligned_layout(i, unit, cut, SegmentRows::Landing(shared), requests)
+                }
+                (None, None) => self.fresh_layout(i, unit, &super::size::segments(len, cut.max(fewest)), requests),
             };
         }
         // The LM head's input: few segments on a diagonal at the centre of its area, whose
@@ -731,7 +745,7 @@ impl Stacked<'_> {
         // it does (`columns`).
         if !across && (self.residual_in_middle_row(i) || self.norm_in_middle_row(i)) {
             if let Some(cut) = self.aligned_cut(i, len, 0) {
-                return self.aligned_layout(i, unit, cut, true, requests);
+                return self.aligned_layout(i, unit, cut, SegmentRows::Middle, requests);
             }
         }
         if !across {
@@ -740,7 +754,7 @@ impl Stacked<'_> {
             }
         }
         if let Some(cut) = self.aligned_cut(i, len, 0) {
-            return self.aligned_layout(i, unit, cut, false, requests);
+            return self.aligned_layout(i, unit, cut, SegmentRows::Arrival, requests);
         }
         if across {
             if let Some(layout) = self.placer.host_layout(i, &inside, len, requests) {
