@@ -20,6 +20,10 @@
 //! fastest plan of each wafer share, and last tries each share's fastest plan with each KV
 //! block spread over two, four, ... PEs by lane while each doubling is faster.
 //!
+//! On a tight wafer (the weights fill it beyond the tiles' usual share, as the 70B's fill four
+//! WSE-3s), when the largest group size is the fastest, the search then tries larger groups
+//! that split every wafer's layers evenly, while each is faster.
+//!
 //! Where no plan with KV copies fits, the fastest stacked plan is then tried with each KV head's
 //! cache in two, four, ... slices of its head dimension while each doubling is faster.
 //!
@@ -33,7 +37,7 @@ use std::time::Instant;
 use serde::Serialize;
 use waferc_ir::wafer::{Plan, WaferProgram, LANES};
 use waferc_ir::Module;
-use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CheckError, CompileOptions};
+use waferc_passes::wafer::{self as lowering, stacked_tiles_estimate, CheckError, CompileOptions, STACKED_TILE_SHARE};
 use waferc_passes::PlanKind;
 use waferc_runtime::executor::{ExecOptions, Executor};
 use waferc_targets::Target;
@@ -72,8 +76,9 @@ const MOE_REFINE_WITHIN: f64 = 1.25;
 const MAX_STACKED_TILES: u64 = 135_000_000;
 /// [`MAX_STACKED_TILES`] for a dense model, whose lowering holds less per tile (no lanes, no
 /// expert copies): llama3.1-70b `stacked:4` on wse3x4 (about 60 million tiles) peaks at 8.4 GB
-/// in the search (1fc34e0).
-const MAX_DENSE_STACKED_TILES: u64 = 64_000_000;
+/// in the search (1fc34e0), and `stacked:5` (about 74 million) at 10.6 GB pinned (b7eaed9);
+/// `stacked:10` (about 145 million) is not tried.
+const MAX_DENSE_STACKED_TILES: u64 = 80_000_000;
 
 /// The most experts the search puts in one MoE lane (`Plan::Stacked::experts_per_lane`).
 const MAX_EXPERTS_PER_LANE: u8 = 8;
@@ -221,7 +226,7 @@ pub fn search_keeping<T>(
      -> anyhow::Result<()> {
         let start = Instant::now();
         let module = modules.for_plan(&plan);
-        let weight_bytes: u64 = module.weights.iter().filter_map(|(_, w)| w.ty.bytes()).sum();
+        let weight_bytes = weight_bytes_of(module);
         let mut candidate = Candidate {
             plan: plan.to_string(),
             module: modules.label(&plan),
@@ -348,6 +353,22 @@ pub fn search_keeping<T>(
         }
         Ok(())
     };
+    // Then, on a tight wafer, where the largest group size tried is the fastest, larger groups
+    // that split each wafer's layers evenly, while each is faster. There only large groups fit
+    // (the 70B's `stacked:1` and `stacked:2` overflow a PE), a layer's share of a region's PEs
+    // is what its arithmetic runs on, and the growth stops where the longer collectives cost
+    // more: llama3.1-70b on wse3x4, `stacked:4,100,slice4` 1,502,116 cycles a token,
+    // `stacked:5,100,slice4` 1,417,052 (b7eaed9); on PEs of 56 KiB, `stacked:10` 1,434,391
+    // against `stacked:5`'s 1,380,277.
+    let tight = weight_bytes_of(modules.for_plan(&plans[0])) as f64
+        > STACKED_TILE_SHARE * wafer_bytes as f64 * params.wafers.max(1) as f64;
+    let largest = LAYERS_PER_REGION[LAYERS_PER_REGION.len() - 1];
+    let fastest_base = lowered(&records).filter(|&(_, index)| group_size(&plans[index]).is_some()).min();
+    if let Some(start) = fastest_base.filter(|&(_, index)| tight && group_size(&plans[index]) == Some(largest)) {
+        let layers = modules.for_plan(&plans[0]).meta.num_layers;
+        let growing = |plan| larger_group(plan, layers, params.wafers.max(1) as u32);
+        double_while_faster(start, &growing, &mut plans, &mut records, &mut best)?;
+    }
     // Then, where no plan with KV copies lowered (their SRAM does not fit), the fastest stacked
     // plan with each KV head's cache in twice as many slices of its head dimension, for as long
     // as that is faster: the slices split a step's scores and weighted values at a position as
@@ -435,6 +456,21 @@ fn fastest_by(
     let mut starts: Vec<(u64, usize)> = fastest.into_values().collect();
     starts.sort_unstable();
     starts
+}
+
+/// `plan` with the next larger group whose regions split `layers` evenly over `wafers` (each
+/// wafer then holds whole groups alike); `None` when there is none, or for a plan that is not
+/// stacked.
+fn larger_group(mut plan: Plan, layers: u32, wafers: u32) -> Option<Plan> {
+    let Plan::Stacked { layers_per_region, .. } = &mut plan else { return None };
+    let even = |k: u32| layers.is_multiple_of(k) && (layers / k).is_multiple_of(wafers);
+    *layers_per_region = (*layers_per_region as u32 + 1..=layers).find(|&k| even(k))?.try_into().ok()?;
+    Some(plan)
+}
+
+/// The bytes of `module`'s weights.
+fn weight_bytes_of(module: &Module) -> u64 {
+    module.weights.iter().filter_map(|(_, w)| w.ty.bytes()).sum()
 }
 
 /// A stacked plan's layers per region.
@@ -529,4 +565,26 @@ fn evaluate(
     executor.seek(position)?;
     let cycles = executor.step(0)?.timing.cycles.max(1);
     Ok((program, cycles))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Past four layers a region, the 70B (80 layers on four wafers) tries 5, 10, 20 and
+    /// stops: 40 would leave two wafers without a region. 32 layers on one wafer skip 5.
+    #[test]
+    fn larger_groups_split_every_wafers_layers_evenly() {
+        let sizes = |layers, wafers| {
+            let mut plan = Plan::stacked(4);
+            std::iter::from_fn(|| {
+                plan = larger_group(plan, layers, wafers)?;
+                group_size(&plan)
+            })
+            .collect::<Vec<_>>()
+        };
+        assert_eq!(sizes(80, 4), [5, 10, 20]);
+        assert_eq!(sizes(32, 1), [8, 16, 32]);
+        assert_eq!(larger_group(Plan::Tiled, 80, 4), None);
+    }
 }

@@ -44,7 +44,7 @@ use std::fmt;
 
 pub use check::{check, CheckError, Problem, MAX_PROBLEMS};
 pub use experts::{expert_order, ExpertOrder, ReplicaPolicy};
-pub use stacked::tiles_estimate as stacked_tiles_estimate;
+pub use stacked::{tiles_estimate as stacked_tiles_estimate, TILE_SHARE as STACKED_TILE_SHARE};
 use waferc_ir::wafer::{Pe, Plan, RoutingProfile, WaferProgram};
 use waferc_ir::{IrError, Module};
 use waferc_targets::Target;
