@@ -1033,9 +1033,30 @@ fn a_tight_embedding_gives_its_bands_as_many_pes_and_matches_the_reference() {
 /// A 20x17 grid of 24 KiB PEs and a shape whose weights fill it beyond the tiles' share (a
 /// tight wafer, as the 70B's on wse3x4).
 fn tight_grid() -> (waferc_targets::Target, Shape) {
-    let toml = "name = \"tight\"\nbase = \"wse3\"\ngrid_cols = 20\ngrid_rows = 17\nsram_bytes_per_pe = 24576\n";
-    let target = waferc_targets::Target::from_toml(toml, "tight.toml").unwrap();
+    grid_of(24_576)
+}
+
+/// A 20x17 grid of `sram` bytes a PE and the shape of [`tight_grid`].
+fn grid_of(sram: u32) -> (waferc_targets::Target, Shape) {
+    let toml =
+        format!("name = \"tight\"\nbase = \"wse3\"\ngrid_cols = 20\ngrid_rows = 17\nsram_bytes_per_pe = {sram}\n");
+    let target = waferc_targets::Target::from_toml(&toml, "tight.toml").unwrap();
     (target, Shape { hidden: 256, heads: 4, kv_heads: 2, head_dim: 64, ffn: 512, vocab: 2048, ..Shape::dense() })
+}
+
+/// PEs of 26 KiB leave the grid of [`tight_grid`] short of tight, but the units' floors still
+/// fill it, so each region's share is its bytes and the embedding's table fills its area as
+/// densely: its bands are cut as on a tight wafer. Cut as whole rows for the smallest band, it
+/// overflowed `PE(w0, x0, y0)` (31,488 bytes) where 24 KiB PEs compiled. The logits keep
+/// their bits.
+#[test]
+fn an_embedding_area_filled_by_its_table_compiles_on_larger_pes() {
+    let (target, shape) = grid_of(26_624);
+    let module = build(&shape, 3);
+    let options = CompileOptions { max_context: 64, plan: Plan::stacked(1), ..CompileOptions::default() };
+    let program = waferc_passes::wafer::compile(&module, &target, &options).unwrap_or_else(|e| panic!("{e}"));
+    let blob = pack_tile_blob(&program, &module);
+    validate(&program, &module, Some(&blob), &[5, 2000], &greedy(3)).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// On a tight wafer the residual leaving a region for the one beside it (the next strip of the

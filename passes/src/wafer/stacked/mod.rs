@@ -70,6 +70,7 @@ use grid::{matvec_shape, PanelLayout, PlacedTiles};
 use kv::block_for_region;
 use regions::{
     area_shares, block_size, exact_rectangles, rectangles, unit_wafers, units, weight_bytes, CellRun, Rect, Unit,
+    EMBED_TABLE_SHARE,
 };
 
 const CHUNK: u64 = BLOCK as u64;
@@ -1147,6 +1148,13 @@ impl Stacked<'_> {
         let w = &module.weights[table];
         let rows = w.ty.shape[0];
         let Region { area, tight, .. } = *self.region(unit);
+        // Bands of whole rows, all cut for the smallest, hold the table only at
+        // `EMBED_TABLE_SHARE` of their PEs' SRAM or less. An area as full as that is cut as on a
+        // tight wafer: so is one whose units' floors fill the block (their shares are then their
+        // bytes): a 20x17 grid of 26 KiB PEs, not tight, overflowed `PE(w0, x0, y0)` (31,488
+        // bytes) where one of 24 KiB, tight, compiled.
+        let usable = self.placer.params.usable_bytes_per_pe() as f64;
+        let tight = tight || weight_bytes(module, table) as f64 > EMBED_TABLE_SHARE * usable * area.pes() as f64;
         let count = EMBED_SEGMENTS.min(len.div_ceil(CHUNK)).min(area.h as u64).max(1);
         // Where the PEs have no room to spare, segments of a power-of-two run of chunks: the
         // 70B's 8,192 elements in 18 cut 17 segments of 480 and one of 32, whose band's PEs held
