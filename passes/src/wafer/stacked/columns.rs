@@ -78,7 +78,7 @@ pub(super) fn landing_column(j: u64, width: u64) -> u64 {
 }
 
 /// Which row of its column each segment of an aligned layout takes
-/// ([`Stacked::aligned_layout`]).
+/// ([`Stacked::aligned_layout`]), and for `Landing` which column.
 pub(super) enum SegmentRows {
     /// The area's middle row: a norm on the segments then reduces and broadcasts along one row.
     Middle,

@@ -705,25 +705,24 @@ impl Stacked<'_> {
         // residual at a region's last layer ran in place on its down projection's 256 segments,
         // and their routes ran out of the router's 24 colours both ways). Elsewhere the
         // multicasts run side by side along rows, and more segments are faster (SmolLM2's
-        // `stacked:1` 10,017 -> 7,654 tok/s with 16).
-        // Bound for a region beside on the same wafer, the segments leave along rows of their
-        // own (`SegmentRows::Landing`), even where the usual layout has few enough.
+        // `stacked:1` 10,017 -> 7,654 tok/s with 16). Bound for a region beside on a tight
+        // wafer, the segments leave along rows of their own (`SegmentRows::Landing`), even
+        // where the usual layout has few enough.
         let crosses = self.crosses_regions_in_few_segments(i);
         let beside = self.rows_shared_with_reader_beside(i).filter(|_| crosses);
         if crosses && (beside.is_some() || self.cut_too_fine_to_cross(i, len)) {
             let fewest = len.div_ceil(MAX_SEGMENTS);
-            return match (self.aligned_cut(i, len, 0), beside) {
-                (Some(cut), Some(shared)) => {
-                    self.aligned_layout(i, unit, merge_pieces(cut, fewest), SegmentRows::Landing(shared), requests)
-                }
-                (Some(cut), None) => {
-                    self.aligned_layout(i, unit, merge_pieces(cut, fewest), SegmentRows::Arrival, requests)
-                }
-                (None, Some(shared)) => {
-                    let cut = super::size::segments(len, cut.max(fewest)).into_iter().map(|seg| (seg, 0)).collect();
+            let aligned = self.aligned_cut(i, len, 0).map(|cut| merge_pieces(cut, fewest));
+            return match (aligned, beside) {
+                (Some(cut), None) => self.aligned_layout(i, unit, cut, SegmentRows::Arrival, requests),
+                (None, None) => self.fresh_layout(i, unit, &super::size::segments(len, cut.max(fewest)), requests),
+                // `Landing` gives each segment its column too: the cut's are not used.
+                (aligned, Some(shared)) => {
+                    let cut = aligned.unwrap_or_else(|| {
+                        super::size::segments(len, cut.max(fewest)).into_iter().map(|seg| (seg, 0)).collect()
+                    });
                     self.aligned_layout(i, unit, cut, SegmentRows::Landing(shared), requests)
                 }
-                (None, None) => self.fresh_layout(i, unit, &super::size::segments(len, cut.max(fewest)), requests),
             };
         }
         // The LM head's input: few segments on a diagonal at the centre of its area, whose
@@ -1149,8 +1148,8 @@ impl Stacked<'_> {
         let rows = w.ty.shape[0];
         let Region { area, tight, .. } = *self.region(unit);
         // Bands of whole rows, all cut for the smallest, hold the table only at
-        // `EMBED_TABLE_SHARE` of their PEs' SRAM or less. An area as full as that is cut as on a
-        // tight wafer: so is one whose units' floors fill the block (their shares are then their
+        // `EMBED_TABLE_SHARE` of their PEs' SRAM or less. An area fuller than that is cut as on a
+        // tight wafer, as where the units' floors fill the block (their shares are then their
         // bytes): a 20x17 grid of 26 KiB PEs, not tight, overflowed `PE(w0, x0, y0)` (31,488
         // bytes) where one of 24 KiB, tight, compiled.
         let usable = self.placer.params.usable_bytes_per_pe() as f64;
