@@ -354,9 +354,8 @@ impl Stacked<'_> {
         let own = self.regions[self.unit_of[i]].as_ref()?.area;
         self.placer.analysis.readers[i].iter().find_map(|&r| {
             let other = self.regions[self.unit_of[r as usize]].as_ref()?.area;
-            let beside = other.wafer == own.wafer && (other.x + other.w <= own.x || own.x + own.w <= other.x);
             let (top, bottom) = (own.y.max(other.y), (own.y + own.h).min(other.y + other.h));
-            (beside && top < bottom).then(|| (top - own.y) as u64..(bottom - own.y) as u64)
+            (own.beside(&other) && top < bottom).then(|| (top - own.y) as u64..(bottom - own.y) as u64)
         })
     }
 
@@ -369,7 +368,7 @@ impl Stacked<'_> {
         module.body[waferc_ir::Handle::new(i)].op.operands().into_iter().any(|operand| {
             let from = self.unit_of[analysis.source[operand.index()] as usize];
             let Some(other) = self.regions[from].as_ref().map(|r| r.area) else { return false };
-            from < unit && other.wafer == own.wafer && (other.x + other.w <= own.x || own.x + own.w <= other.x)
+            from < unit && own.beside(&other)
         })
     }
 

@@ -709,7 +709,7 @@ impl Stacked<'_> {
         // wafer, the segments leave along rows of their own (`SegmentRows::Landing`), even
         // where the usual layout has few enough.
         let crosses = self.crosses_regions_in_few_segments(i);
-        let beside = self.rows_shared_with_reader_beside(i).filter(|_| crosses);
+        let beside = crosses.then(|| self.rows_shared_with_reader_beside(i)).flatten();
         if crosses && (beside.is_some() || self.cut_too_fine_to_cross(i, len)) {
             let fewest = len.div_ceil(MAX_SEGMENTS);
             let aligned = self.aligned_cut(i, len, 0).map(|cut| merge_pieces(cut, fewest));
@@ -1148,28 +1148,28 @@ impl Stacked<'_> {
         let rows = w.ty.shape[0];
         let Region { area, tight, .. } = *self.region(unit);
         // Bands of whole rows, all cut for the smallest, hold the table only at
-        // `EMBED_TABLE_SHARE` of their PEs' SRAM or less. An area fuller than that is cut as on a
-        // tight wafer, as where the units' floors fill the block (their shares are then their
+        // `EMBED_TABLE_SHARE` of their PEs' SRAM or less. An area fuller than that (`full`) is cut
+        // as on a tight wafer, as where the units' floors fill the block (their shares are then their
         // bytes): a 20x17 grid of 26 KiB PEs, not tight, overflowed `PE(w0, x0, y0)` (31,488
         // bytes) where one of 24 KiB, tight, compiled.
         let usable = self.placer.params.usable_bytes_per_pe() as f64;
-        let tight = tight || weight_bytes(module, table) as f64 > EMBED_TABLE_SHARE * usable * area.pes() as f64;
+        let full = tight || weight_bytes(module, table) as f64 > EMBED_TABLE_SHARE * usable * area.pes() as f64;
         let count = EMBED_SEGMENTS.min(len.div_ceil(CHUNK)).min(area.h as u64).max(1);
         // Where the PEs have no room to spare, segments of a power-of-two run of chunks: the
         // 70B's 8,192 elements in 18 cut 17 segments of 480 and one of 32, whose band's PEs held
         // little while the others' overflowed.
         let chunks = len.div_ceil(CHUNK).div_ceil(count);
-        let chunks = if tight { chunks.next_power_of_two() } else { chunks };
+        let chunks = if full { chunks.next_power_of_two() } else { chunks };
         let segments = super::size::segments(len, chunks * CHUNK);
         let n = segments.len() as u64;
         let bands: Vec<CellRun> =
-            (0..n).map(|j| if tight { area.cell_run(j, n) } else { area.band(j, n).cells() }).collect();
+            (0..n).map(|j| if full { area.cell_run(j, n) } else { area.band(j, n).cells() }).collect();
         // One row-block cut for every segment (the table is a grid of row blocks x column
         // segments), as fine as the smallest band allows beside its segment's PE; where the PEs
         // have no room to spare, each band's own cut, as fine as its PEs allow.
         let smallest = bands.iter().map(CellRun::pes).min().unwrap_or(1);
         let rows_per_block = |band: &CellRun| {
-            let pes = if tight { band.pes() } else { smallest };
+            let pes = if full { band.pes() } else { smallest };
             rows.div_ceil(pes.saturating_sub(1).max(1))
         };
         let mut blocks = Vec::new();

@@ -79,6 +79,12 @@ impl Rect {
         Rect { y: self.y + top as u16, h: (bottom - top).max(1) as u16, ..*self }
     }
 
+    /// Whether `other` lies beside this rectangle on the same wafer: their columns do not
+    /// overlap.
+    pub(super) fn beside(&self, other: &Rect) -> bool {
+        other.wafer == self.wafer && (other.x + other.w <= self.x || self.x + self.w <= other.x)
+    }
+
     /// Every cell of the rectangle, as one run of its walk.
     pub(super) fn cells(&self) -> CellRun {
         CellRun { area: *self, start: 0, len: self.pes() }
