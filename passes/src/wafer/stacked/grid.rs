@@ -54,7 +54,6 @@ pub(super) const VECTOR_FLOPS_PER_ELEMENT: u64 = 8;
 pub(super) struct Grid {
     pub(super) rows_per_tile: u64,
     pub(super) chunks_per_tile: u64,
-    pub(super) row_blocks: u64,
     pub(super) col_blocks: u64,
     /// Copies of each column block side by side (see the module documentation).
     pub(super) panels: u64,
@@ -108,7 +107,6 @@ impl Grid {
         Some(Grid {
             rows_per_tile,
             chunks_per_tile,
-            row_blocks: rows.div_ceil(rows_per_tile),
             col_blocks,
             panels,
             height: area.h as u64,
@@ -732,33 +730,82 @@ impl Stacked<'_> {
     /// next. The head's result segment sits in that band too (beside the KV blocks it goes to),
     /// so a head's roots are a run of the band's rows near its segment and the collects of
     /// different bands share no link; in the grid's own order a head's roots lie anywhere down a
-    /// panel, often bands away, and the collects into one band queue on its columns. `None` when
-    /// the result does not feed an attention, or a band's blocks outnumber its PEs in the grid's
-    /// panels.
+    /// panel, often bands away, and the collects into one band queue on its columns.
+    ///
+    /// Where a band's heads cut so outnumber its slots, each run of a band's rows (its queries,
+    /// its key, its value) is cut evenly in the fewest blocks of at most the rows per tile, which
+    /// may span two query heads: the 70B's q/k/v grid has one panel, a band of 73 rows, and its
+    /// ten heads of 128 rows in blocks of 18 take 80, in runs 73. In grid order its keys' and
+    /// values' roots lay at the area's bottom, and their collects ran up to 481 hops. `None`
+    /// when the result does not feed an attention, or a band's blocks still outnumber its slots.
     pub(super) fn band_blocks(&self, i: usize, rows: u64, g: &Grid, area: Rect) -> Option<RowBlocks> {
-        let mut placed: Vec<u64> = Vec::new();
-        let mut blocks = Vec::with_capacity(g.row_blocks as usize);
+        let mut pieces: Vec<(Range<u64>, u64)> = Vec::new();
+        let mut kv_heads = 0;
         for head_rows in crate::wafer::size::segments(rows, self.segment_cut(i, rows, g.rows_per_tile)) {
-            let HeadRows { kv_heads, head, .. } = self.attention_head(i, &head_rows)?;
-            if placed.is_empty() {
-                placed = vec![0; kv_heads as usize];
-            }
-            let band = area.band(head, placed.len() as u64);
-            let (top, height) = ((band.y - area.y) as u64, band.h as u64);
-            let mut start = head_rows.start;
-            while start < head_rows.end {
-                let k = placed.get_mut(head as usize)?;
-                if *k / height >= g.panels {
-                    return None;
-                }
-                let end = (start + g.rows_per_tile).min(head_rows.end);
-                blocks.push((start..end, (*k / height, top + *k % height)));
-                *k += 1;
-                start = end;
-            }
+            let HeadRows { kv_heads: bands, head, .. } = self.attention_head(i, &head_rows)?;
+            kv_heads = bands;
+            pieces.push((head_rows, head));
         }
-        Some(blocks)
+        band_row_blocks(&pieces, kv_heads, (g.rows_per_tile, g.panels), area)
     }
+}
+
+/// [`Stacked::band_blocks`] of `pieces` (a result's heads in order, each with its KV head, one
+/// of `kv_heads`) in a grid of `rows_per_tile` and `panels` over `area`: each head cut in blocks
+/// of at most `rows_per_tile`, else each run of a band's heads cut evenly in the fewest such
+/// blocks.
+fn band_row_blocks(
+    pieces: &[(Range<u64>, u64)],
+    kv_heads: u64,
+    (rows_per_tile, panels): (u64, u64),
+    area: Rect,
+) -> Option<RowBlocks> {
+    let rpt = rows_per_tile.max(1);
+    let by_head = |rows: Range<u64>| row_runs(rows, rpt, (u64::MAX, None::<&dyn Fn(u64) -> u64>));
+    if let Some(blocks) = fill_bands(pieces, kv_heads, panels, area, by_head) {
+        return Some(blocks);
+    }
+    let mut runs: Vec<(Range<u64>, u64)> = Vec::new();
+    for (rows, head) in pieces.iter().cloned() {
+        match runs.last_mut() {
+            Some((run, band)) if *band == head && run.end == rows.start => run.end = rows.end,
+            _ => runs.push((rows, head)),
+        }
+    }
+    let alike = |_: u64| 0u64;
+    let even = |rows: Range<u64>| {
+        let fewest = (rows.end - rows.start).div_ceil(rpt);
+        row_runs(rows, rpt, (fewest, Some(&alike as &dyn Fn(u64) -> u64)))
+    };
+    fill_bands(&runs, kv_heads, panels, area, even)
+}
+
+/// Row blocks of `pieces` (rows of a matvec's result, each with its KV head), each piece cut by
+/// `cut` and its blocks laid in its head's band of `area` (one of `kv_heads`), filling the band's
+/// rows of one of `panels` panels before the next. `None` when a band's blocks outnumber its
+/// slots.
+fn fill_bands(
+    pieces: &[(Range<u64>, u64)],
+    kv_heads: u64,
+    panels: u64,
+    area: Rect,
+    cut: impl Fn(Range<u64>) -> Vec<Range<u64>>,
+) -> Option<RowBlocks> {
+    let mut placed = vec![0u64; kv_heads as usize];
+    let mut blocks = Vec::new();
+    for (rows, head) in pieces {
+        let band = area.band(*head, kv_heads);
+        let (top, height) = ((band.y - area.y) as u64, band.h as u64);
+        for block in cut(rows.clone()) {
+            let k = placed.get_mut(*head as usize)?;
+            if *k / height >= panels {
+                return None;
+            }
+            blocks.push((block, (*k / height, top + *k % height)));
+            *k += 1;
+        }
+    }
+    Some(blocks)
 }
 
 #[cfg(test)]
@@ -803,6 +850,47 @@ mod tests {
         assert_eq!(chunks(tile_budget(base, 0, false)), Some((2, 50)));
         assert_eq!(chunks(tile_budget(base, 0, true)), Some((4, 25)));
         assert_eq!(tile_budget(base, 500, false), base + 500);
+    }
+
+    /// The 70B's q/k/v grid (one panel of 585 rows, 18 rows a tile) puts each KV head's rows in
+    /// its band of 73 rows: cut by head (eight query heads, a key and a value of 128 rows, eight
+    /// blocks each) they take 80 slots, so each run of the band's rows is cut evenly instead
+    /// (57 blocks for its queries, 8 each for its key and value), and every block stays in its
+    /// band. Where the heads fit, each is cut on its own.
+    #[test]
+    fn a_bands_query_key_and_value_rows_stay_in_its_band() {
+        let (kv_heads, q_per_kv, head_dim) = (8u64, 8u64, 128u64);
+        let mut pieces = Vec::new();
+        for h in 0..kv_heads {
+            for q in 0..q_per_kv {
+                let start = (h * q_per_kv + q) * head_dim;
+                pieces.push((start..start + head_dim, h));
+            }
+        }
+        for role in 1..3 {
+            for h in 0..kv_heads {
+                let start = kv_heads * q_per_kv * head_dim + ((role - 1) * kv_heads + h) * head_dim;
+                pieces.push((start..start + head_dim, h));
+            }
+        }
+        let area = Rect { wafer: 0, x: 0, y: 0, w: 300, h: 585 };
+        let blocks = band_row_blocks(&pieces, kv_heads, (18, 1), area).expect("fits in runs");
+        assert_eq!(blocks.len(), 8 * 73);
+        assert!(blocks.iter().all(|(rows, _)| (16..=18).contains(&(rows.end - rows.start))));
+        let total: u64 = blocks.iter().map(|(rows, _)| rows.end - rows.start).sum();
+        assert_eq!(total, 10_240, "every row in one block");
+        let head_of = |row: u64| pieces.iter().find(|(p, _)| p.contains(&row)).unwrap().1;
+        for (rows, (panel, row)) in &blocks {
+            let head = head_of(rows.start);
+            assert_eq!(head_of(rows.end - 1), head, "rows {rows:?} span two KV heads");
+            let band = area.band(head, kv_heads);
+            assert_eq!(*panel, 0);
+            assert!((band.y as u64..(band.y + band.h) as u64).contains(row), "rows {rows:?} at row {row}");
+        }
+        // With two panels each head gets blocks of its own.
+        let by_head = band_row_blocks(&pieces, kv_heads, (18, 2), area).unwrap();
+        assert_eq!(by_head.len(), 80 * 8);
+        assert!(by_head.iter().all(|(rows, _)| rows.start / 128 == (rows.end - 1) / 128));
     }
 
     /// On a tight wafer a matvec's rows fill every slot of its grid, no block longer than the

@@ -157,6 +157,37 @@ impl KvShape {
         self.copy_rows(band, copy).column(slice, self.slices)
     }
 
+    /// Where the segment of query head `query` of a copy's group sits, for a head cut in slices:
+    /// the row preferred and, where the queries split, the rows of its side (both from the top of
+    /// the copy's `rows` rows, in a band of `band_rows`). Every block of a slice receives every
+    /// query head's dims along its slice's columns, so a column's links carry all the queries
+    /// entering from one side. The blocks walk down from the middle row
+    /// ([`Rect::walk_from_middle`]); where they fill less than the rest of its column and both
+    /// sides have a row for each of their queries, half the queries sit above the blocks and half
+    /// below, spread over those rows, and each column link carries half of them (the 70B's
+    /// `stacked:5,100,slice4`: eight query heads of 64 elements a multicast down one column,
+    /// 512 cycles of one link, and 607 cycles of its key's delivery waiting). Else they spread
+    /// over all the rows.
+    pub(super) fn query_row(&self, rows: u64, band_rows: u64, query: u64) -> (u64, Option<Range<u64>>) {
+        let per_copy = self.queries_per_copy().max(1);
+        let spread =
+            |side: &Range<u64>, nth: u64, of: u64| side.start + (side.end - side.start) * (2 * nth + 1) / (2 * of);
+        let cells = self.sequences * self.copies / self.row_copies(band_rows) * self.blocks_per_head();
+        let first_block = rows / 2;
+        let (above, below) = (0..first_block, (first_block + cells).min(rows)..rows);
+        let upper = per_copy / 2;
+        let lower = per_copy - upper;
+        let split = upper > 0
+            && first_block + cells <= rows
+            && above.end - above.start >= upper
+            && below.end - below.start >= lower;
+        match (split, query < upper) {
+            (true, true) => (spread(&above, query, upper), Some(above)),
+            (true, false) => (spread(&below, query - upper, lower), Some(below)),
+            (false, _) => (spread(&(0..rows), query % per_copy, per_copy), None),
+        }
+    }
+
     /// The copy whose blocks serve query head `query` of a KV head's group.
     pub(super) fn copy_serving(&self, query: u64) -> u64 {
         query / self.queries_per_copy().max(1)
@@ -259,6 +290,41 @@ impl Stacked<'_> {
             i,
             format!("no PE of band {band} of {bands} of its {}x{} area has {bytes} bytes free", rows.w, rows.h),
         ))
+    }
+
+    /// A PE with room for `bytes` more on a row of its own: on the area rows `within` of band
+    /// `band` of `bands`, the row nearest area row `row` that holds none of `taken`, its columns
+    /// walked westward from `west` columns west of the area's east edge. A segment's multicast
+    /// runs along its row to the KV strip, so two on one row share those links. `None` when no
+    /// such row has room.
+    #[allow(clippy::too_many_arguments)] // band_pe's arguments, and the rows allowed
+    fn band_pe_on_own_row(
+        &mut self,
+        unit: usize,
+        (band, bands): (u64, u64),
+        bytes: u64,
+        taken: &HashSet<Pe>,
+        west: u64,
+        row: u64,
+        within: Range<u64>,
+    ) -> Option<Pe> {
+        let area = self.region(unit).area;
+        let rows = area.band(band, bands);
+        let (w, h) = (rows.w as u64, rows.h as u64);
+        let near = (row + area.y as u64).saturating_sub(rows.y as u64);
+        let band_top = (rows.y - area.y) as u64;
+        for dy in nearest_first(near, h).filter(|dy| within.contains(&(band_top + dy))) {
+            if taken.iter().any(|pe| pe.wafer == rows.wafer && pe.y as u64 == rows.y as u64 + dy) {
+                continue;
+            }
+            for step in 0..w {
+                let pe = rows.at(w - 1 - (west + step) % w, dy);
+                if self.claim_vector(pe, bytes, taken) {
+                    return Some(pe);
+                }
+            }
+        }
+        None
     }
 
     /// The attention that reads rows `rows` of matvec `i`'s result as queries, keys or values
@@ -494,13 +560,24 @@ impl Stacked<'_> {
         // past other slices' columns do not all share one row (from
         // its top and bottom rows, 32 of the 70B's met at one PE
         // and ran out of colours).
+        let mut side = None;
         if let (Some(kv), HeadRole::Query(Some(q))) = (kv.filter(|kv| kv.slices > 1), role) {
             let per_copy = kv.queries_per_copy().max(1);
-            row = top + band.h as u64 * (2 * (q % per_copy) + 1) / (2 * per_copy);
+            let band_rows = whole.band(head, kv_heads).h as u64;
+            let (within, rows) = kv.query_row(band.h as u64, band_rows, q % per_copy);
+            row = top + within;
+            side = rows.map(|rows| top + rows.start..top + rows.end);
         }
-        // With room for the rope and norm that run in place on it.
+        // With room for the rope and norm that run in place on it: on a row of its own on its
+        // side if one has room (a tight wafer's tiles fill most PEs), else the nearest.
         let room = bytes + self.in_place_bytes(i, seg);
-        let pe = self.band_pe(i, unit, (head, kv_heads), room, taken, (*slot - 1) * kv_heads + head, row)?;
+        let west = (*slot - 1) * kv_heads + head;
+        let on_side =
+            side.and_then(|rows| self.band_pe_on_own_row(unit, (head, kv_heads), room, taken, west, row, rows));
+        let pe = match on_side {
+            Some(pe) => pe,
+            None => self.band_pe(i, unit, (head, kv_heads), room, taken, west, row)?,
+        };
         *self.vector_bytes.entry(pe).or_default() -= room - bytes;
         Ok(pe)
     }
@@ -509,6 +586,34 @@ impl Stacked<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A head cut in slices puts half its query heads' segments above its blocks and half below
+    /// where both sides have a row for each: the 70B's eight query heads, 32 blocks from the
+    /// middle row of a 73-row band, four over the 36 rows above and four over the 5 below.
+    /// Where the blocks fill the band to its foot, they spread over all of it.
+    #[test]
+    fn sliced_heads_queries_enter_their_blocks_from_both_sides() {
+        let shape = KvShape {
+            kv_heads: 8,
+            head_dim: 128,
+            q_per_kv: 8,
+            copies: 1,
+            slices: 4,
+            positions: 4096,
+            positions_per_block: 128,
+            spread: 1,
+            sequences: 1,
+        };
+        assert_eq!(shape.blocks_per_head(), 32);
+        let rows: Vec<_> = (0..8).map(|q| shape.query_row(73, 73, q)).collect();
+        assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), [4, 13, 22, 31, 68, 69, 71, 72]);
+        assert!(rows[..4].iter().all(|r| r.1 == Some(0..36)));
+        assert!(rows[4..].iter().all(|r| r.1 == Some(68..73)));
+        // 64 rows: the blocks take rows 32 to 63, none is left below.
+        let spread: Vec<_> = (0..8).map(|q| shape.query_row(64, 64, q)).collect();
+        assert_eq!(spread.iter().map(|r| r.0).collect::<Vec<_>>(), [4, 12, 20, 28, 36, 44, 52, 60]);
+        assert!(spread.iter().all(|r| r.1.is_none()));
+    }
 
     /// A region's KV blocks are as small as its strip allows. Three KV heads in three copies
     /// (SmolLM2's), 4,096 positions: with head_dim 64 a PE holds up to 64 positions, and a
