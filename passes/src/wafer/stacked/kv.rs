@@ -157,23 +157,46 @@ impl KvShape {
         self.copy_rows(band, copy).column(slice, self.slices)
     }
 
+    /// The blocks of a slice in a copy's rows (in a band of `band_rows`), walked from
+    /// [`KvShape::first_block_row`].
+    fn block_cells(&self, band_rows: u64) -> u64 {
+        self.sequences * self.copies / self.row_copies(band_rows) * self.blocks_per_head()
+    }
+
+    /// The row (from the top of a copy's `rows` rows, in a band of `band_rows`) of each slice's
+    /// first block, where its reductions end and its output leaves; the others follow it down
+    /// the column, wrapping to the top. The middle row, so the first block has rows both ways;
+    /// for a head cut in slices, as near it as leaves a row below the blocks for each query
+    /// head that enters them from below ([`KvShape::query_row`]), where the rows allow: the 70B's
+    /// first two and last two regions have bands of 65 rows, whose middle left one row below
+    /// 32 blocks, and their queries' deliveries waited as before the split.
+    pub(super) fn first_block_row(&self, rows: u64, band_rows: u64) -> u64 {
+        let middle = rows / 2;
+        let per_copy = self.queries_per_copy().max(1);
+        let (upper, lower) = (per_copy / 2, per_copy - per_copy / 2);
+        let cells = self.block_cells(band_rows);
+        match self.slices > 1 && upper > 0 && upper + cells + lower <= rows {
+            true => middle.min(rows - cells - lower),
+            false => middle,
+        }
+    }
+
     /// Where the segment of query head `query` of a copy's group sits, for a head cut in slices:
     /// the row preferred and, where the queries split, the rows of its side (both from the top of
     /// the copy's `rows` rows, in a band of `band_rows`). Every block of a slice receives every
     /// query head's dims along its slice's columns, so a column's links carry all the queries
-    /// entering from one side. The blocks walk down from the middle row
-    /// ([`Rect::walk_from_middle`]); where they fill less than the rest of its column and both
-    /// sides have a row for each of their queries, half the queries sit above the blocks and half
-    /// below, spread over those rows, and each column link carries half of them (the 70B's
-    /// `stacked:5,100,slice4`: eight query heads of 64 elements a multicast down one column,
-    /// 512 cycles of one link, and 607 cycles of its key's delivery waiting). Else they spread
-    /// over all the rows.
+    /// entering from one side. Where the blocks ([`KvShape::first_block_row`]) fill less than
+    /// the rest of their column and both sides have a row for each of their queries, half the
+    /// queries sit above the blocks and half below, spread over those rows, and each column link
+    /// carries half of them (the 70B's `stacked:5,100,slice4`: eight query heads of 64 elements a
+    /// multicast down one column, 512 cycles of one link, and 607 cycles of its key's delivery
+    /// waiting). Else they spread over all the rows.
     pub(super) fn query_row(&self, rows: u64, band_rows: u64, query: u64) -> (u64, Option<Range<u64>>) {
         let per_copy = self.queries_per_copy().max(1);
         let spread =
             |side: &Range<u64>, nth: u64, of: u64| side.start + (side.end - side.start) * (2 * nth + 1) / (2 * of);
-        let cells = self.sequences * self.copies / self.row_copies(band_rows) * self.blocks_per_head();
-        let first_block = rows / 2;
+        let cells = self.block_cells(band_rows);
+        let first_block = self.first_block_row(rows, band_rows);
         let (above, below) = (0..first_block, (first_block + cells).min(rows)..rows);
         let upper = per_copy / 2;
         let lower = per_copy - upper;
@@ -418,11 +441,11 @@ impl Stacked<'_> {
                         let mut blocks = Vec::new();
                         for b in 0..kv.blocks_per_head() {
                             let (positions, lanes) = kv.block(b);
-                            // The slice's place walked column by column from its middle row: its
-                            // first block (where its reductions end and its output leaves) has
-                            // rows both ways; other sequences' (and copies') blocks follow on.
+                            // The slice's place walked column by column from its first block's
+                            // row (`KvShape::first_block_row`); other sequences' (and copies')
+                            // blocks follow on.
                             let cell = ((sequence * of_rows + in_rows) * kv.blocks_per_head()) + b;
-                            let pe = rows.walk_from_middle(cell);
+                            let pe = rows.walk_from(cell, kv.first_block_row(rows.h as u64, band.h as u64));
                             let block = KvBlockShape {
                                 kv_head: h,
                                 query_heads: query_heads.clone(),
@@ -446,8 +469,8 @@ impl Stacked<'_> {
         }
         let piece = kv.q_per_kv * kv.head_dim;
         // An output that feeds matvecs only is cut for them (`columns`), each KV head's segments
-        // on rows of their own in the head's band, nearest its middle row (where the head's root
-        // block is) first: the collects from the root leave north, south and west and run along
+        // on rows of their own in the head's band, nearest its root block's row (the middle row,
+        // `KvShape::first_block_row`) first: the collects from the root leave north, south and west and run along
         // those rows, side by side.
         // Too fine a cut for the bands' colours is merged into whole query heads, each in its
         // first piece's column (Qwen3-30B-A3B: 32 pieces a band become its 8 heads).
@@ -471,7 +494,8 @@ impl Stacked<'_> {
                 let whole = area.band(h, kv.kv_heads);
                 let band = kv.copy_rows(whole, kv.copy_serving(seg.start % piece / kv.head_dim));
                 let slot = in_band.entry((h, band.y as u64)).or_default();
-                let middle = nearest_first(band.h as u64 / 2, band.h as u64).nth((*slot % band.h as u64) as usize);
+                let root = kv.first_block_row(band.h as u64, whole.h as u64);
+                let middle = nearest_first(root, band.h as u64).nth((*slot % band.h as u64) as usize);
                 let row = (band.y - area.y) as u64 + middle.unwrap_or(0);
                 *slot += 1;
                 let bytes = (seg.end - seg.start) * F32;
@@ -589,8 +613,9 @@ mod tests {
 
     /// A head cut in slices puts half its query heads' segments above its blocks and half below
     /// where both sides have a row for each: the 70B's eight query heads, 32 blocks from the
-    /// middle row of a 73-row band, four over the 36 rows above and four over the 5 below.
-    /// Where the blocks fill the band to its foot, they spread over all of it.
+    /// middle row of a 73-row band, four over the 36 rows above and four over the 5 below; in a
+    /// 65-row band the blocks start higher to leave the lower four their rows. Where the rows
+    /// are too few, they spread over all of them.
     #[test]
     fn sliced_heads_queries_enter_their_blocks_from_both_sides() {
         let shape = KvShape {
@@ -609,10 +634,22 @@ mod tests {
         assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), [4, 13, 22, 31, 68, 69, 71, 72]);
         assert!(rows[..4].iter().all(|r| r.1 == Some(0..36)));
         assert!(rows[4..].iter().all(|r| r.1 == Some(68..73)));
-        // 64 rows: the blocks take rows 32 to 63, none is left below.
-        let spread: Vec<_> = (0..8).map(|q| shape.query_row(64, 64, q)).collect();
-        assert_eq!(spread.iter().map(|r| r.0).collect::<Vec<_>>(), [4, 12, 20, 28, 36, 44, 52, 60]);
+        assert_eq!(shape.first_block_row(73, 73), 36, "the middle row");
+        // 65 rows: from the middle row the blocks would leave one row below, so they start
+        // higher, at row 29, and leave four.
+        assert_eq!(shape.first_block_row(65, 65), 29);
+        let moved: Vec<_> = (0..8).map(|q| shape.query_row(65, 65, q)).collect();
+        assert!(moved[..4].iter().all(|r| r.1 == Some(0..29)));
+        assert!(moved[4..].iter().all(|r| r.1 == Some(61..65)));
+        // 39 rows hold the blocks and the queries below but not those above: the blocks stay on
+        // the middle row and the queries spread over all the rows.
+        assert_eq!(shape.first_block_row(39, 39), 19);
+        let spread: Vec<_> = (0..8).map(|q| shape.query_row(39, 39, q)).collect();
+        assert_eq!(spread.iter().map(|r| r.0).collect::<Vec<_>>(), [2, 7, 12, 17, 21, 26, 31, 36]);
         assert!(spread.iter().all(|r| r.1.is_none()));
+        // Whole heads keep their blocks from the middle row.
+        let whole = KvShape { slices: 1, positions_per_block: 32, ..shape };
+        assert_eq!(whole.first_block_row(65, 65), 32);
     }
 
     /// A region's KV blocks are as small as its strip allows. Three KV heads in three copies

@@ -57,12 +57,12 @@ impl Rect {
         self.at(cell / self.h as u64, cell % self.h as u64)
     }
 
-    /// [`Rect::walk`] with each column's cells starting at its middle row (and wrapping to its
+    /// [`Rect::walk`] with each column's cells starting at row `first` (and wrapping to its
     /// top).
-    pub(super) fn walk_from_middle(&self, cell: u64) -> Pe {
+    pub(super) fn walk_from(&self, cell: u64, first: u64) -> Pe {
         let h = self.h as u64;
         let cell = cell % self.pes().max(1);
-        self.at(cell / h, (cell + h / 2) % h)
+        self.at(cell / h, (cell + first) % h)
     }
 
     /// Column `index` of `count` vertical strips.
