@@ -1646,22 +1646,34 @@ impl<'a> Placer<'a> {
     }
 }
 
-/// The most query multicasts into one KV head's blocks: one per query head and slice group when
-/// its cache is cut in slices, one per query head and source segment when rope runs on pairs of
-/// chunks (the stacked plan's `rope_pairs`). Each enters every shelf of the head's band along
-/// one row, so they all meet there: the 70B's 8 query heads a KV head in 4 slices, a multicast
-/// each, met 31 to a PE and ran out of colours.
+/// The most query multicasts into one KV head's blocks when rope runs on pairs of chunks (the
+/// stacked plan's `rope_pairs`): one per query head and source segment. Each enters every shelf
+/// of the head's band along one row, so they all meet there (the 70B's 8 query heads a KV head
+/// ran out of colours so). A head cut in slices has its own bound,
+/// [`MAX_SLICED_QUERY_ROUTES`].
 pub(super) const MAX_QUERY_ROUTES: u64 = 16;
+
+/// The most query multicasts into one KV head's blocks when its cache is cut in slices: one per
+/// query head and slice. When the query segments left from the top and bottom rows of the
+/// head's band, the 70B's 8 query heads in 4 slices met 31 to a PE and ran out of colours, and
+/// the bound was 16 (a multicast to each run of two slices). The stacked plan now spreads a
+/// sliced head's query segments over rows of their own, above and below its blocks
+/// (`KvShape::query_row`), so their multicasts meet only in the slices' columns, each column a
+/// multicast per query head whatever the slices a multicast reaches; a multicast to two slices
+/// carries its other slice's dims on every link of both columns (the 70B's
+/// `stacked:5,100,slice4`: 64 elements a query head down each column, where each slice reads
+/// 32).
+const MAX_SLICED_QUERY_ROUTES: u64 = 32;
 
 /// The dims of each query head that reach a KV head slice holding `dims` of `head_dim`, serving
 /// `queries` query heads: its own, or those of the run of adjacent slices it shares a multicast
 /// with (the fewest slices a run that keeps the head's query multicasts to
-/// [`MAX_QUERY_ROUTES`]; each block then receives its run's dims and reads its own).
+/// [`MAX_SLICED_QUERY_ROUTES`]; each block then receives its run's dims and reads its own).
 fn query_delivery_dims(dims: &Range<u64>, head_dim: u64, queries: u64) -> Range<u64> {
     let width = (dims.end - dims.start).max(1);
     let slices = head_dim / width;
     let mut run = 1;
-    while run < slices && queries * (slices / run) > MAX_QUERY_ROUTES {
+    while run < slices && queries * (slices / run) > MAX_SLICED_QUERY_ROUTES {
         run *= 2;
     }
     let start = dims.start / (width * run) * (width * run);
@@ -2010,4 +2022,22 @@ fn placement_pes(p: &InstrPlacement) -> Vec<Pe> {
         ResultLayout::Routing { pe } => pes.push(*pe),
     }
     pes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sliced KV head's query heads each send a multicast per slice with its dims while that
+    /// keeps them to [`MAX_SLICED_QUERY_ROUTES`]: the 70B's 8 query heads a KV head in 4 slices
+    /// of 32 dims, 32 multicasts; 16 query heads share one per run of two slices.
+    #[test]
+    fn sliced_query_multicasts_carry_their_slices_dims_while_few_enough() {
+        assert_eq!(query_delivery_dims(&(32..64), 128, 8), 32..64);
+        assert_eq!(query_delivery_dims(&(96..128), 128, 8), 96..128);
+        assert_eq!(query_delivery_dims(&(32..64), 128, 16), 0..64);
+        assert_eq!(query_delivery_dims(&(64..96), 128, 16), 64..128);
+        // Whole heads: the head's dims.
+        assert_eq!(query_delivery_dims(&(0..128), 128, 64), 0..128);
+    }
 }
