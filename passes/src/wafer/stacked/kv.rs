@@ -272,6 +272,17 @@ pub(super) enum HeadRole {
     Value,
 }
 
+/// Where [`Stacked::band_pe`] looks for a PE: band `band` of `bands` of a unit's area, a PE with
+/// room for `bytes` more, its columns walked westward from `west` columns west of the area's east
+/// edge, each from the band row nearest area row `row`.
+pub(super) struct BandSeek {
+    pub(super) band: u64,
+    pub(super) bands: u64,
+    pub(super) bytes: u64,
+    pub(super) west: u64,
+    pub(super) row: u64,
+}
+
 impl Stacked<'_> {
     /// Attention `i`'s KV shape in `unit`'s region, with the region's blocks
     /// (`block_for_region`). `None` when 32 positions of a head do not fit a PE.
@@ -281,33 +292,37 @@ impl Stacked<'_> {
         Some(kv.with_block(self.region(unit).kv_block))
     }
 
-    /// A PE in band `band` of `bands` of the unit's area with room for `bytes` more, not in
-    /// `taken`: the band's columns walked westward from `west` columns west of the area's east
-    /// edge (beside the KV strip), each from the band row nearest area row `row`.
-    #[allow(clippy::too_many_arguments)]
+    /// Band `band` of `bands` of the unit's area, with the band row nearest area row `row` and
+    /// the band's top row in the area.
+    fn band_rows(&mut self, unit: usize, seek: &BandSeek) -> (Rect, u64, u64) {
+        let area = self.region(unit).area;
+        let rows = area.band(seek.band, seek.bands);
+        let top = (rows.y - area.y) as u64;
+        (rows, seek.row.saturating_sub(top), top)
+    }
+
+    /// A PE in the band `seek` names with room for its bytes more, not in `taken`: the band's
+    /// columns walked westward from its `west` columns west of the area's east edge (beside the
+    /// KV strip), each from the band row nearest its area row.
     pub(super) fn band_pe(
         &mut self,
         i: usize,
         unit: usize,
-        (band, bands): (u64, u64),
-        bytes: u64,
+        seek: BandSeek,
         taken: &HashSet<Pe>,
-        west: u64,
-        row: u64,
     ) -> Result<Pe, WaferError> {
-        let area = self.region(unit).area;
-        let rows = area.band(band, bands);
+        let (rows, near, _) = self.band_rows(unit, &seek);
         let (w, h) = (rows.w as u64, rows.h as u64);
-        let near = (row + area.y as u64).saturating_sub(rows.y as u64);
         for step in 0..w {
-            let dx = w - 1 - (west + step) % w;
+            let dx = w - 1 - (seek.west + step) % w;
             for dy in nearest_first(near, h) {
                 let pe = rows.at(dx, dy);
-                if self.claim_vector(pe, bytes, taken) {
+                if self.claim_vector(pe, seek.bytes, taken) {
                     return Ok(pe);
                 }
             }
         }
+        let BandSeek { band, bands, bytes, .. } = seek;
         Err(unsupported(
             self.placer.module,
             i,
@@ -315,34 +330,26 @@ impl Stacked<'_> {
         ))
     }
 
-    /// A PE with room for `bytes` more on a row of its own: on the area rows `within` of band
-    /// `band` of `bands`, the row nearest area row `row` that holds none of `taken`, its columns
-    /// walked westward from `west` columns west of the area's east edge. A segment's multicast
-    /// runs along its row to the KV strip, so two on one row share those links. `None` when no
-    /// such row has room.
-    #[allow(clippy::too_many_arguments)] // band_pe's arguments, and the rows allowed
+    /// [`Stacked::band_pe`] on a row of its own: on the area rows `within`, the row nearest the
+    /// one `seek` names that holds none of `taken`, each row's columns walked westward. A
+    /// segment's multicast runs along its row to the KV strip, so two on one row share those
+    /// links. `None` when no such row has room.
     fn band_pe_on_own_row(
         &mut self,
         unit: usize,
-        (band, bands): (u64, u64),
-        bytes: u64,
+        seek: &BandSeek,
         taken: &HashSet<Pe>,
-        west: u64,
-        row: u64,
         within: Range<u64>,
     ) -> Option<Pe> {
-        let area = self.region(unit).area;
-        let rows = area.band(band, bands);
+        let (rows, near, band_top) = self.band_rows(unit, seek);
         let (w, h) = (rows.w as u64, rows.h as u64);
-        let near = (row + area.y as u64).saturating_sub(rows.y as u64);
-        let band_top = (rows.y - area.y) as u64;
         for dy in nearest_first(near, h).filter(|dy| within.contains(&(band_top + dy))) {
             if taken.iter().any(|pe| pe.wafer == rows.wafer && pe.y as u64 == rows.y as u64 + dy) {
                 continue;
             }
             for step in 0..w {
-                let pe = rows.at(w - 1 - (west + step) % w, dy);
-                if self.claim_vector(pe, bytes, taken) {
+                let pe = rows.at(w - 1 - (seek.west + step) % w, dy);
+                if self.claim_vector(pe, seek.bytes, taken) {
                     return Some(pe);
                 }
             }
@@ -513,7 +520,8 @@ impl Stacked<'_> {
         for h in 0..kv.kv_heads {
             let elements = h * piece..((h + 1) * piece).min(len);
             let bytes = (elements.end - elements.start) * F32;
-            let pe = self.band_pe(i, unit, (h, kv.kv_heads), bytes, &taken, 0, 0)?;
+            let seek = BandSeek { band: h, bands: kv.kv_heads, bytes, west: 0, row: 0 };
+            let pe = self.band_pe(i, unit, seek, &taken)?;
             taken.insert(pe);
             self.placer.fill(pe, i as u32, vec![(RegionKind::Output { elements: elements.clone() }, bytes)])?;
             layout.segments.push(Segment { pe, elements });
@@ -596,11 +604,11 @@ impl Stacked<'_> {
         // side if one has room (a tight wafer's tiles fill most PEs), else the nearest.
         let room = bytes + self.in_place_bytes(i, seg);
         let west = (*slot - 1) * kv_heads + head;
-        let on_side =
-            side.and_then(|rows| self.band_pe_on_own_row(unit, (head, kv_heads), room, taken, west, row, rows));
+        let seek = BandSeek { band: head, bands: kv_heads, bytes: room, west, row };
+        let on_side = side.and_then(|rows| self.band_pe_on_own_row(unit, &seek, taken, rows));
         let pe = match on_side {
             Some(pe) => pe,
-            None => self.band_pe(i, unit, (head, kv_heads), room, taken, west, row)?,
+            None => self.band_pe(i, unit, seek, taken)?,
         };
         *self.vector_bytes.entry(pe).or_default() -= room - bytes;
         Ok(pe)
