@@ -163,6 +163,13 @@ impl KvShape {
         self.sequences * self.copies / self.row_copies(band_rows) * self.blocks_per_head()
     }
 
+    /// How many of a copy's query heads enter its sliced blocks from above, and how many from
+    /// below ([`KvShape::query_row`]).
+    fn query_sides(&self) -> (u64, u64) {
+        let per_copy = self.queries_per_copy().max(1);
+        (per_copy / 2, per_copy - per_copy / 2)
+    }
+
     /// The row (from the top of a copy's `rows` rows, in a band of `band_rows`) of each slice's
     /// first block, where its reductions end and its output leaves; the others follow it down
     /// the column, wrapping to the top. The middle row, so the first block has rows both ways;
@@ -172,8 +179,7 @@ impl KvShape {
     /// 32 blocks, and their queries' deliveries waited as before the split.
     pub(super) fn first_block_row(&self, rows: u64, band_rows: u64) -> u64 {
         let middle = rows / 2;
-        let per_copy = self.queries_per_copy().max(1);
-        let (upper, lower) = (per_copy / 2, per_copy - per_copy / 2);
+        let (upper, lower) = self.query_sides();
         let cells = self.block_cells(band_rows);
         match self.slices > 1 && upper > 0 && upper + cells + lower <= rows {
             true => middle.min(rows - cells - lower),
@@ -198,8 +204,7 @@ impl KvShape {
         let cells = self.block_cells(band_rows);
         let first_block = self.first_block_row(rows, band_rows);
         let (above, below) = (0..first_block, (first_block + cells).min(rows)..rows);
-        let upper = per_copy / 2;
-        let lower = per_copy - upper;
+        let (upper, lower) = self.query_sides();
         let split = upper > 0
             && first_block + cells <= rows
             && above.end - above.start >= upper
@@ -477,8 +482,8 @@ impl Stacked<'_> {
         let piece = kv.q_per_kv * kv.head_dim;
         // An output that feeds matvecs only is cut for them (`columns`), each KV head's segments
         // on rows of their own in the head's band, nearest its root block's row (the middle row,
-        // `KvShape::first_block_row`) first: the collects from the root leave north, south and west and run along
-        // those rows, side by side.
+        // `KvShape::first_block_row`) first: the collects from the root leave north, south and
+        // west and run along those rows, side by side.
         // Too fine a cut for the bands' colours is merged into whole query heads, each in its
         // first piece's column (Qwen3-30B-A3B: 32 pieces a band become its 8 heads).
         let most = MAX_ALIGNED_PER_BAND * kv.kv_heads;
@@ -588,10 +593,11 @@ impl Stacked<'_> {
         let mut row = if nth.is_multiple_of(2) { top } else { top + band.h as u64 - 1 };
         // A head cut in slices takes a multicast per query head and
         // slice, each along its query's row to its slice's columns:
-        // the queries spread over the band's rows, so those running
-        // past other slices' columns do not all share one row (from
-        // its top and bottom rows, 32 of the 70B's met at one PE
-        // and ran out of colours).
+        // each on a row of its own, half above the blocks and half
+        // below where the band has the rows (`KvShape::query_row`),
+        // so no two share a row's links and each column's carry
+        // half of them (from the band's top and bottom rows, 32 of
+        // the 70B's met at one PE and ran out of colours).
         let mut side = None;
         if let (Some(kv), HeadRole::Query(Some(q))) = (kv.filter(|kv| kv.slices > 1), role) {
             let per_copy = kv.queries_per_copy().max(1);
