@@ -200,7 +200,6 @@ impl KvShape {
     /// multicast down one column, 512 cycles of one link, and 607 cycles of its key's delivery
     /// waiting). Else they spread over all the rows.
     pub(super) fn query_row(&self, rows: u64, band_rows: u64, query: u64) -> (u64, Option<Range<u64>>) {
-        let per_copy = self.queries_per_copy().max(1);
         let spread =
             |side: &Range<u64>, nth: u64, of: u64| side.start + (side.end - side.start) * (2 * nth + 1) / (2 * of);
         let cells = self.block_cells(band_rows);
@@ -214,7 +213,7 @@ impl KvShape {
         match (split, query < upper) {
             (true, true) => (spread(&above, query, upper), Some(above)),
             (true, false) => (spread(&below, query - upper, lower), Some(below)),
-            (false, _) => (spread(&(0..rows), query % per_copy, per_copy), None),
+            (false, _) => (spread(&(0..rows), query, upper + lower), None),
         }
     }
 
