@@ -374,6 +374,65 @@ fn a_reader_in_place_overlaps_its_operands_delivery_and_a_receiver_waits_for_it(
     assert!(overlapped > 0, "the module has attentions");
 }
 
+/// A PE is held through the steps in which it computes, not those in which it only sends: when
+/// two chosen experts share a lane (`experts_per_lane`), the later one's matvec on the lane's
+/// PEs starts while the earlier one's collect is still on its way, never before the earlier
+/// one's tiles have computed. (Held through every step, as before, no such overlap happens.)
+#[test]
+fn lane_mates_overlap_where_the_earlier_one_only_sends() {
+    let shape = Shape { moe: Some((32, 4)), ffn: 256, bytes: false, ..Shape::moe() };
+    let module = build(&shape, 8);
+    let plan = Plan::Stacked {
+        layers_per_region: 1,
+        wafer_percent: 100,
+        kv_copies: 1,
+        experts_per_lane: 2,
+        kv_spread: 1,
+        kv_slices: 1,
+    };
+    let program = compile_with(&module, "grid:128x128", CompileOptions { max_context: 64, plan, ..Default::default() });
+    // Each expert matvec's tile PEs, sorted.
+    let tiles: Vec<(usize, Vec<waferc_ir::wafer::Pe>)> = program
+        .instrs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| match (&p.expert, &p.work) {
+            (Some(_), waferc_ir::wafer::Work::MatVec(mv)) => {
+                let mut pes: Vec<_> = mv.tiles.iter().map(|t| t.pe).collect();
+                pes.sort_unstable();
+                Some((i, pes))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut overlapped = 0;
+    for timing in timings(&program, &module, None, 16) {
+        // Per instruction that worked: its start, its Compute step's end and its end.
+        let mut ran: std::collections::HashMap<usize, (u64, u64, u64)> = Default::default();
+        for span in timing.spans.iter().filter(|s| s.duration_cycles > 0) {
+            let end = span.start_cycle + span.duration_cycles;
+            let (start, computed, last) = ran.entry(span.instr as usize).or_insert((span.start_cycle, 0, 0));
+            *start = (*start).min(span.start_cycle);
+            if span.phase == waferc_ir::wafer::Phase::Compute {
+                *computed = (*computed).max(end);
+            }
+            *last = (*last).max(end);
+        }
+        for (k, (a, a_pes)) in tiles.iter().enumerate() {
+            let Some(&(_, a_computed, a_end)) = ran.get(a) else { continue };
+            for (b, b_pes) in &tiles[k + 1..] {
+                let Some(&(b_start, ..)) = ran.get(b) else { continue };
+                if !b_pes.iter().any(|pe| a_pes.binary_search(pe).is_ok()) {
+                    continue;
+                }
+                assert!(b_start >= a_computed, "%{b} starts at {b_start}, before %{a}'s tiles are done ({a_computed})");
+                overlapped += usize::from(b_start < a_end);
+            }
+        }
+    }
+    assert!(overlapped > 0, "no lane-mate started while the one before it still sent");
+}
+
 /// The critical path splits each step exactly; the batched prefill grows with the prompt, beats
 /// feeding the prompt one decode step at a time, and needs the KV capacity.
 #[test]

@@ -510,7 +510,6 @@ impl<'p> Executor<'p> {
                 open,
                 ready,
                 &self.instr_pes[instr as usize][copy as usize],
-                &self.reads_in_place[instr as usize],
             );
         }
         let logits = self.output_logits(&state)?;

@@ -91,11 +91,20 @@
 //! own PEs have received both multicasts, which for an expert near the dispatch point is before
 //! the multicasts reach their farthest PE: `ir::wafer::arrival`; a reader that takes no part in
 //! an operand's `Deliver`, no delivery starting or ending on its PEs, waits only for the steps
-//! before it: `arrival::in_place_readers`) **and** when its PEs are free (a PE last held by
-//! such an operand is free once those steps end):
-//! instructions on disjoint PEs whose inputs are ready overlap (the q, k and v projections; the
-//! chosen experts), instructions sharing PEs run one after the other, and overlapping
-//! instructions contend for links as above. The decode step's cycles are the end of its last
+//! before it: `arrival::in_place_readers`) **and** when its PEs are free. A PE is held by an
+//! instruction through the steps in which it computes, not through those in which it only sends
+//! or forwards: *(assumed)* its router and its asynchronous fabric operations move a message
+//! while its core computes (the SDK's tasks fire on data arriving; wafer-facts.md, "How a PE
+//! works"). So a PE is free once the last step in which it computed ends: a matvec's leaf tile
+//! after the `Compute` step, an inner node of its reduction tree after the `Reduce`, a segment
+//! whose result is still being multicast once the step that made it ends. A second expert on a
+//! lane starts its gate/up as soon as the first's reduction has added up, while the first's
+//! collect is on its way. Reusing a PE early never reuses its bytes early: working buffers share
+//! SRAM only by the IR's dataflow (`ir::completion`), so an instruction whose buffers overlap
+//! another's reads a value that waits for that one's messages anyway. Instructions on disjoint
+//! PEs whose inputs are ready overlap (the q, k and v projections; the chosen experts),
+//! instructions computing on the same PEs run one after the other, and overlapping instructions
+//! contend for links as above. The decode step's cycles are the end of its last
 //! step. An unchosen expert takes no time, and an MoE combine's gather waits only for the
 //! farthest chosen expert's message, not for the farthest expert's. The combine starts when its
 //! last chosen expert is done, but each chosen expert's message leaves when its own output is
@@ -1079,10 +1088,10 @@ impl Timeline {
 
     /// Places an executed instruction's steps on the timeline: it starts at `ready` (its
     /// operands' end, and the instruction that ended last among them) or when its PEs are free,
-    /// whichever is later (a PE last held by a producer it reads in place, one of `in_place`, is free
-    /// once that producer's steps before its `Deliver` end); an unchosen expert
-    /// (`worked == false`) takes no time and occupies nothing.
-    #[allow(clippy::too_many_arguments)]
+    /// whichever is later, and holds each PE it computes on until the end of the last step in
+    /// which it does (module documentation, "The decode step's critical path"); an unchosen
+    /// expert (`worked == false`) takes no time and occupies nothing. `pes` are the PEs it may
+    /// compute on: every PE of a step's compute is one of them.
     pub(crate) fn finish_instr(
         &mut self,
         program: &WaferProgram,
@@ -1091,7 +1100,6 @@ impl Timeline {
         worked: bool,
         ready: (u64, Option<InstrIndex>),
         pes: &[Pe],
-        in_place: &[InstrIndex],
     ) {
         let orphan = run.take_orphan();
         if let Some(last) = run.work.last_mut() {
@@ -1103,7 +1111,6 @@ impl Timeline {
         if worked {
             for pe in pes {
                 if let Some((free, by)) = self.pe_free.get(*pe) {
-                    let free = if in_place.contains(&by) { self.instrs[by as usize].before_deliver } else { free };
                     if free > at {
                         (at, cause) = (free, Some(by));
                     }
@@ -1157,6 +1164,11 @@ impl Timeline {
                 routes: routes.len(),
             });
             at += duration;
+            if worked {
+                for &pe in compute.keys() {
+                    self.pe_free.set(pe, (at, run.instr));
+                }
+            }
             if step.phase != Phase::Deliver {
                 before_deliver = at;
             }
@@ -1174,11 +1186,6 @@ impl Timeline {
         self.instrs[run.instr as usize] =
             Placed { end: at, before_deliver, cause, spans: first_span..self.spans.len(), order: self.placed };
         self.placed += 1;
-        if worked {
-            for &pe in pes {
-                self.pe_free.set(pe, (at, run.instr));
-            }
-        }
     }
 
     pub(crate) fn into_step_timing(mut self, position: u32) -> StepTiming {
