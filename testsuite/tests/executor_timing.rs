@@ -433,6 +433,38 @@ fn lane_mates_overlap_where_the_earlier_one_only_sends() {
     assert!(overlapped > 0, "no lane-mate started while the one before it still sent");
 }
 
+/// A reader whose own PEs sit near a delivery's source starts once its copy has arrived, while
+/// the multicasts still travel to readers farther out (`arrival::reader_leads`: the MoE router
+/// beside the norm that feeds every expert), and never earlier: no later than the producer ends,
+/// and no sooner than the delivery's start plus the hops to its farthest PE along each route.
+#[test]
+fn a_reader_near_a_deliverys_source_starts_when_its_copy_arrives() {
+    let module = build(&Shape { bytes: false, moe: Some((8, 2)), ..Shape::moe() }, 23);
+    let program = compile_with(
+        &module,
+        "grid:48x48",
+        CompileOptions { max_context: 64, plan: Plan::stacked(1), ..CompileOptions::default() },
+    );
+    let leads = waferc_ir::wafer::arrival::reader_leads(&program, &module);
+    let timing = &timings(&program, &module, None, 1)[0];
+    let spans_of = |i: u32| timing.spans.iter().filter(move |s| s.instr == i && s.duration_cycles > 0);
+    let mut early = 0;
+    for &(reader, producer) in leads.keys() {
+        let Some(start) = spans_of(reader).map(|s| s.start_cycle).min() else { continue };
+        let end = spans_of(producer).map(|s| s.start_cycle + s.duration_cycles).max().unwrap();
+        let deliver = spans_of(producer).find(|s| s.phase == waferc_ir::wafer::Phase::Deliver).unwrap().start_cycle;
+        let pes = program.instrs[reader as usize].compute_pes();
+        for &id in &program.instrs[producer as usize].deliveries {
+            let (_, depth) =
+                waferc_ir::wafer::arrival::multicast_depths(&program.target, &program.routes[id as usize]).unwrap();
+            let farthest = depth.iter().filter(|(pe, _)| pes.contains(pe)).map(|(_, &d)| d).max().unwrap_or(0);
+            assert!(start >= deliver + farthest, "%{reader} starts at {start}, before route {id} reaches it");
+        }
+        early += usize::from(start < end);
+    }
+    assert!(early > 0, "no reader started before its producer's deliveries ended: {leads:?}");
+}
+
 /// The critical path splits each step exactly; the batched prefill grows with the prompt, beats
 /// feeding the prompt one decode step at a time, and needs the KV capacity.
 #[test]

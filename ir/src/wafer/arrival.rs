@@ -1,10 +1,12 @@
-//! When an MoE expert's inputs reach it. The layer's normed input and the router's decision
-//! are multicast to every expert's PEs; a multicast's cost is its latency to the farthest PE it
-//! reaches, but an expert near the source has its copy earlier. Per `expert_dispatch`, the
-//! *lead* of each input is how many cycles before the multicast's end its farthest PE of that
-//! expert receives it (the route's latency minus that PE's depth along the route's path), so a
-//! chosen expert starts when its own inputs have arrived: placement nearer the dispatch point
-//! shows in the modeled time. The timing model (`runtime::executor`) and the distance bound
+//! When a reader's inputs reach it. A multicast's cost is its latency to the farthest PE it
+//! reaches, but a reader near the source has its copy earlier. The *lead* of an input is how
+//! many cycles before the multicast's end the reader's farthest PE receives it (the route's
+//! latency minus that PE's depth along the route's path), so a reader starts when its own
+//! inputs have arrived, and placement nearer the source shows in the modeled time: per
+//! `expert_dispatch`, over the expert's PEs, for the layer's normed input and the router's
+//! decision, which are multicast to every expert ([`dispatch_leads`]); per other reader and
+//! producer, over the reader's PEs ([`reader_leads`]: the router beside the norm that feeds every
+//! lane). The timing model (`runtime::executor`) and the distance bound
 //! ([`super::distance_bound_cycles`]) take the leads from here, so the bound subtracts exactly
 //! what the model does.
 
@@ -51,6 +53,83 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
         let x_lead = producer.deliveries.iter().filter_map(|&id| lead(id, pes)).min().unwrap_or(0);
         let routing_lead = lead(*routing, pes).unwrap_or(0);
         leads.insert(placement.instr, (x_lead, routing_lead));
+    }
+    leads
+}
+
+/// Per reader and producer `(reader, producer)` (value indices; producers followed through
+/// slices), how many cycles before the producer's `Deliver` ends the reader's own PEs have the
+/// whole of its result they read: over the producer's deliveries that reach a PE of the reader,
+/// the least of each one's latency minus the depth of the reader's farthest PE along it
+/// ([`multicast_depths`]). A reader near the source (an MoE router beside the norm that feeds
+/// every lane) starts while the multicasts still travel to readers farther out. Only pairs
+/// with a lead are listed. Expert instructions are left out (their `expert_dispatch` has its
+/// own leads, [`dispatch_leads`]), as are replicated experts' copies, whose inputs come on
+/// routes of their own.
+///
+/// The lead never makes a reader start before its copy arrives: a delivery's message reaches a
+/// PE at depth `d` its latency minus `d` before the delivery ends, and every other delivery
+/// that reaches the reader ends no later than the last.
+pub fn reader_leads(program: &WaferProgram, module: &Module) -> HashMap<(InstrIndex, InstrIndex), u64> {
+    let source = producers(module);
+    let replicated = super::replica_slots(program);
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); module.body.len()];
+    for (handle, instr) in module.body.iter() {
+        let reader = handle.index();
+        let in_expert = program.instrs.get(reader).is_none_or(|p| p.expert.is_some());
+        if in_expert || matches!(instr.op, Op::ExpertDispatch { .. } | Op::Slice { .. }) {
+            continue;
+        }
+        for operand in instr.op.operands() {
+            let producer = source[operand.index()];
+            if !readers[producer].contains(&reader) {
+                readers[producer].push(reader);
+            }
+        }
+    }
+    // Membership of the reader's PEs by dense grid index: a delivery's path is checked PE by PE,
+    // and a matvec reader has a PE per tile.
+    let t = &program.target;
+    let index = |pe: &Pe| {
+        t.contains(*pe)
+            .then(|| (pe.wafer as usize * t.grid_rows as usize + pe.y as usize) * t.grid_cols as usize + pe.x as usize)
+    };
+    let mut marked = vec![false; t.wafers as usize * t.grid_rows as usize * t.grid_cols as usize];
+    let mut leads = HashMap::default();
+    for (producer, its_readers) in readers.iter().enumerate() {
+        let Some(made) = program.instrs.get(producer) else { continue };
+        if its_readers.is_empty() || made.deliveries.is_empty() || replicated.get(producer).is_some_and(Option::is_some)
+        {
+            continue;
+        }
+        let depths: Vec<Depths> = made
+            .deliveries
+            .iter()
+            .filter_map(|&id| program.routes.get(id as usize))
+            .filter_map(|route| multicast_depths(t, route).ok())
+            .collect();
+        // Per reader, the least lead over the deliveries reaching it.
+        let mut least: Vec<Option<u64>> = vec![None; its_readers.len()];
+        for (&reader, least) in its_readers.iter().zip(&mut least) {
+            let pes: Vec<usize> = program
+                .instrs
+                .get(reader)
+                .map_or_else(Vec::new, |p| p.compute_pes().iter().filter_map(index).collect());
+            pes.iter().for_each(|&i| marked[i] = true);
+            for (full, depth) in &depths {
+                let on_reader = |pe: &&Pe| index(pe).is_some_and(|i| marked[i]);
+                if let Some(farthest) = depth.iter().filter(|(pe, _)| on_reader(pe)).map(|(_, &d)| d).max() {
+                    let lead = full.saturating_sub(farthest);
+                    *least = Some(least.map_or(lead, |l| l.min(lead)));
+                }
+            }
+            pes.iter().for_each(|&i| marked[i] = false);
+        }
+        for (&reader, lead) in its_readers.iter().zip(least) {
+            if let Some(lead) = lead.filter(|&l| l > 0) {
+                leads.insert((reader as InstrIndex, producer as InstrIndex), lead);
+            }
+        }
     }
     leads
 }

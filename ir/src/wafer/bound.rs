@@ -18,11 +18,13 @@
 //! combine's gather spans only the chosen experts' senders. A chosen expert starts when its own
 //! PEs have the layer's input and the routing, which for an expert near the dispatch point is
 //! before the multicasts reach their farthest PE: its `expert_dispatch` ends its inputs' *leads*
-//! ([`super::arrival`]) before they do, the same leads the timing model subtracts.
+//! ([`super::arrival`]) before they do, the same leads the timing model subtracts. Any other
+//! reader reached by a delivery likewise starts its lead before the producer ends
+//! ([`super::arrival::reader_leads`]).
 
 use rustc_hash::FxHashMap as HashMap;
 
-use super::arrival::{dispatch_leads, multicast_depths};
+use super::arrival::{dispatch_leads, multicast_depths, reader_leads};
 use super::{InstrIndex, Pe, Phase, ResultLayout, Route, RouteId, RouteKind, WaferProgram, Work};
 use crate::dependency::DependencyGraph;
 use crate::module::Module;
@@ -53,6 +55,7 @@ pub fn distance_bound_ends(
     let mut senders = active_attention_sources(program, position);
     senders.extend(chosen_expert_senders(program, module, &expert_runs));
     let leads = dispatch_leads(program, module);
+    let reader_leads = reader_leads(program, module);
     let mut own = vec![0u64; program.instrs.len()];
     // Of which the `Deliver` steps': a reader in place does not wait for them.
     let mut delivering = vec![0u64; program.instrs.len()];
@@ -90,11 +93,14 @@ pub fn distance_bound_ends(
         }
         op => {
             let operands = op.operands();
-            let early = |o: &crate::Value| in_place[i].contains(&(source[o.index()] as InstrIndex));
-            operands.iter().any(early).then(|| {
-                let ready = |o: &crate::Value| match early(o) {
-                    true => end[source[o.index()]].saturating_sub(delivering[source[o.index()]]),
-                    false => end[o.index()],
+            let in_place = |o: &crate::Value| in_place[i].contains(&(source[o.index()] as InstrIndex));
+            let lead =
+                |o: &crate::Value| reader_leads.get(&(i as InstrIndex, source[o.index()] as InstrIndex)).copied();
+            operands.iter().any(|o| in_place(o) || lead(o).is_some()).then(|| {
+                let ready = |o: &crate::Value| match (in_place(o), lead(o)) {
+                    (true, _) => end[source[o.index()]].saturating_sub(delivering[source[o.index()]]),
+                    (false, Some(lead)) => end[source[o.index()]].saturating_sub(lead),
+                    (false, None) => end[o.index()],
                 };
                 operands.iter().map(ready).max().unwrap_or(0)
             })

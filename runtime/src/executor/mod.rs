@@ -156,6 +156,9 @@ pub struct Executor<'p> {
     /// Per `expert_dispatch`: how early its expert receives the input and the routing, before
     /// their multicasts end (`waferc_ir::wafer::arrival`).
     dispatch_leads: HashMap<InstrIndex, (u64, u64)>,
+    /// Per `(reader, producer)`: how early the reader's own PEs have the producer's result,
+    /// before its deliveries end (`waferc_ir::wafer::arrival::reader_leads`).
+    reader_leads: HashMap<(InstrIndex, InstrIndex), u64>,
     /// The PEs that compute each instruction (tiles, segments, KV blocks, the router), per copy
     /// (one unless the instruction belongs to a replicated expert).
     instr_pes: Vec<Vec<Vec<Pe>>>,
@@ -299,6 +302,7 @@ impl<'p> Executor<'p> {
         let copy_inputs = copy_inputs(program, &replica_slots);
         let reads_in_place = waferc_ir::wafer::arrival::in_place_readers(program, module);
         let dispatch_leads = waferc_ir::wafer::arrival::dispatch_leads(program, module);
+        let reader_leads = waferc_ir::wafer::arrival::reader_leads(program, module);
         let destinations = program
             .routes
             .iter()
@@ -328,6 +332,7 @@ impl<'p> Executor<'p> {
             alias_offset,
             gates,
             dispatch_leads,
+            reader_leads,
             instr_pes,
             segments_by_pe,
             replica_slots,
@@ -566,7 +571,10 @@ impl<'p> Executor<'p> {
             _ if self.reads_in_place[reader as usize].contains(&value) => {
                 (state.timeline.before_deliver(value), Some(value))
             }
-            _ => (state.timeline.instr_end(value), Some(value)),
+            _ => {
+                let lead = self.reader_leads.get(&(reader, value)).copied().unwrap_or(0);
+                (state.timeline.instr_end(value).saturating_sub(lead), Some(value))
+            }
         }
     }
 

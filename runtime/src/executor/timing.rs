@@ -89,8 +89,10 @@
 //! another. An instruction starts when all its operands' instructions have finished (their
 //! `Deliver` steps done; an expert's also waits for the router's decision, and starts when its
 //! own PEs have received both multicasts, which for an expert near the dispatch point is before
-//! the multicasts reach their farthest PE: `ir::wafer::arrival`; a reader that takes no part in
-//! an operand's `Deliver`, no delivery starting or ending on its PEs, waits only for the steps
+//! the multicasts reach their farthest PE: `ir::wafer::arrival`; any other reader likewise
+//! starts when the deliveries reaching its own PEs have reached the farthest of them, before
+//! they reach readers farther out: `arrival::reader_leads`; a reader that takes no part in an
+//! operand's `Deliver`, no delivery starting or ending on its PEs, waits only for the steps
 //! before it: `arrival::in_place_readers`) **and** when its PEs are free. A PE is held by an
 //! instruction through the steps in which it computes, not through those in which it only sends
 //! or forwards: *(assumed)* its router and its asynchronous fabric operations move a message
