@@ -345,7 +345,8 @@ fn the_distance_bound_holds_for_experts_when_distance_dominates() {
 
 /// An instruction that reads its operand where it lies (rope on the q/k/v projection's head
 /// segments) starts once the steps before the operand's `Deliver` end, while that `Deliver`
-/// (the values to the KV blocks) still runs; attention, which the `Deliver` feeds, waits for it.
+/// (the values to the KV blocks) still runs, but sends nothing before it ends; attention, which
+/// the `Deliver` feeds, waits for it.
 #[test]
 fn a_reader_in_place_overlaps_its_operands_delivery_and_a_receiver_waits_for_it() {
     // q, k and v fused into one projection, as the compile driver's `rewrite` pass does.
@@ -368,6 +369,9 @@ fn a_reader_in_place_overlaps_its_operands_delivery_and_a_receiver_waits_for_it(
         let rope_start = spans_of(q.index()).map(|s| s.start_cycle).min().unwrap();
         let attention_start = spans_of(handle.index()).map(|s| s.start_cycle).min().unwrap();
         assert_eq!(rope_start, deliver.start_cycle, "rope starts as the projection's Deliver does");
+        for sent in spans_of(q.index()).filter(|s| s.routes > 0) {
+            assert!(end(sent) > end(deliver), "rope sends while the projection's Deliver runs: {sent:?}");
+        }
         assert!(deliver.duration_cycles > 0 && attention_start >= end(deliver), "attention waits for the values");
         overlapped += 1;
     }
@@ -377,7 +381,9 @@ fn a_reader_in_place_overlaps_its_operands_delivery_and_a_receiver_waits_for_it(
 /// A PE is held through the steps in which it computes, not those in which it only sends: when
 /// two chosen experts share a lane (`experts_per_lane`), the later one's matvec on the lane's
 /// PEs starts while the earlier one's collect is still on its way, never before the earlier
-/// one's tiles have computed. (Held through every step, as before, no such overlap happens.)
+/// one's tiles have computed, and sends nothing before the earlier one's routes are over (their
+/// routes may share colours: `ir::wafer::serial`). (Held through every step, as before, no such
+/// overlap happens.)
 #[test]
 fn lane_mates_overlap_where_the_earlier_one_only_sends() {
     let shape = Shape { moe: Some((32, 4)), ffn: 256, bytes: false, ..Shape::moe() };
@@ -390,7 +396,10 @@ fn lane_mates_overlap_where_the_earlier_one_only_sends() {
         kv_spread: 1,
         kv_slices: 1,
     };
-    let program = compile_with(&module, "grid:128x128", CompileOptions { max_context: 64, plan, ..Default::default() });
+    let mut program =
+        compile_with(&module, "grid:128x128", CompileOptions { max_context: 64, plan, ..Default::default() });
+    // Slow hops: a collect outlasts the next expert's arithmetic, so sending early would show.
+    program.target.hop_latency_cycles *= 100;
     // Each expert matvec's tile PEs, sorted.
     let tiles: Vec<(usize, Vec<waferc_ir::wafer::Pe>)> = program
         .instrs
@@ -407,8 +416,10 @@ fn lane_mates_overlap_where_the_earlier_one_only_sends() {
         .collect();
     let mut overlapped = 0;
     for timing in timings(&program, &module, None, 16) {
-        // Per instruction that worked: its start, its Compute step's end and its end.
+        // Per instruction that worked: its start, its Compute step's end and its end; and the
+        // ends of its steps that sent.
         let mut ran: std::collections::HashMap<usize, (u64, u64, u64)> = Default::default();
+        let mut sent: std::collections::HashMap<usize, Vec<u64>> = Default::default();
         for span in timing.spans.iter().filter(|s| s.duration_cycles > 0) {
             let end = span.start_cycle + span.duration_cycles;
             let (start, computed, last) = ran.entry(span.instr as usize).or_insert((span.start_cycle, 0, 0));
@@ -417,6 +428,9 @@ fn lane_mates_overlap_where_the_earlier_one_only_sends() {
                 *computed = (*computed).max(end);
             }
             *last = (*last).max(end);
+            if span.routes > 0 {
+                sent.entry(span.instr as usize).or_default().push(end);
+            }
         }
         for (k, (a, a_pes)) in tiles.iter().enumerate() {
             let Some(&(_, a_computed, a_end)) = ran.get(a) else { continue };
@@ -426,6 +440,8 @@ fn lane_mates_overlap_where_the_earlier_one_only_sends() {
                     continue;
                 }
                 assert!(b_start >= a_computed, "%{b} starts at {b_start}, before %{a}'s tiles are done ({a_computed})");
+                let sends = sent.get(b).map_or(&[][..], Vec::as_slice);
+                assert!(sends.iter().all(|&end| end > a_end), "%{b} sends while %{a}'s routes run: {sends:?}, {a_end}");
                 overlapped += usize::from(b_start < a_end);
             }
         }
@@ -437,14 +453,17 @@ fn lane_mates_overlap_where_the_earlier_one_only_sends() {
 /// the multicasts still travel to readers farther out (`arrival::reader_leads`: the MoE router
 /// beside the norm that feeds every expert), and never earlier: no later than the producer ends,
 /// and no sooner than the delivery's start plus the hops to its farthest PE along each route.
+/// It sends nothing before the producer's routes are over (their colours may be shared).
 #[test]
 fn a_reader_near_a_deliverys_source_starts_when_its_copy_arrives() {
     let module = build(&Shape { bytes: false, moe: Some((8, 2)), ..Shape::moe() }, 23);
-    let program = compile_with(
+    let mut program = compile_with(
         &module,
         "grid:48x48",
         CompileOptions { max_context: 64, plan: Plan::stacked(1), ..CompileOptions::default() },
     );
+    // Slow hops: a delivery outlasts its near readers' arithmetic, so sending early would show.
+    program.target.hop_latency_cycles *= 100;
     let leads = waferc_ir::wafer::arrival::reader_leads(&program, &module);
     let timing = &timings(&program, &module, None, 1)[0];
     let spans_of = |i: u32| timing.spans.iter().filter(move |s| s.instr == i && s.duration_cycles > 0);
@@ -459,6 +478,12 @@ fn a_reader_near_a_deliverys_source_starts_when_its_copy_arrives() {
                 waferc_ir::wafer::arrival::multicast_depths(&program.target, &program.routes[id as usize]).unwrap();
             let farthest = depth.iter().filter(|(pe, _)| pes.contains(pe)).map(|(_, &d)| d).max().unwrap_or(0);
             assert!(start >= deliver + farthest, "%{reader} starts at {start}, before route {id} reaches it");
+        }
+        for span in spans_of(reader).filter(|s| s.routes > 0) {
+            assert!(
+                span.start_cycle + span.duration_cycles > end,
+                "%{reader} sends while %{producer} delivers: {span:?}"
+            );
         }
         early += usize::from(start < end);
     }

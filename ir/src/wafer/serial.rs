@@ -1,11 +1,11 @@
 //! Experts that share a PE never run at the same time.
 //!
 //! The executor's timing model starts an instruction on a PE only once the instruction that last
-//! computed there has ended, its routes' messages included (`executor::timing`: "instructions
-//! sharing PEs run one after the other"). Two experts of one MoE layer that share a lane
-//! (`Plan::Stacked::experts_per_lane`) share its PEs, so whichever order their tokens pick them
-//! in, every route of one is over before any route of the other begins, and their routes may
-//! share a colour on a PE as routes of ordered instructions do. The colouring and the checker
+//! computed there is done computing there, and lets it send only once that instruction's routes'
+//! messages are over (`executor::timing`, `Timeline::routes_clear`). Two experts of one MoE layer
+//! that share a lane (`Plan::Stacked::experts_per_lane`) share its PEs, so whichever order their
+//! tokens pick them in, every route of one is over before any route of the other begins, and
+//! their routes may share a colour on a PE as routes of ordered instructions do. The colouring and the checker
 //! both ask [`SharedPes::share`].
 //!
 //! Only experts are asked about: neither reads the other, and they are where the pairs are (a

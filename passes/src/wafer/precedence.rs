@@ -1,8 +1,9 @@
 //! Which instructions of a decode step are never active at the same time.
 //!
-//! Instruction `a` *precedes* `b` when `a` is a transitive operand of `b`: the executor starts an
-//! instruction only once its operands' instructions have finished (their deliveries included), so
-//! every step of `a`, and every message on its routes, is over before `b` begins. Routes of two
+//! Instruction `a` *precedes* `b` when `a` is a transitive operand of `b`: the executor lets an
+//! instruction send only once its operands' routes are over (their deliveries included; a reader
+//! may start computing on its own copy earlier, `executor::timing`, `Timeline::routes_clear`), so
+//! every message on `a`'s routes is over before any of `b`'s begins. Routes of two
 //! such instructions may share a colour on a PE (the router's configuration for that colour is
 //! switched between them); the colouring and the checker both ask this.
 //!

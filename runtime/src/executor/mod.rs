@@ -507,7 +507,8 @@ impl<'p> Executor<'p> {
             } else {
                 state.held[instr as usize] = Held::Absent;
             }
-            let ready = self.ready_cycle(&state, instr);
+            let ready =
+                timing::Ready { compute: self.ready_cycle(&state, instr), send: self.routes_after(&state, instr) };
             state.timeline.finish_instr(
                 self.program,
                 &self.costs,
@@ -546,6 +547,34 @@ impl<'p> Executor<'p> {
             }
         }
         ready
+    }
+
+    /// The cycle before which `instr` sends nothing: when the routes of its operands' producers
+    /// (through `slice` and `expert_dispatch`) are over, and those of everything their starts
+    /// skipped (`timing::Timeline::routes_clear`); and the instruction that sets it.
+    fn routes_after(&self, state: &StepState, instr: InstrIndex) -> (u64, Option<InstrIndex>) {
+        let mut after = (0, None);
+        let mut pending: Vec<InstrIndex> = self.module.body[waferc_ir::Handle::new(instr as usize)]
+            .op
+            .operands()
+            .iter()
+            .map(|o| o.index() as InstrIndex)
+            .collect();
+        while let Some(value) = pending.pop() {
+            match &self.module.body[waferc_ir::Handle::new(value as usize)].op {
+                Op::ExpertDispatch { x, routing, .. } => {
+                    pending.extend([x.index() as InstrIndex, routing.index() as InstrIndex])
+                }
+                Op::Slice { x, .. } => pending.push(x.index() as InstrIndex),
+                _ => {
+                    let clear = state.timeline.routes_clear(value);
+                    if after.1.is_none() || clear > after.0 {
+                        after = (clear, Some(value));
+                    }
+                }
+            }
+        }
+        after
     }
 
     /// When `value` is available to `reader`, and the instruction whose end that is: its

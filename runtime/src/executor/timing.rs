@@ -103,7 +103,14 @@
 //! lane starts its gate/up as soon as the first's reduction has added up, while the first's
 //! collect is on its way. Reusing a PE early never reuses its bytes early: working buffers share
 //! SRAM only by the IR's dataflow (`ir::completion`), so an instruction whose buffers overlap
-//! another's reads a value that waits for that one's messages anyway. Instructions on disjoint
+//! another's reads a value that waits for that one's messages anyway. But an instruction that
+//! starts before an operand's producer, or the last instruction on one of its PEs, has ended
+//! (a reader in place or near a delivery's source, a lane-mate) sends nothing until their routes
+//! are over, and those of whatever their own starts skipped (`Timeline::routes_clear`): the
+//! colouring lets routes of an instruction and of one it reads, or of experts sharing PEs, share
+//! a colour where they meet (`passes::wafer::precedence`, `ir::wafer::serial`), so their
+//! messages must not be on the fabric together. The wait counts as waiting (`waited_on`: that
+//! instruction). Instructions on disjoint
 //! PEs whose inputs are ready overlap (the q, k and v projections; the chosen experts),
 //! instructions computing on the same PEs run one after the other, and overlapping instructions
 //! contend for links as above. The decode step's cycles are the end of its last
@@ -870,6 +877,9 @@ struct Placed {
     end: u64,
     /// The end of its steps before its trailing `Deliver` steps (its end when it has none).
     before_deliver: u64,
+    /// When its routes, and those of every instruction whose end its start did not wait for,
+    /// are all over ([`Timeline::routes_clear`]).
+    clear: u64,
     /// The instruction whose end was this one's start (an operand's, or the last one on its PEs).
     cause: Option<InstrIndex>,
     /// Its spans in [`Timeline::spans`].
@@ -918,6 +928,16 @@ impl PeFree {
     }
 }
 
+/// When an instruction may begin, from its operands (each with the instruction that set it).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ready {
+    /// When its operands have reached its PEs.
+    pub(crate) compute: (u64, Option<InstrIndex>),
+    /// When the routes its operands' producers may share colours with its own are over
+    /// ([`Timeline::routes_clear`]): it sends nothing before.
+    pub(crate) send: (u64, Option<InstrIndex>),
+}
+
 /// The decode step's schedule as it runs: when each instruction ends, when each PE and link is
 /// free.
 pub(crate) struct Timeline {
@@ -960,6 +980,16 @@ impl Timeline {
 
     pub(crate) fn instr_end(&self, instr: InstrIndex) -> u64 {
         self.instrs[instr as usize].end
+    }
+
+    /// When `instr`'s routes are over, and so are those of every instruction whose end its
+    /// start did not wait for (a producer it read before the producer's deliveries ended, a
+    /// lane-mate whose PEs it took once they had computed). A later instruction that starts
+    /// before this instruction ends sends nothing before then: routes of instructions the
+    /// colouring orders (one an operand of the other, or experts sharing PEs) may share a
+    /// colour where they meet, so one's messages must be over before the other's begin.
+    pub(crate) fn routes_clear(&self, instr: InstrIndex) -> u64 {
+        self.instrs[instr as usize].clear
     }
 
     /// When `instr`'s steps before its `Deliver` ended: what a reader that takes no part in
@@ -1014,6 +1044,7 @@ impl Timeline {
         instr: InstrIndex,
         sent: &StepWork,
         comm_start: u64,
+        floor: (u64, Option<InstrIndex>),
     ) -> (u64, u64, Option<InstrIndex>) {
         let (routes, senders, carried) = (&sent.routes, &sent.senders, &sent.carried);
         // Per destination PE of the reductions and broadcasts so far, the latest end with
@@ -1029,8 +1060,9 @@ impl Timeline {
             ready.push(s.ready);
         }
         let (mut end, mut free_end) = (comm_start, comm_start);
-        // The longest wait of a route for a busy link, and who held that link.
-        let mut longest: Option<(u64, InstrIndex)> = None;
+        // The longest wait of a route for a busy link (or for `floor`), and who held it.
+        let mut longest: Option<(u64, InstrIndex)> =
+            floor.1.filter(|_| floor.0 > comm_start).map(|by| (floor.0 - comm_start, by));
         for &(id, messages) in routes {
             let route = &program.routes[id as usize];
             let carried = carried.iter().find(|(r, _)| *r == id).map(|&(_, elements)| elements);
@@ -1044,7 +1076,7 @@ impl Timeline {
             };
             let farthest = received.is_some();
             let collective = matches!(route.kind, RouteKind::Reduce { .. } | RouteKind::Statistic { .. });
-            let (mut after, mut after_free) = (comm_start, comm_start);
+            let (mut after, mut after_free) = (comm_start.max(floor.0), comm_start);
             if collective {
                 for pe in &route.sources {
                     if let Some(&(e, f)) = collective_ends.get(pe) {
@@ -1088,9 +1120,10 @@ impl Timeline {
         (free_end - comm_start, wait, longest.filter(|_| wait > 0).map(|(_, holder)| holder))
     }
 
-    /// Places an executed instruction's steps on the timeline: it starts at `ready` (its
-    /// operands' end, and the instruction that ended last among them) or when its PEs are free,
-    /// whichever is later, and holds each PE it computes on until the end of the last step in
+    /// Places an executed instruction's steps on the timeline: it starts at `ready.compute` (its
+    /// operands' arrival, and the instruction that ended last among them) or when its PEs are
+    /// free, whichever is later, and sends from `ready.send` on (or once the last instructions on
+    /// its PEs have no routes left, if later), and holds each PE it computes on until the end of the last step in
     /// which it does (module documentation, "The decode step's critical path"); an unchosen
     /// expert (`worked == false`) takes no time and occupies nothing. `pes` are the PEs it may
     /// compute on: every PE of a step's compute is one of them.
@@ -1100,7 +1133,7 @@ impl Timeline {
         costs: &CostModel,
         run: &mut InstrRun,
         worked: bool,
-        ready: (u64, Option<InstrIndex>),
+        ready: Ready,
         pes: &[Pe],
     ) {
         let orphan = run.take_orphan();
@@ -1109,12 +1142,17 @@ impl Timeline {
                 *last.compute.entry(pe).or_insert(0) += cycles;
             }
         }
-        let (mut at, mut cause) = ready;
+        let (mut at, mut cause) = ready.compute;
+        let mut floor = ready.send;
         if worked {
             for pe in pes {
                 if let Some((free, by)) = self.pe_free.get(*pe) {
                     if free > at {
                         (at, cause) = (free, Some(by));
+                    }
+                    let clear = self.instrs[by as usize].clear;
+                    if clear > floor.0 {
+                        floor = (clear, Some(by));
                     }
                 }
             }
@@ -1144,7 +1182,7 @@ impl Timeline {
                 (true, false) => compute.iter().map(busy).max().unwrap_or(0),
             };
             let (comm_cycles, wait_cycles, waited_on) = match worked && !routes.is_empty() {
-                true => self.communicate(program, costs, run.instr, work, at + compute_cycles),
+                true => self.communicate(program, costs, run.instr, work, at + compute_cycles, floor),
                 false => (0, 0, None),
             };
             let duration = compute_cycles + comm_cycles + wait_cycles;
@@ -1185,8 +1223,9 @@ impl Timeline {
                 self.active_senders.extend(work.senders.iter().map(|s| (s.route, s.pe)));
             }
         }
+        let clear = at.max(if worked { floor.0 } else { 0 });
         self.instrs[run.instr as usize] =
-            Placed { end: at, before_deliver, cause, spans: first_span..self.spans.len(), order: self.placed };
+            Placed { end: at, before_deliver, clear, cause, spans: first_span..self.spans.len(), order: self.placed };
         self.placed += 1;
     }
 
