@@ -189,9 +189,11 @@ fn overlapping_reductions_on_shared_links_wait_and_disjoint_ones_do_not() {
     assert_eq!(a_shared.waited_on, None);
     assert_eq!(b_shared.comm_cycles, b.comm_cycles, "the route itself costs the same");
     assert!(shared.cycles > disjoint.cycles, "{} > {}", shared.cycles, disjoint.cycles);
-    // 64 bytes at the grid's link rate: b waits exactly a's serialisation on the shared links.
+    // 64 bytes at the grid's link rate: b's route starts exactly when a's serialisation on the
+    // shared links ends (each starts when its own tiles have the embedding: `reader_leads`).
     let link = Target::grid(2, 16).params().link_bytes_per_cycle as u64;
-    assert_eq!(b_shared.wait_cycles, 64u64.div_ceil(link));
+    let route_start = |s: &StepSpan| s.start_cycle + s.compute_cycles + s.wait_cycles;
+    assert_eq!(route_start(b_shared), route_start(a_shared) + 64u64.div_ceil(link));
     // The critical path adds up to the step, compute + communication + waiting.
     for timing in [&shared, &disjoint] {
         assert_eq!(timing.layers.iter().map(|l| l.cycles).sum::<u64>(), timing.cycles);

@@ -388,14 +388,7 @@ fn a_reader_in_place_overlaps_its_operands_delivery_and_a_receiver_waits_for_it(
 fn lane_mates_overlap_where_the_earlier_one_only_sends() {
     let shape = Shape { moe: Some((32, 4)), ffn: 256, bytes: false, ..Shape::moe() };
     let module = build(&shape, 8);
-    let plan = Plan::Stacked {
-        layers_per_region: 1,
-        wafer_percent: 100,
-        kv_copies: 1,
-        experts_per_lane: 2,
-        kv_spread: 1,
-        kv_slices: 1,
-    };
+    let plan: Plan = "stacked:1,100,share2".parse().unwrap();
     let mut program =
         compile_with(&module, "grid:128x128", CompileOptions { max_context: 64, plan, ..Default::default() });
     // Slow hops: a collect outlasts the next expert's arithmetic, so sending early would show.
