@@ -110,11 +110,10 @@
 //! colouring lets routes of an instruction and of one it reads, or of experts sharing PEs, share
 //! a colour where they meet (`passes::wafer::precedence`, `ir::wafer::serial`), so their
 //! messages must not be on the fabric together. The wait counts as waiting (`waited_on`: that
-//! instruction). Instructions on disjoint
-//! PEs whose inputs are ready overlap (the q, k and v projections; the chosen experts),
-//! instructions computing on the same PEs run one after the other, and overlapping instructions
-//! contend for links as above. The decode step's cycles are the end of its last
-//! step. An unchosen expert takes no time, and an MoE combine's gather waits only for the
+//! instruction). Instructions on disjoint PEs whose inputs are ready overlap (the q, k and v
+//! projections; the chosen experts), instructions computing on the same PEs run one after the
+//! other, and overlapping instructions contend for links as above. The decode step's cycles are
+//! the end of its last step. An unchosen expert takes no time, and an MoE combine's gather waits only for the
 //! farthest chosen expert's message, not for the farthest expert's. The combine starts when its
 //! last chosen expert is done, but each chosen expert's message leaves when its own output is
 //! (`CostModel::pipelined_collect`): it arrives the farthest chosen expert's latency
