@@ -5,8 +5,8 @@
 //! messages are over (`executor::timing`, `Timeline::routes_clear`). Two experts of one MoE layer
 //! that share a lane (`Plan::Stacked::experts_per_lane`) share its PEs, so whichever order their
 //! tokens pick them in, every route of one is over before any route of the other begins, and
-//! their routes may share a colour on a PE as routes of ordered instructions do. The colouring and the checker
-//! both ask [`SharedPes::share`].
+//! their routes may share a colour on a PE as routes of ordered instructions do. The colouring
+//! and the checker both ask [`SharedPes::share`].
 //!
 //! Only experts are asked about: neither reads the other, and they are where the pairs are (a
 //! lane of eight experts of 128 in a layer). A program with expert copies is left out: a copy

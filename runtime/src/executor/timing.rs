@@ -113,8 +113,8 @@
 //! instruction). Instructions on disjoint PEs whose inputs are ready overlap (the q, k and v
 //! projections; the chosen experts), instructions computing on the same PEs run one after the
 //! other, and overlapping instructions contend for links as above. The decode step's cycles are
-//! the end of its last step. An unchosen expert takes no time, and an MoE combine's gather waits only for the
-//! farthest chosen expert's message, not for the farthest expert's. The combine starts when its
+//! the end of its last step. An unchosen expert takes no time, and an MoE combine's gather waits
+//! only for the farthest chosen expert's message, not for the farthest expert's. The combine starts when its
 //! last chosen expert is done, but each chosen expert's message leaves when its own output is
 //! (`CostModel::pipelined_collect`): it arrives the farthest chosen expert's latency
 //! later, and the messages queue one after another on the route's slowest link in arrival
