@@ -71,22 +71,16 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
 /// PE at depth `d` its latency minus `d` before the delivery ends, and every other delivery
 /// that reaches the reader ends no later than the last.
 pub fn reader_leads(program: &WaferProgram, module: &Module) -> HashMap<(InstrIndex, InstrIndex), u64> {
-    let source = producers(module);
     let replicated = super::replica_slots(program);
-    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); module.body.len()];
-    for (handle, instr) in module.body.iter() {
-        let reader = handle.index();
-        let in_expert = program.instrs.get(reader).is_none_or(|p| p.expert.is_some());
-        if in_expert || matches!(instr.op, Op::ExpertDispatch { .. } | Op::Slice { .. }) {
-            continue;
-        }
-        for operand in instr.op.operands() {
-            let producer = source[operand.index()];
-            if !readers[producer].contains(&reader) {
-                readers[producer].push(reader);
-            }
-        }
-    }
+    // Readers through slices, expert instructions left out.
+    let readers: Vec<Vec<usize>> = crate::dependency::DataReaders::new(module)
+        .readers
+        .into_iter()
+        .map(|list| {
+            let in_expert = |r: usize| program.instrs.get(r).is_none_or(|p| p.expert.is_some());
+            list.into_iter().map(|r| r as usize).filter(|&r| !in_expert(r)).collect()
+        })
+        .collect();
     // Membership of the reader's PEs by dense grid index: a delivery's path is checked PE by PE,
     // and a matvec reader has a PE per tile.
     let t = &program.target;
