@@ -591,6 +591,12 @@ impl Stacked<'_> {
     /// two segments' gathers share a link (on fresh PEs down one column, every gather queued on
     /// that column's links); on a fresh PE where there is no such column. Each segment also
     /// holds the `top_k` chosen experts' parts of it and their weights.
+    ///
+    /// The segments are [`vector_cut`]'s (at most [`MAX_SEGMENTS`]), although a segment's gather
+    /// is bound by its PE's ramp (Qwen3-30B-A3B: 8 x 128 elements, 1,142 cycles of its 11.7k a
+    /// layer): each gather reaches every lane, so they all meet near the centre, and twice as
+    /// many (64 elements each) ran out of colours there (31 of the combine's collects on one
+    /// router of `stacked:2,100,kv8,share8`'s layer 44).
     fn combine_layout(&mut self, i: usize, unit: usize, top_k: u64, len: u64) -> Result<VectorLayout, WaferError> {
         let area = self.region(unit).area;
         let segments = super::size::segments(len, vector_cut(len));
