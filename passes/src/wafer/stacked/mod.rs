@@ -596,7 +596,8 @@ impl Stacked<'_> {
     /// is bound by its PE's ramp (Qwen3-30B-A3B: 8 x 128 elements, 1,142 cycles of its 11.7k a
     /// layer): each gather reaches every lane, so they all meet near the centre, and twice as
     /// many (64 elements each) ran out of colours there (31 of the combine's collects on one
-    /// router of `stacked:2,100,kv8,share8`'s layer 44).
+    /// router of `stacked:2,100,kv8,share8`'s layer 44; Mixtral's 8 experts too, with each
+    /// half segment beside its residual segment).
     fn combine_layout(&mut self, i: usize, unit: usize, top_k: u64, len: u64) -> Result<VectorLayout, WaferError> {
         let area = self.region(unit).area;
         let segments = super::size::segments(len, vector_cut(len));
