@@ -457,7 +457,8 @@ fn a_reader_near_a_deliverys_source_starts_when_its_copy_arrives() {
     );
     // Slow hops: a delivery outlasts its near readers' arithmetic, so sending early would show.
     program.target.hop_latency_cycles *= 100;
-    let leads = waferc_ir::wafer::arrival::reader_leads(&program, &module);
+    let pes = waferc_ir::wafer::arrival::compute_pes_by_instr(&program);
+    let leads = waferc_ir::wafer::arrival::reader_leads(&program, &module, &pes);
     let timing = &timings(&program, &module, None, 1)[0];
     let spans_of = |i: u32| timing.spans.iter().filter(move |s| s.instr == i && s.duration_cycles > 0);
     let mut early = 0;
@@ -465,11 +466,11 @@ fn a_reader_near_a_deliverys_source_starts_when_its_copy_arrives() {
         let Some(start) = spans_of(reader).map(|s| s.start_cycle).min() else { continue };
         let end = spans_of(producer).map(|s| s.start_cycle + s.duration_cycles).max().unwrap();
         let deliver = spans_of(producer).find(|s| s.phase == waferc_ir::wafer::Phase::Deliver).unwrap().start_cycle;
-        let pes = program.instrs[reader as usize].compute_pes();
+        let reader_pes = &pes[reader as usize];
         for &id in &program.instrs[producer as usize].deliveries {
             let (_, depth) =
                 waferc_ir::wafer::arrival::multicast_depths(&program.target, &program.routes[id as usize]).unwrap();
-            let farthest = depth.iter().filter(|(pe, _)| pes.contains(pe)).map(|(_, &d)| d).max().unwrap_or(0);
+            let farthest = depth.iter().filter(|(pe, _)| reader_pes.contains(pe)).map(|(_, &d)| d).max().unwrap_or(0);
             assert!(start >= deliver + farthest, "%{reader} starts at {start}, before route {id} reaches it");
         }
         for span in spans_of(reader).filter(|s| s.routes > 0) {

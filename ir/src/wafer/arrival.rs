@@ -16,8 +16,16 @@ use super::{InstrIndex, InstrPlacement, Pe, ResultLayout, Route, RouteId, Target
 use crate::module::Module;
 use crate::op::Op;
 
-/// Per `expert_dispatch` instruction: `(lead of x, lead of the routing)` in cycles.
-pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrIndex, (u64, u64)> {
+/// Every instruction's [`InstrPlacement::compute_pes`], by instruction index. The analyses here
+/// take it from their caller, which builds it once: a matvec's list has a PE per tile (about
+/// 100,000 on the 8B), sorted, and the executor built it three times.
+pub fn compute_pes_by_instr(program: &WaferProgram) -> Vec<Vec<Pe>> {
+    program.instrs.iter().map(InstrPlacement::compute_pes).collect()
+}
+
+/// Per `expert_dispatch` instruction: `(lead of x, lead of the routing)` in cycles. `pes` is
+/// [`compute_pes_by_instr`].
+pub fn dispatch_leads(program: &WaferProgram, module: &Module, pes: &[Vec<Pe>]) -> HashMap<InstrIndex, (u64, u64)> {
     // The instruction whose deliveries carry each value (`expert_dispatch` and `slice` alias
     // their `x`).
     let mut alias: Vec<usize> = Vec::with_capacity(module.body.len());
@@ -29,9 +37,9 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
     }
     // The PEs of each (layer, expert).
     let mut expert_pes: HashMap<(Option<u32>, u32), Vec<Pe>> = HashMap::default();
-    for placement in &program.instrs {
+    for (placement, its_pes) in program.instrs.iter().zip(pes) {
         if let Some(expert) = placement.expert {
-            expert_pes.entry((placement.layer, expert)).or_default().extend(placement.compute_pes());
+            expert_pes.entry((placement.layer, expert)).or_default().extend_from_slice(its_pes);
         }
     }
     let mut depths: HashMap<RouteId, Option<Depths>> = HashMap::default();
@@ -65,12 +73,16 @@ pub fn dispatch_leads(program: &WaferProgram, module: &Module) -> HashMap<InstrI
 /// every lane) starts while the multicasts still travel to readers farther out. Only pairs
 /// with a lead are listed. Expert instructions are left out (their `expert_dispatch` has its
 /// own leads, [`dispatch_leads`]), as are replicated experts' copies, whose inputs come on
-/// routes of their own.
+/// routes of their own. `pes` is [`compute_pes_by_instr`].
 ///
 /// The lead never makes a reader start before its copy arrives: a delivery's message reaches a
 /// PE at depth `d` its latency minus `d` before the delivery ends, and every other delivery
 /// that reaches the reader ends no later than the last.
-pub fn reader_leads(program: &WaferProgram, module: &Module) -> HashMap<(InstrIndex, InstrIndex), u64> {
+pub fn reader_leads(
+    program: &WaferProgram,
+    module: &Module,
+    pes: &[Vec<Pe>],
+) -> HashMap<(InstrIndex, InstrIndex), u64> {
     let replicated = super::replica_slots(program);
     // Readers through slices, expert instructions left out.
     let readers: Vec<Vec<usize>> = crate::dependency::DataReaders::new(module)
@@ -83,12 +95,9 @@ pub fn reader_leads(program: &WaferProgram, module: &Module) -> HashMap<(InstrIn
         .collect();
     // Membership of the reader's PEs by dense grid index: a delivery's path is checked PE by PE,
     // and a matvec reader has a PE per tile.
-    let t = &program.target;
-    let index = |pe: &Pe| {
-        t.contains(*pe)
-            .then(|| (pe.wafer as usize * t.grid_rows as usize + pe.y as usize) * t.grid_cols as usize + pe.x as usize)
-    };
-    let mut marked = vec![false; t.wafers as usize * t.grid_rows as usize * t.grid_cols as usize];
+    let grid = Grid::of(&program.target);
+    let mut marked = vec![false; grid.len()];
+    let mut depths = DenseDepths::new(grid);
     let mut leads = HashMap::default();
     for (producer, its_readers) in readers.iter().enumerate() {
         let Some(made) = program.instrs.get(producer) else { continue };
@@ -96,28 +105,26 @@ pub fn reader_leads(program: &WaferProgram, module: &Module) -> HashMap<(InstrIn
         {
             continue;
         }
-        let depths: Vec<Depths> = made
+        // Per delivery, its latency and the depth of each grid PE its path reaches.
+        let reached: Vec<(u64, Vec<(usize, u64)>)> = made
             .deliveries
             .iter()
             .filter_map(|&id| program.routes.get(id as usize))
-            .filter_map(|route| multicast_depths(t, route).ok())
+            .filter_map(|route| depths.reached(&program.target, route))
             .collect();
         // Per reader, the least lead over the deliveries reaching it.
         let mut least: Vec<Option<u64>> = vec![None; its_readers.len()];
         for (&reader, least) in its_readers.iter().zip(&mut least) {
-            let pes: Vec<usize> = program
-                .instrs
-                .get(reader)
-                .map_or_else(Vec::new, |p| p.compute_pes().iter().filter_map(index).collect());
-            pes.iter().for_each(|&i| marked[i] = true);
-            for (full, depth) in &depths {
-                let on_reader = |pe: &&Pe| index(pe).is_some_and(|i| marked[i]);
-                if let Some(farthest) = depth.iter().filter(|(pe, _)| on_reader(pe)).map(|(_, &d)| d).max() {
+            let on: Vec<usize> =
+                pes.get(reader).map_or_else(Vec::new, |p| p.iter().filter_map(|pe| grid.index(pe)).collect());
+            on.iter().for_each(|&i| marked[i] = true);
+            for (full, depth) in &reached {
+                if let Some(farthest) = depth.iter().filter(|(i, _)| marked[*i]).map(|&(_, d)| d).max() {
                     let lead = full.saturating_sub(farthest);
                     *least = Some(least.map_or(lead, |l| l.min(lead)));
                 }
             }
-            pes.iter().for_each(|&i| marked[i] = false);
+            on.iter().for_each(|&i| marked[i] = false);
         }
         for (&reader, lead) in its_readers.iter().zip(least) {
             if let Some(lead) = lead.filter(|&l| l > 0) {
@@ -128,6 +135,101 @@ pub fn reader_leads(program: &WaferProgram, module: &Module) -> HashMap<(InstrIn
     leads
 }
 
+/// Dense grid indices of a target's PEs.
+#[derive(Clone, Copy)]
+struct Grid {
+    cols: usize,
+    rows: usize,
+    wafers: usize,
+}
+
+impl Grid {
+    fn of(t: &TargetParams) -> Grid {
+        Grid { cols: t.grid_cols as usize, rows: t.grid_rows as usize, wafers: t.wafers as usize }
+    }
+
+    fn len(&self) -> usize {
+        self.wafers * self.rows * self.cols
+    }
+
+    /// `None` for a PE off the grid.
+    fn index(&self, pe: &Pe) -> Option<usize> {
+        let (w, x, y) = (pe.wafer as usize, pe.x as usize, pe.y as usize);
+        (w < self.wafers && x < self.cols && y < self.rows).then(|| (w * self.rows + y) * self.cols + x)
+    }
+}
+
+/// [`multicast_depths`] on a dense grid, for the many deliveries [`reader_leads`] walks: one
+/// array for all of them and a list of the PEs each set, instead of a hash map per delivery.
+struct DenseDepths {
+    grid: Grid,
+    /// Per grid PE, the cycle the message reaches it (`u64::MAX`: not yet).
+    depth: Vec<u64>,
+    /// The grid PEs set so far, each once.
+    touched: Vec<usize>,
+    /// PEs off the grid (none in a checked program) that a run may still start from.
+    outside: HashMap<Pe, u64>,
+}
+
+impl DenseDepths {
+    fn new(grid: Grid) -> DenseDepths {
+        DenseDepths { grid, depth: vec![u64::MAX; grid.len()], touched: Vec::new(), outside: HashMap::default() }
+    }
+
+    fn get(&self, pe: &Pe) -> Option<u64> {
+        match self.grid.index(pe) {
+            Some(i) => Some(self.depth[i]).filter(|&d| d != u64::MAX),
+            None => self.outside.get(pe).copied(),
+        }
+    }
+
+    /// Lowers `pe`'s depth to `cycle`.
+    fn reach(&mut self, pe: &Pe, cycle: u64) {
+        match self.grid.index(pe) {
+            Some(i) => {
+                if self.depth[i] == u64::MAX {
+                    self.touched.push(i);
+                }
+                self.depth[i] = self.depth[i].min(cycle);
+            }
+            None => {
+                self.outside.entry(*pe).and_modify(|d| *d = (*d).min(cycle)).or_insert(cycle);
+            }
+        }
+    }
+
+    /// `route`'s latency and the depth of each grid PE its path reaches, as
+    /// [`multicast_depths`] gives them (`None` where that fails), in the order first reached.
+    fn reached(&mut self, params: &TargetParams, route: &Route) -> Option<(u64, Vec<(usize, u64)>)> {
+        route.sources.iter().for_each(|pe| self.reach(pe, 0));
+        let mut full = Some(0);
+        for run in &route.path {
+            let Some(start) = self.get(&run.from) else {
+                full = None;
+                break;
+            };
+            let mut end = start;
+            if run.is_inter_wafer() {
+                end += params.inter_wafer_latency_cycles;
+                self.reach(&run.to, end);
+            } else {
+                for (k, (_, pe)) in run.hops().enumerate() {
+                    end = start + (k as u64 + 1) * params.hop_latency_cycles as u64;
+                    self.reach(&pe, end);
+                }
+            }
+            full = full.map(|f: u64| f.max(end));
+        }
+        let reached = full.map(|full| (full, self.touched.iter().map(|&i| (i, self.depth[i])).collect()));
+        for &i in &self.touched {
+            self.depth[i] = u64::MAX;
+        }
+        self.touched.clear();
+        self.outside.clear();
+        reached
+    }
+}
+
 /// Per reader (by value index), the producers it reads in place: those whose deliveries (the
 /// routes of their `Deliver` step) it takes no part in. No delivery starts or ends on a PE of
 /// the reader, so the part
@@ -136,19 +238,18 @@ pub fn reader_leads(program: &WaferProgram, module: &Module) -> HashMap<(InstrIn
 /// reader then, and the distance bound ([`super::distance_bound_ends`]) likewise. Producers are
 /// followed through slices; readers that compute nothing (`expert_dispatch`, `slice`) and
 /// replicated experts' instructions (whose copies get inputs on routes of their own) are left
-/// out.
-pub fn in_place_readers(program: &WaferProgram, module: &Module) -> Vec<Vec<InstrIndex>> {
+/// out. `pes` is [`compute_pes_by_instr`].
+pub fn in_place_readers(program: &WaferProgram, module: &Module, pes: &[Vec<Pe>]) -> Vec<Vec<InstrIndex>> {
     let source = producers(module);
     let replicated = super::replica_slots(program);
     let mut in_place = vec![Vec::new(); module.body.len()];
     for (handle, instr) in module.body.iter() {
         let reader = handle.index();
-        let Some(placement) = program.instrs.get(reader) else { continue };
+        let Some(pes) = pes.get(reader) else { continue };
         if replicated.get(reader).is_some_and(Option::is_some) {
             continue;
         }
         // Sorted.
-        let pes = placement.compute_pes();
         if pes.is_empty() {
             continue;
         }

@@ -24,7 +24,7 @@
 
 use rustc_hash::FxHashMap as HashMap;
 
-use super::arrival::{dispatch_leads, multicast_depths, reader_leads};
+use super::arrival::{compute_pes_by_instr, dispatch_leads, multicast_depths, reader_leads};
 use super::{InstrIndex, Pe, Phase, ResultLayout, Route, RouteId, RouteKind, WaferProgram, Work};
 use crate::dependency::DependencyGraph;
 use crate::module::Module;
@@ -54,8 +54,9 @@ pub fn distance_bound_ends(
 ) -> Vec<u64> {
     let mut senders = active_attention_sources(program, position);
     senders.extend(chosen_expert_senders(program, module, &expert_runs));
-    let leads = dispatch_leads(program, module);
-    let reader_leads = reader_leads(program, module);
+    let pes = compute_pes_by_instr(program);
+    let leads = dispatch_leads(program, module, &pes);
+    let reader_leads = reader_leads(program, module, &pes);
     let mut own = vec![0u64; program.instrs.len()];
     // Of which the `Deliver` steps': a reader in place does not wait for them.
     let mut delivering = vec![0u64; program.instrs.len()];
@@ -71,7 +72,7 @@ pub fn distance_bound_ends(
             delivering[step.instr as usize] += span.unwrap_or(0);
         }
     }
-    let in_place = super::arrival::in_place_readers(program, module);
+    let in_place = super::arrival::in_place_readers(program, module, &pes);
     let source = super::arrival::producers(module);
     let runs = |i: usize| match (&module.body[Handle::new(i)].op, program.instrs.get(i)) {
         (Op::ExpertDispatch { .. }, _) => true,

@@ -44,7 +44,7 @@ mod validate;
 use rustc_hash::FxHashMap as HashMap;
 use std::ops::Range;
 
-use waferc_ir::wafer::{InstrIndex, InstrPlacement, Pe, ResultLayout, RouteId, RouteKind, WaferProgram, Work};
+use waferc_ir::wafer::{arrival, InstrIndex, InstrPlacement, Pe, ResultLayout, RouteId, RouteKind, WaferProgram, Work};
 use waferc_ir::{Module, Op};
 
 use crate::kernels::{self, Routing};
@@ -293,16 +293,23 @@ impl<'p> Executor<'p> {
             })
             .collect();
         let replica_slots = waferc_ir::wafer::replica_slots(program);
-        let instr_pes: Vec<Vec<Vec<Pe>>> = (0..program.instrs.len() as InstrIndex)
-            .map(|i| program.placements_of(&replica_slots, i).map(|p| p.compute_pes()).collect())
+        let own_pes = arrival::compute_pes_by_instr(program);
+        let reads_in_place = arrival::in_place_readers(program, module, &own_pes);
+        let dispatch_leads = arrival::dispatch_leads(program, module, &own_pes);
+        let reader_leads = arrival::reader_leads(program, module, &own_pes);
+        // Each instruction's PEs, then each copy's.
+        let instr_pes: Vec<Vec<Vec<Pe>>> = own_pes
+            .into_iter()
+            .enumerate()
+            .map(|(i, own)| {
+                let copies = program.placements_of(&replica_slots, i as InstrIndex).skip(1);
+                std::iter::once(own).chain(copies.map(|p| p.compute_pes())).collect()
+            })
             .collect();
         let segments_by_pe = (0..program.instrs.len() as InstrIndex)
             .map(|i| program.placements_of(&replica_slots, i).map(segments_by_pe).collect())
             .collect();
         let copy_inputs = copy_inputs(program, &replica_slots);
-        let reads_in_place = waferc_ir::wafer::arrival::in_place_readers(program, module);
-        let dispatch_leads = waferc_ir::wafer::arrival::dispatch_leads(program, module);
-        let reader_leads = waferc_ir::wafer::arrival::reader_leads(program, module);
         let destinations = program
             .routes
             .iter()
