@@ -97,7 +97,7 @@ pub fn reader_leads(
     // and a matvec reader has a PE per tile.
     let grid = Grid::of(&program.target);
     let mut marked = vec![false; grid.len()];
-    let mut depths = DenseDepths::new(grid);
+    let mut depths = DepthGrid::new(&program.target);
     let mut leads = HashMap::default();
     for (producer, its_readers) in readers.iter().enumerate() {
         let Some(made) = program.instrs.get(producer) else { continue };
@@ -159,9 +159,10 @@ impl Grid {
     }
 }
 
-/// [`multicast_depths`] on a dense grid, for the many deliveries [`reader_leads`] walks: one
-/// array for all of them and a list of the PEs each set, instead of a hash map per delivery.
-struct DenseDepths {
+/// [`multicast_depths`] on a dense grid: one array for many routes and a list of the PEs each
+/// set, instead of a hash map per route (one entry per PE of its path). [`reader_leads`] walks
+/// every delivery with one, and the timing model every route's latency.
+pub struct DepthGrid {
     grid: Grid,
     /// Per grid PE, the cycle the message reaches it (`u64::MAX`: not yet).
     depth: Vec<u64>,
@@ -171,9 +172,49 @@ struct DenseDepths {
     outside: HashMap<Pe, u64>,
 }
 
-impl DenseDepths {
-    fn new(grid: Grid) -> DenseDepths {
-        DenseDepths { grid, depth: vec![u64::MAX; grid.len()], touched: Vec::new(), outside: HashMap::default() }
+impl DepthGrid {
+    pub fn new(params: &TargetParams) -> DepthGrid {
+        let grid = Grid::of(params);
+        DepthGrid { grid, depth: vec![u64::MAX; grid.len()], touched: Vec::new(), outside: HashMap::default() }
+    }
+
+    /// `route`'s latency, as [`multicast_depths`] gives it (`Err(index)` likewise).
+    pub fn latency(&mut self, params: &TargetParams, route: &Route) -> Result<u64, usize> {
+        let latency = self.walk(params, route);
+        self.clear();
+        latency
+    }
+
+    /// `route`'s latency and the depth of each grid PE its path reaches (by grid index), as
+    /// [`multicast_depths`] gives them (`None` where that fails), in the order first reached.
+    fn reached(&mut self, params: &TargetParams, route: &Route) -> Option<(u64, Vec<(usize, u64)>)> {
+        let reached = self
+            .walk(params, route)
+            .ok()
+            .map(|full| (full, self.touched.iter().map(|&i| (i, self.depth[i])).collect()));
+        self.clear();
+        reached
+    }
+
+    /// Sets the depths of `route`'s PEs, and returns its latency.
+    fn walk(&mut self, params: &TargetParams, route: &Route) -> Result<u64, usize> {
+        route.sources.iter().for_each(|pe| self.reach(pe, 0));
+        let mut full = 0;
+        for (index, run) in route.path.iter().enumerate() {
+            let Some(start) = self.get(&run.from) else { return Err(index) };
+            if run.is_inter_wafer() {
+                let end = start + params.inter_wafer_latency_cycles;
+                self.reach(&run.to, end);
+                full = full.max(end);
+            } else {
+                for (k, (_, pe)) in run.hops().enumerate() {
+                    let end = start + (k as u64 + 1) * params.hop_latency_cycles as u64;
+                    self.reach(&pe, end);
+                    full = full.max(end);
+                }
+            }
+        }
+        Ok(full)
     }
 
     fn get(&self, pe: &Pe) -> Option<u64> {
@@ -198,35 +239,12 @@ impl DenseDepths {
         }
     }
 
-    /// `route`'s latency and the depth of each grid PE its path reaches, as
-    /// [`multicast_depths`] gives them (`None` where that fails), in the order first reached.
-    fn reached(&mut self, params: &TargetParams, route: &Route) -> Option<(u64, Vec<(usize, u64)>)> {
-        route.sources.iter().for_each(|pe| self.reach(pe, 0));
-        let mut full = Some(0);
-        for run in &route.path {
-            let Some(start) = self.get(&run.from) else {
-                full = None;
-                break;
-            };
-            let mut end = start;
-            if run.is_inter_wafer() {
-                end += params.inter_wafer_latency_cycles;
-                self.reach(&run.to, end);
-            } else {
-                for (k, (_, pe)) in run.hops().enumerate() {
-                    end = start + (k as u64 + 1) * params.hop_latency_cycles as u64;
-                    self.reach(&pe, end);
-                }
-            }
-            full = full.map(|f: u64| f.max(end));
-        }
-        let reached = full.map(|full| (full, self.touched.iter().map(|&i| (i, self.depth[i])).collect()));
+    fn clear(&mut self) {
         for &i in &self.touched {
             self.depth[i] = u64::MAX;
         }
         self.touched.clear();
         self.outside.clear();
-        reached
     }
 }
 

@@ -157,7 +157,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::ops::Range;
 
 use serde::Serialize;
-use waferc_ir::wafer::arrival::multicast_depths;
+use waferc_ir::wafer::arrival::{multicast_depths, DepthGrid};
 use waferc_ir::wafer::{
     InstrIndex, KvBlock, Pe, Phase, Route, RouteId, RouteKind, Run, TargetParams, WaferProgram, Work,
 };
@@ -478,8 +478,9 @@ impl CostModel {
         let params = program.target.clone();
         let mut routes = Vec::with_capacity(program.routes.len());
         let mut reduce_edges = Vec::with_capacity(program.routes.len());
+        let mut depths = DepthGrid::new(&params);
         for route in &program.routes {
-            let (cost, shape) = route_cost(program, &params, route)?;
+            let (cost, shape) = route_cost(program, &params, route, |route| depths.latency(&params, route))?;
             routes.push(cost);
             let partial =
                 program.instrs.get(route.instr as usize).is_some_and(|p| matches!(p.work, Work::Attention(_)));
@@ -555,7 +556,8 @@ impl CostModel {
     /// rows it holds so far): its cost with messages of that size, adds included.
     fn carried_cycles(&self, program: &WaferProgram, route: &Route, elements: u32) -> u64 {
         let short = carrying(route, elements);
-        match route_cost(program, &self.params, &short) {
+        let multicast_latency = |route: &Route| multicast_depths(&self.params, route).map(|(latency, _)| latency);
+        match route_cost(program, &self.params, &short, multicast_latency) {
             Ok((cost, _)) if matches!(route.kind, RouteKind::Reduce { .. }) => cost.latency,
             Ok((cost, _)) => cost.latency + cost.serial,
             Err(_) => self.route_cycles(route, u32::MAX),
@@ -735,10 +737,13 @@ fn path_error(program: &WaferProgram, route: &Route, problem: String) -> ExecErr
 }
 
 /// A route's cost from its path (see the module documentation), and a reduction's edges.
+/// `multicast_latency` is [`multicast_depths`]'s latency, computed by the caller (on a
+/// [`DepthGrid`] when it costs every route).
 fn route_cost(
     program: &WaferProgram,
     params: &TargetParams,
     route: &Route,
+    multicast_latency: impl FnOnce(&Route) -> Result<u64, usize>,
 ) -> Result<(RouteCost, ReduceShape), ExecError> {
     let bytes_per_cycle = match route.path.iter().any(Run::is_inter_wafer) {
         true => params.inter_wafer_bytes_per_cycle.min(params.link_bytes_per_cycle as f64),
@@ -805,7 +810,7 @@ fn route_cost(
         }
         return Ok((RouteCost { latency: ready[root_leaf] + forward, serial: 0, bytes_per_cycle }, shape));
     }
-    let (mut latency, _) = multicast_depths(params, route).map_err(|index| {
+    let mut latency = multicast_latency(route).map_err(|index| {
         let from = route.path[index].from;
         path_error(program, route, format!("run {index} starts at {from}, which no source or earlier run reaches"))
     })?;
