@@ -12,7 +12,7 @@
 
 use rustc_hash::FxHashMap as HashMap;
 
-use super::{InstrIndex, InstrPlacement, Pe, ResultLayout, Route, RouteId, TargetParams, WaferProgram, Work};
+use super::{InstrIndex, InstrPlacement, Pe, PeGrid, ResultLayout, Route, RouteId, TargetParams, WaferProgram, Work};
 use crate::module::Module;
 use crate::op::Op;
 
@@ -95,7 +95,7 @@ pub fn reader_leads(
         .collect();
     // Membership of the reader's PEs by dense grid index: a delivery's path is checked PE by PE,
     // and a matvec reader has a PE per tile.
-    let grid = Grid::of(&program.target);
+    let grid = PeGrid::of(&program.target);
     let mut marked = vec![false; grid.len()];
     let mut depths = DepthGrid::new(&program.target);
     let mut leads = HashMap::default();
@@ -116,7 +116,7 @@ pub fn reader_leads(
         let mut least: Vec<Option<u64>> = vec![None; its_readers.len()];
         for (&reader, least) in its_readers.iter().zip(&mut least) {
             let on: Vec<usize> =
-                pes.get(reader).map_or_else(Vec::new, |p| p.iter().filter_map(|pe| grid.index(pe)).collect());
+                pes.get(reader).map_or_else(Vec::new, |p| p.iter().filter_map(|&pe| grid.index(pe)).collect());
             on.iter().for_each(|&i| marked[i] = true);
             for (full, depth) in &reached {
                 if let Some(farthest) = depth.iter().filter(|(i, _)| marked[*i]).map(|&(_, d)| d).max() {
@@ -135,35 +135,11 @@ pub fn reader_leads(
     leads
 }
 
-/// Dense grid indices of a target's PEs.
-#[derive(Clone, Copy)]
-struct Grid {
-    cols: usize,
-    rows: usize,
-    wafers: usize,
-}
-
-impl Grid {
-    fn of(t: &TargetParams) -> Grid {
-        Grid { cols: t.grid_cols as usize, rows: t.grid_rows as usize, wafers: t.wafers as usize }
-    }
-
-    fn len(&self) -> usize {
-        self.wafers * self.rows * self.cols
-    }
-
-    /// `None` for a PE off the grid.
-    fn index(&self, pe: &Pe) -> Option<usize> {
-        let (w, x, y) = (pe.wafer as usize, pe.x as usize, pe.y as usize);
-        (w < self.wafers && x < self.cols && y < self.rows).then(|| (w * self.rows + y) * self.cols + x)
-    }
-}
-
 /// [`multicast_depths`] on a dense grid: one array for many routes and a list of the PEs each
 /// set, instead of a hash map per route (one entry per PE of its path). [`reader_leads`] walks
 /// every delivery with one, and the timing model every route's latency.
 pub struct DepthGrid {
-    grid: Grid,
+    grid: PeGrid,
     /// Per grid PE, the cycle the message reaches it (`u64::MAX`: not yet).
     depth: Vec<u64>,
     /// The grid PEs set so far, each once.
@@ -174,7 +150,7 @@ pub struct DepthGrid {
 
 impl DepthGrid {
     pub fn new(params: &TargetParams) -> DepthGrid {
-        let grid = Grid::of(params);
+        let grid = PeGrid::of(params);
         DepthGrid { grid, depth: vec![u64::MAX; grid.len()], touched: Vec::new(), outside: HashMap::default() }
     }
 
@@ -218,7 +194,7 @@ impl DepthGrid {
     }
 
     fn get(&self, pe: &Pe) -> Option<u64> {
-        match self.grid.index(pe) {
+        match self.grid.index(*pe) {
             Some(i) => Some(self.depth[i]).filter(|&d| d != u64::MAX),
             None => self.outside.get(pe).copied(),
         }
@@ -226,7 +202,7 @@ impl DepthGrid {
 
     /// Lowers `pe`'s depth to `cycle`.
     fn reach(&mut self, pe: &Pe, cycle: u64) {
-        match self.grid.index(pe) {
+        match self.grid.index(*pe) {
             Some(i) => {
                 if self.depth[i] == u64::MAX {
                     self.touched.push(i);

@@ -104,6 +104,48 @@ impl TargetParams {
     }
 }
 
+/// Dense numbering of a target's PEs, `(wafer x rows + y) x cols + x`: vectors indexed by it
+/// stand in for maps keyed by [`Pe`], which are slow at a PE per tile.
+#[derive(Clone, Copy, Debug)]
+pub struct PeGrid {
+    cols: usize,
+    rows: usize,
+    wafers: usize,
+}
+
+impl PeGrid {
+    pub fn of(params: &TargetParams) -> PeGrid {
+        PeGrid { cols: params.grid_cols as usize, rows: params.grid_rows as usize, wafers: params.wafers as usize }
+    }
+
+    /// How many PEs the target has.
+    pub fn len(&self) -> usize {
+        self.wafers * self.rows * self.cols
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// How many wafers the target has.
+    pub fn wafers(&self) -> usize {
+        self.wafers
+    }
+
+    /// `pe`'s number; `None` for a PE off the grid.
+    pub fn index(&self, pe: Pe) -> Option<usize> {
+        let (w, x, y) = (pe.wafer as usize, pe.x as usize, pe.y as usize);
+        (w < self.wafers && x < self.cols && y < self.rows).then(|| (w * self.rows + y) * self.cols + x)
+    }
+
+    /// The PE numbered `index` (the inverse of [`PeGrid::index`]).
+    pub fn pe(&self, index: usize) -> Pe {
+        let (x, rest) = (index % self.cols, index / self.cols);
+        let (y, w) = (rest % self.rows, rest / self.rows);
+        Pe::new(w as u16, x as u16, y as u16)
+    }
+}
+
 /// A processing element: wafer index, column `x`, row `y`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Pe {

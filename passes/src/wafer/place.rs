@@ -10,8 +10,8 @@ use waferc_ir::wafer::serial::SharedPes;
 use waferc_ir::wafer::{group_query_heads, narrow, replica_slots_in, rope_twin, wide, ExpertReplicas};
 use waferc_ir::wafer::{
     AttentionPlacement, EmbedBlock, GroupRoutes, InstrPlacement, KvBlock, KvHeadPlacement, Lanes, MatVecPlacement,
-    NormPlacement, Pe, PeImage, Phase, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId, RouteKind,
-    Run, Segment, Step, TargetParams, Tile, VectorLayout, WaferProgram, Work,
+    NormPlacement, Pe, PeGrid, PeImage, Phase, Plan, ReduceOp, Region, RegionKind, ResultLayout, Route, RouteId,
+    RouteKind, Run, Segment, Step, TargetParams, Tile, VectorLayout, WaferProgram, Work,
 };
 use waferc_ir::{Module, Op, ValueType, BLOCK};
 
@@ -181,33 +181,26 @@ fn sram_holders(module: &Module, regions: &[Region]) -> String {
 /// Index in the placer's images of each PE's image: a dense grid index (the placer looks PEs up
 /// millions of times), a map for a PE off the grid.
 struct ImageIndex {
-    cols: usize,
-    rows: usize,
-    wafers: usize,
+    grid: PeGrid,
     dense: Vec<u32>,
     outside: HashMap<Pe, usize>,
 }
 
 impl ImageIndex {
     fn new(params: &TargetParams) -> Self {
-        let (cols, rows, wafers) = (params.grid_cols as usize, params.grid_rows as usize, params.wafers as usize);
-        ImageIndex { cols, rows, wafers, dense: vec![u32::MAX; cols * rows * wafers], outside: HashMap::default() }
-    }
-
-    fn dense_index(&self, pe: Pe) -> Option<usize> {
-        let (x, y, w) = (pe.x as usize, pe.y as usize, pe.wafer as usize);
-        (x < self.cols && y < self.rows && w < self.wafers).then_some((w * self.rows + y) * self.cols + x)
+        let grid = PeGrid::of(params);
+        ImageIndex { grid, dense: vec![u32::MAX; grid.len()], outside: HashMap::default() }
     }
 
     fn get(&self, pe: Pe) -> Option<usize> {
-        match self.dense_index(pe) {
+        match self.grid.index(pe) {
             Some(d) => (self.dense[d] != u32::MAX).then_some(self.dense[d] as usize),
             None => self.outside.get(&pe).copied(),
         }
     }
 
     fn remove(&mut self, pe: Pe) {
-        match self.dense_index(pe) {
+        match self.grid.index(pe) {
             Some(d) => self.dense[d] = u32::MAX,
             None => {
                 self.outside.remove(&pe);
@@ -216,7 +209,7 @@ impl ImageIndex {
     }
 
     fn insert(&mut self, pe: Pe, index: usize) {
-        match self.dense_index(pe) {
+        match self.grid.index(pe) {
             Some(d) => self.dense[d] = index as u32,
             None => {
                 self.outside.insert(pe, index);

@@ -159,7 +159,7 @@ use std::ops::Range;
 use serde::Serialize;
 use waferc_ir::wafer::arrival::{multicast_depths, DepthGrid};
 use waferc_ir::wafer::{
-    InstrIndex, KvBlock, Pe, Phase, Route, RouteId, RouteKind, Run, TargetParams, WaferProgram, Work,
+    InstrIndex, KvBlock, Pe, PeGrid, Phase, Route, RouteId, RouteKind, Run, TargetParams, WaferProgram, Work,
 };
 
 use super::error::ExecError;
@@ -334,28 +334,30 @@ fn accumulated(cycles: u64, received: &[u64], instr_start: u64, step_start: u64)
 /// which are slow at millions of links.
 #[derive(Clone, Copy, Debug)]
 struct LinkIndex {
-    cols: usize,
-    rows: usize,
-    wafers: usize,
+    grid: PeGrid,
 }
 
 impl LinkIndex {
     fn new(params: &TargetParams) -> Self {
-        LinkIndex { cols: params.grid_cols as usize, rows: params.grid_rows as usize, wafers: params.wafers as usize }
+        LinkIndex { grid: PeGrid::of(params) }
+    }
+
+    /// The links on the wafers: four per PE.
+    fn on_wafer(&self) -> usize {
+        self.grid.len() * 4
     }
 
     fn len(&self) -> usize {
-        self.wafers * self.rows * self.cols * 4 + self.wafers * self.wafers
+        self.on_wafer() + self.grid.wafers() * self.grid.wafers()
     }
 
     fn pe_base(&self, pe: Pe) -> Option<usize> {
-        let (w, x, y) = (pe.wafer as usize, pe.x as usize, pe.y as usize);
-        (w < self.wafers && x < self.cols && y < self.rows).then(|| ((w * self.rows + y) * self.cols + x) * 4)
+        self.grid.index(pe).map(|i| i * 4)
     }
 
     fn inter_wafer(&self, from: u16, to: u16) -> Option<usize> {
-        let (f, t) = (from as usize, to as usize);
-        (f < self.wafers && t < self.wafers).then(|| self.wafers * self.rows * self.cols * 4 + f * self.wafers + t)
+        let (f, t, wafers) = (from as usize, to as usize, self.grid.wafers());
+        (f < wafers && t < wafers).then(|| self.on_wafer() + f * wafers + t)
     }
 
     /// The link of the one-hop step `from -> to` on a wafer (`None` off the target or for
@@ -402,22 +404,18 @@ impl LinkIndex {
 
     /// The `(from, to)` PEs of link `index`.
     fn endpoints(&self, index: usize) -> (Pe, Pe) {
-        let on_wafer = self.wafers * self.rows * self.cols * 4;
-        if index >= on_wafer {
-            let pair = index - on_wafer;
-            let (from, to) = ((pair / self.wafers) as u16, (pair % self.wafers) as u16);
+        if self.is_inter_wafer(index) {
+            let (pair, wafers) = (index - self.on_wafer(), self.grid.wafers());
+            let (from, to) = ((pair / wafers) as u16, (pair % wafers) as u16);
             return (Pe::new(from, 0, 0), Pe::new(to, 0, 0));
         }
-        let (pe, direction) = (index / 4, index % 4);
-        let (x, rest) = (pe % self.cols, pe / self.cols);
-        let (y, w) = (rest % self.rows, rest / self.rows);
-        let from = Pe::new(w as u16, x as u16, y as u16);
-        let (dx, dy): (i32, i32) = [(1, 0), (-1, 0), (0, 1), (0, -1)][direction];
-        (from, Pe::new(w as u16, (x as i32 + dx) as u16, (y as i32 + dy) as u16))
+        let from = self.grid.pe(index / 4);
+        let (dx, dy): (i32, i32) = [(1, 0), (-1, 0), (0, 1), (0, -1)][index % 4];
+        (from, Pe::new(from.wafer, (from.x as i32 + dx) as u16, (from.y as i32 + dy) as u16))
     }
 
     fn is_inter_wafer(&self, index: usize) -> bool {
-        index >= self.wafers * self.rows * self.cols * 4
+        index >= self.on_wafer()
     }
 }
 
@@ -896,34 +894,26 @@ struct Placed {
 /// instruction looks up each of its PEs), a map for a PE off the grid. A PE never occupied is
 /// free from cycle 0.
 struct PeFree {
-    cols: usize,
-    rows: usize,
-    wafers: usize,
+    grid: PeGrid,
     dense: Vec<(u64, InstrIndex)>,
     outside: HashMap<Pe, (u64, InstrIndex)>,
 }
 
 impl PeFree {
     fn new(program: &WaferProgram) -> Self {
-        let t = &program.target;
-        let (cols, rows, wafers) = (t.grid_cols as usize, t.grid_rows as usize, t.wafers as usize);
-        PeFree { cols, rows, wafers, dense: vec![(0, 0); cols * rows * wafers], outside: HashMap::default() }
-    }
-
-    fn index(&self, pe: Pe) -> Option<usize> {
-        let (x, y, w) = (pe.x as usize, pe.y as usize, pe.wafer as usize);
-        (x < self.cols && y < self.rows && w < self.wafers).then_some((w * self.rows + y) * self.cols + x)
+        let grid = PeGrid::of(&program.target);
+        PeFree { grid, dense: vec![(0, 0); grid.len()], outside: HashMap::default() }
     }
 
     fn get(&self, pe: Pe) -> Option<(u64, InstrIndex)> {
-        match self.index(pe) {
+        match self.grid.index(pe) {
             Some(i) => Some(self.dense[i]),
             None => self.outside.get(&pe).copied(),
         }
     }
 
     fn set(&mut self, pe: Pe, free: (u64, InstrIndex)) {
-        match self.index(pe) {
+        match self.grid.index(pe) {
             Some(i) => self.dense[i] = free,
             None => {
                 self.outside.insert(pe, free);
