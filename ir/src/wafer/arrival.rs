@@ -329,3 +329,84 @@ impl InstrPlacement {
         pes
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wafer::{RouteKind, Run};
+
+    fn params() -> TargetParams {
+        TargetParams {
+            name: "grid:8x8, two wafers".into(),
+            grid_cols: 8,
+            grid_rows: 8,
+            wafers: 2,
+            sram_bytes_per_pe: 48 * 1024,
+            code_reserve_bytes: 0,
+            clock_hz: 1e9,
+            link_bytes_per_cycle: 4,
+            hop_latency_cycles: 2,
+            colours_per_pe: 24,
+            f32_fma_per_cycle: 1.0,
+            inter_wafer_latency_cycles: 50,
+            inter_wafer_bytes_per_cycle: 1.0,
+        }
+    }
+
+    fn multicast(sources: Vec<Pe>, runs: &[(Pe, Pe)]) -> Route {
+        Route {
+            id: 0,
+            instr: 0,
+            kind: RouteKind::Operand { value: 0, elements: 0..1 },
+            colour: 0,
+            sources,
+            destinations: Vec::new(),
+            path: runs.iter().map(|&(from, to)| Run { from, to, messages: 1 }).collect(),
+            message_bytes: 4,
+        }
+    }
+
+    /// The dense walk gives `multicast_depths`' latency and depths: a PE reached twice keeps
+    /// the earlier arrival, an inter-wafer run costs its latency, and a run from a PE nothing
+    /// reached fails at its index.
+    #[test]
+    fn the_dense_depth_walk_agrees_with_multicast_depths() {
+        let p = params();
+        let pe = Pe::new;
+        let cases = [
+            // (5, 3) and (5, 4) are reached again the long way round.
+            multicast(
+                vec![pe(0, 0, 0)],
+                &[
+                    (pe(0, 0, 0), pe(0, 5, 0)),
+                    (pe(0, 5, 0), pe(0, 5, 4)),
+                    (pe(0, 0, 0), pe(0, 0, 6)),
+                    (pe(0, 0, 6), pe(0, 5, 6)),
+                    (pe(0, 5, 6), pe(0, 5, 3)),
+                    (pe(0, 5, 4), pe(1, 5, 4)),
+                    (pe(1, 5, 4), pe(1, 7, 4)),
+                ],
+            ),
+            // Two sources whose paths meet: the nearer one's arrival counts.
+            multicast(vec![pe(0, 1, 1), pe(0, 6, 6)], &[(pe(0, 1, 1), pe(0, 6, 1)), (pe(0, 6, 6), pe(0, 6, 1))]),
+            multicast(vec![pe(0, 0, 0)], &[(pe(0, 0, 0), pe(0, 2, 0)), (pe(0, 4, 4), pe(0, 4, 6))]),
+        ];
+        let (mut depths, grid) = (DepthGrid::new(&p), PeGrid::of(&p));
+        for route in &cases {
+            let expected = multicast_depths(&p, route);
+            assert_eq!(depths.latency(&p, route), expected.as_ref().map(|(latency, _)| *latency).map_err(|&i| i));
+            match (expected, depths.reached(&p, route)) {
+                (Ok((full, want)), Some((latency, got))) => {
+                    assert_eq!(latency, full);
+                    let mut got: Vec<(Pe, u64)> = got.into_iter().map(|(i, d)| (grid.pe(i), d)).collect();
+                    let mut want: Vec<(Pe, u64)> = want.into_iter().collect();
+                    got.sort_unstable();
+                    want.sort_unstable();
+                    assert_eq!(got, want);
+                }
+                (Err(index), None) => assert_eq!(index, 1),
+                (expected, reached) => panic!("multicast_depths gave {expected:?}, the dense walk {reached:?}"),
+            }
+        }
+    }
+}
