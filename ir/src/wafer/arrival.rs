@@ -156,7 +156,7 @@ impl DepthGrid {
 
     /// `route`'s latency, as [`multicast_depths`] gives it (`Err(index)` likewise).
     pub fn latency(&mut self, params: &TargetParams, route: &Route) -> Result<u64, usize> {
-        let latency = self.walk(params, route);
+        let latency = walk_multicast(params, route, self);
         self.clear();
         latency
     }
@@ -164,55 +164,11 @@ impl DepthGrid {
     /// `route`'s latency and the depth of each grid PE its path reaches (by grid index), as
     /// [`multicast_depths`] gives them (`None` where that fails), in the order first reached.
     fn reached(&mut self, params: &TargetParams, route: &Route) -> Option<(u64, Vec<(usize, u64)>)> {
-        let reached = self
-            .walk(params, route)
+        let reached = walk_multicast(params, route, self)
             .ok()
             .map(|full| (full, self.touched.iter().map(|&i| (i, self.depth[i])).collect()));
         self.clear();
         reached
-    }
-
-    /// Sets the depths of `route`'s PEs, and returns its latency.
-    fn walk(&mut self, params: &TargetParams, route: &Route) -> Result<u64, usize> {
-        route.sources.iter().for_each(|pe| self.reach(pe, 0));
-        let mut full = 0;
-        for (index, run) in route.path.iter().enumerate() {
-            let Some(start) = self.get(&run.from) else { return Err(index) };
-            if run.is_inter_wafer() {
-                let end = start + params.inter_wafer_latency_cycles;
-                self.reach(&run.to, end);
-                full = full.max(end);
-            } else {
-                for (k, (_, pe)) in run.hops().enumerate() {
-                    let end = start + (k as u64 + 1) * params.hop_latency_cycles as u64;
-                    self.reach(&pe, end);
-                    full = full.max(end);
-                }
-            }
-        }
-        Ok(full)
-    }
-
-    fn get(&self, pe: &Pe) -> Option<u64> {
-        match self.grid.index(*pe) {
-            Some(i) => Some(self.depth[i]).filter(|&d| d != u64::MAX),
-            None => self.outside.get(pe).copied(),
-        }
-    }
-
-    /// Lowers `pe`'s depth to `cycle`.
-    fn reach(&mut self, pe: &Pe, cycle: u64) {
-        match self.grid.index(*pe) {
-            Some(i) => {
-                if self.depth[i] == u64::MAX {
-                    self.touched.push(i);
-                }
-                self.depth[i] = self.depth[i].min(cycle);
-            }
-            None => {
-                self.outside.entry(*pe).and_modify(|d| *d = (*d).min(cycle)).or_insert(cycle);
-            }
-        }
     }
 
     fn clear(&mut self) {
@@ -221,6 +177,27 @@ impl DepthGrid {
         }
         self.touched.clear();
         self.outside.clear();
+    }
+}
+
+impl Arrivals for DepthGrid {
+    fn arrival(&self, pe: Pe) -> Option<u64> {
+        match self.grid.index(pe) {
+            Some(i) => Some(self.depth[i]).filter(|&d| d != u64::MAX),
+            None => self.outside.arrival(pe),
+        }
+    }
+
+    fn reach(&mut self, pe: Pe, cycle: u64) {
+        match self.grid.index(pe) {
+            Some(i) => {
+                if self.depth[i] == u64::MAX {
+                    self.touched.push(i);
+                }
+                self.depth[i] = self.depth[i].min(cycle);
+            }
+            None => self.outside.reach(pe, cycle),
+        }
     }
 }
 
@@ -289,23 +266,49 @@ pub fn multicast_depths(params: &TargetParams, route: &Route) -> Result<Depths, 
     // Sized at once for every PE the path visits (it grows to about that), so it never rehashes.
     let visits = route.sources.len() + route.path.iter().map(|run| run.hops().len()).sum::<usize>();
     let mut depth: HashMap<Pe, u64> = HashMap::with_capacity_and_hasher(visits, Default::default());
-    depth.extend(route.sources.iter().map(|&pe| (pe, 0)));
+    let full = walk_multicast(params, route, &mut depth)?;
+    Ok((full, depth))
+}
+
+/// Where a multicast's walk ([`walk_multicast`]) keeps the cycle its message reaches each PE: a
+/// map for one route ([`multicast_depths`]), a dense grid for many ([`DepthGrid`]).
+trait Arrivals {
+    /// When the message reaches `pe`, if it does yet.
+    fn arrival(&self, pe: Pe) -> Option<u64>;
+    /// Lowers `pe`'s arrival to `cycle` (sets it where it had none).
+    fn reach(&mut self, pe: Pe, cycle: u64);
+}
+
+impl Arrivals for HashMap<Pe, u64> {
+    fn arrival(&self, pe: Pe) -> Option<u64> {
+        self.get(&pe).copied()
+    }
+
+    fn reach(&mut self, pe: Pe, cycle: u64) {
+        self.entry(pe).and_modify(|d| *d = (*d).min(cycle)).or_insert(cycle);
+    }
+}
+
+/// Walks `route`'s path from its sources, recording each PE's arrival in `arrivals`, and returns
+/// the latest: the route's latency (see [`multicast_depths`]).
+fn walk_multicast(params: &TargetParams, route: &Route, arrivals: &mut impl Arrivals) -> Result<u64, usize> {
+    route.sources.iter().for_each(|&pe| arrivals.reach(pe, 0));
     let mut full = 0;
     for (index, run) in route.path.iter().enumerate() {
-        let Some(&start) = depth.get(&run.from) else { return Err(index) };
+        let Some(start) = arrivals.arrival(run.from) else { return Err(index) };
         if run.is_inter_wafer() {
             let end = start + params.inter_wafer_latency_cycles;
-            depth.entry(run.to).and_modify(|d| *d = (*d).min(end)).or_insert(end);
+            arrivals.reach(run.to, end);
             full = full.max(end);
         } else {
-            for (k, pe) in run.pes().into_iter().enumerate().skip(1) {
-                let end = start + k as u64 * params.hop_latency_cycles as u64;
-                depth.entry(pe).and_modify(|d| *d = (*d).min(end)).or_insert(end);
+            for (k, (_, pe)) in run.hops().enumerate() {
+                let end = start + (k as u64 + 1) * params.hop_latency_cycles as u64;
+                arrivals.reach(pe, end);
                 full = full.max(end);
             }
         }
     }
-    Ok((full, depth))
+    Ok(full)
 }
 
 impl InstrPlacement {
@@ -366,9 +369,9 @@ mod tests {
         }
     }
 
-    /// The dense walk gives `multicast_depths`' latency and depths: a PE reached twice keeps
-    /// the earlier arrival, an inter-wafer run costs its latency, and a run from a PE nothing
-    /// reached fails at its index.
+    /// The dense grid holds what `multicast_depths`' map does, latency and depths: a PE reached
+    /// twice keeps the earlier arrival, an inter-wafer run costs its latency, and a run from a PE
+    /// nothing reached fails at its index.
     #[test]
     fn the_dense_depth_walk_agrees_with_multicast_depths() {
         let p = params();
