@@ -584,6 +584,36 @@ fn stacked_rope_runs_on_pairs_of_chunks_and_matches_the_reference() {
     validate(&program, &module, Some(&blob), &[7, 3, 40], &greedy(6)).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// Rope pairs with KV heads cut in slices: a query head's chunks multicast to their slices'
+/// blocks whether rope runs on pairs or whole heads, so the bound on a band's query multicasts
+/// is the sliced one. Eight query heads a KV head of 128 dims (32 chunk multicasts a band) rotate
+/// on whole heads unsliced, on pairs in four slices, and keep the reference's bits.
+#[test]
+fn stacked_rope_runs_on_pairs_when_kv_heads_are_sliced() {
+    let shape = Shape { head_dim: 128, heads: 16, ..Shape::dense() };
+    assert_eq!(shape.heads / shape.kv_heads, 8);
+    let module = rewrite_module(&build(&shape, 9), PlanKind::Stacked).unwrap();
+    let compile = |kv_slices| {
+        let plan = Plan::stacked(1).with_kv_slices(kv_slices);
+        compile_with(&module, "grid:24x64", CompileOptions { max_context: 64, plan, ..CompileOptions::default() })
+    };
+    let rope_segments = |program: &waferc_ir::wafer::WaferProgram| {
+        let ropes = program.instrs.iter().filter(|p| p.op == "rope");
+        let layouts = ropes.map(|p| match &p.result {
+            ResultLayout::Vector(layout) => layout.segments.iter().map(|s| s.elements.end - s.elements.start).collect(),
+            _ => panic!("rope %{} has a vector result", p.instr),
+        });
+        layouts.collect::<Vec<Vec<u64>>>().concat()
+    };
+    let whole = rope_segments(&compile(1));
+    assert!(!whole.is_empty() && whole.iter().all(|&len| len == 128), "unsliced: whole heads, {whole:?}");
+    let sliced = compile(4);
+    let pairs = rope_segments(&sliced);
+    assert!(!pairs.is_empty() && pairs.iter().all(|&len| len == 32), "in four slices: chunks, {pairs:?}");
+    let blob = pack_tile_blob(&sliced, &module);
+    validate(&sliced, &module, Some(&blob), &[7, 3, 40], &greedy(6)).unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// Where rope pairs' extra query multicasts leave a route without a colour, the stacked plan
 /// places the module again with whole heads: on routers of 10 colours (12 hold the pairs) the
 /// same module compiles, its rope on whole heads, and keeps the reference's bits.

@@ -1656,7 +1656,7 @@ pub(super) const MAX_QUERY_ROUTES: u64 = 16;
 /// carries its other slice's dims on every link of both columns (the 70B's
 /// `stacked:5,100,slice4`: 64 elements a query head down each column, where each slice reads
 /// 32).
-const MAX_SLICED_QUERY_ROUTES: u64 = 32;
+pub(super) const MAX_SLICED_QUERY_ROUTES: u64 = 32;
 
 /// The dims of each query head that reach a KV head slice holding `dims` of `head_dim`, serving
 /// `queries` query heads: its own, or those of the run of adjacent slices it shares a multicast

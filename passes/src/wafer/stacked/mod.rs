@@ -61,6 +61,7 @@ use waferc_ir::{Handle, Module, Op, Value, ValueType, Weight, BLOCK};
 
 use super::place::{
     embed_block_requests, norm_requests, operand_requests, unsupported, Placer, Request, MAX_QUERY_ROUTES,
+    MAX_SLICED_QUERY_ROUTES,
 };
 use super::size::Analysis;
 use super::{CompileOptions, WaferError};
@@ -137,12 +138,17 @@ fn in_place_chain(module: &Module, analysis: &Analysis, i: usize) -> Vec<(usize,
 
 /// The ropes that read matvec `i`'s result directly (through slices only), when they all do,
 /// share one head dimension whose half is more than a chunk, and the attentions reading them
-/// take at most [`MAX_QUERY_ROUTES`] query multicasts a KV head so (one per query head and chunk
-/// pair: Llama-3.1-8B's 4 query heads a KV head, 4 pairs each; the 70B's 8 ran out of colours):
-/// such a result is cut in chunks placed in pairs ([`Stacked::segment_cut`]). `None` when a rope
+/// take at most [`MAX_QUERY_ROUTES`] query multicasts a KV head so (one per query head and
+/// chunk: Llama-3.1-8B's 4 query heads a KV head, 4 chunks each; the 70B's 8 ran out of
+/// colours), or [`MAX_SLICED_QUERY_ROUTES`] where the plan cuts KV heads in slices (`kv_sliced`):
+/// a sliced head's query heads already send a multicast per slice, so chunks add none where
+/// each slice is a chunk (the 70B's `stacked:5,100,slice4`: rope 384 -> 192 cycles a layer,
+/// 1,357,688 -> 1,350,430 cycles a token). Such a result is cut in chunks placed in pairs
+/// ([`Stacked::segment_cut`]). `None` when a rope
 /// reads it through a per-head norm (Qwen3's q and k norms: the norm's group would span PEs), or
 /// nothing rotates it.
-fn rope_pairs(module: &Module, analysis: &Analysis, i: usize) -> Option<RopePairs> {
+fn rope_pairs(module: &Module, analysis: &Analysis, i: usize, kv_sliced: bool) -> Option<RopePairs> {
+    let bound = if kv_sliced { MAX_SLICED_QUERY_ROUTES } else { MAX_QUERY_ROUTES };
     let mut pairs: Option<RopePairs> = None;
     for (r, start) in in_place_chain(module, analysis, i).into_iter().skip(1) {
         let ir = &module.body[Handle::new(r)];
@@ -152,7 +158,7 @@ fn rope_pairs(module: &Module, analysis: &Analysis, i: usize) -> Option<RopePair
         let fits = analysis.readers[r].iter().all(|&a| match &module.body[Handle::new(a as usize)].op {
             Op::Attention { cache, heads, .. } => {
                 let q_per_kv = (*heads / module.caches[*cache].kv_heads.max(1)) as u64;
-                q_per_kv * (head_dim / CHUNK) <= MAX_QUERY_ROUTES
+                q_per_kv * (head_dim / CHUNK) <= bound
             }
             _ => true,
         });
@@ -164,6 +170,11 @@ fn rope_pairs(module: &Module, analysis: &Analysis, i: usize) -> Option<RopePair
         pairs.get_or_insert(RopePairs { head_dim, rotated: Vec::new() }).rotated.push(start..start + len);
     }
     pairs
+}
+
+/// Whether the plan cuts KV heads in slices of their head dimension.
+fn kv_sliced(options: &CompileOptions) -> bool {
+    matches!(options.plan, Plan::Stacked { kv_slices, .. } if kv_slices > 1)
 }
 
 /// Whether a stacked placement cuts matvec results in rope pairs ([`rope_pairs`]).
@@ -243,7 +254,8 @@ pub(super) fn place(
 ) -> Result<WaferProgram, WaferError> {
     let place = |pairing| place_with(module, analysis, params, options, (layers_per_region, wafer_percent), pairing);
     let paired = (0..module.body.len()).any(|i| {
-        matches!(module.body[Handle::new(i)].op, Op::MatVec { .. }) && rope_pairs(module, analysis, i).is_some()
+        matches!(module.body[Handle::new(i)].op, Op::MatVec { .. })
+            && rope_pairs(module, analysis, i, kv_sliced(options)).is_some()
     });
     match place(RopePairing::Allowed) {
         Err(WaferError::Colours { .. }) if paired => place(RopePairing::Off),
@@ -521,7 +533,9 @@ impl Stacked<'_> {
     /// [`rope_pairs`] of matvec `i`, unless this placement keeps whole heads.
     fn rope_pairs(&self, i: usize) -> Option<RopePairs> {
         match self.rope_pairing {
-            RopePairing::Allowed => rope_pairs(self.placer.module, self.placer.analysis, i),
+            RopePairing::Allowed => {
+                rope_pairs(self.placer.module, self.placer.analysis, i, kv_sliced(self.placer.options))
+            }
             RopePairing::Off => None,
         }
     }
