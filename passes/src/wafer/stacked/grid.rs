@@ -23,7 +23,8 @@ use crate::wafer::WaferError;
 /// segments instead of 64 (`stacked:4` on wse3x4: 612.0 -> 635.7 tok/s). At 5% rather than 2%
 /// its q/k/v projection takes two chunks a tile in two panels instead of one chunk in one, and
 /// reduces in 544 cycles instead of 788 (`stacked:5,100,slice4`: 1,350,430 -> 1,328,544
-/// cycles a token); 7% tiles it the same, and at 10% a PE's tiles overflow its SRAM.
+/// cycles a token); 7% tiles it the same, and at 9% its o projection takes four chunks a tile
+/// (1,304 bytes against a base of 1,208) and a PE of layers 10 to 14 overflows its SRAM.
 pub(super) const TIGHT_TILE_GROWTH: f64 = 0.05;
 
 /// The most 32-element chunks a tile spans. A column block's input arrives in at most
