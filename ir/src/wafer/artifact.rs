@@ -165,6 +165,12 @@ pub fn write(path: &Path, artifact: &Artifact) -> Result<(), ArtifactError> {
         tokenizer_json: &artifact.tokenizer_json,
     };
 
+    // A full disk or a failed write is an I/O error on the file, not a malformed header.
+    let encoding = |e: bincode::error::EncodeError| match e {
+        bincode::error::EncodeError::Io { inner, .. } => io(inner),
+        e => ArtifactError::Header { path: path.to_path_buf(), message: e.to_string() },
+    };
+
     let temp = temp_path(path);
     let result = (|| {
         let file = File::create(&temp).map_err(io)?;
@@ -176,11 +182,11 @@ pub fn write(path: &Path, artifact: &Artifact) -> Result<(), ArtifactError> {
             // bincode writes field by field: buffer its small writes before they reach the checksum.
             let mut buffered = BufWriter::with_capacity(1 << 16, &mut summed);
             bincode::serde::encode_into_std_write(&header, &mut buffered, bincode::config::standard())
-                .map_err(|e| ArtifactError::Header { path: path.to_path_buf(), message: e.to_string() })?;
+                .map_err(encoding)?;
             // The replica table follows the header, only when there is one (module docs).
             if !program.replicas.is_empty() {
                 bincode::serde::encode_into_std_write(&program.replicas, &mut buffered, bincode::config::standard())
-                    .map_err(|e| ArtifactError::Header { path: path.to_path_buf(), message: e.to_string() })?;
+                    .map_err(encoding)?;
             }
             buffered.flush().map_err(io)?;
             drop(buffered);
