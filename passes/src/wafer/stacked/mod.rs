@@ -144,9 +144,8 @@ fn in_place_chain(module: &Module, analysis: &Analysis, i: usize) -> Vec<(usize,
 /// a sliced head's query heads already send a multicast per slice, so chunks add none where
 /// each slice is a chunk (the 70B's `stacked:5,100,slice4`: rope 384 -> 192 cycles a layer,
 /// 1,357,688 -> 1,350,430 cycles a token). Such a result is cut in chunks placed in pairs
-/// ([`Stacked::segment_cut`]). `None` when a rope
-/// reads it through a per-head norm (Qwen3's q and k norms: the norm's group would span PEs), or
-/// nothing rotates it.
+/// ([`Stacked::segment_cut`]). `None` when a rope reads it through a per-head norm (Qwen3's q
+/// and k norms: the norm's group would span PEs), or nothing rotates it.
 fn rope_pairs(module: &Module, analysis: &Analysis, i: usize, kv_sliced: bool) -> Option<RopePairs> {
     let bound = if kv_sliced { MAX_SLICED_QUERY_ROUTES } else { MAX_QUERY_ROUTES };
     let mut pairs: Option<RopePairs> = None;
